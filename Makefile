@@ -1,0 +1,33 @@
+# baton: `make demo` runs the tiny pipeline end to end, `make test` runs the tests. Both install what they need first.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BATON_HOME ?= $(CURDIR)/.baton
+export BATON_HOME
+export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
+export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
+export DO_NOT_TRACK ?= true
+export MLFLOW_DISABLE_TELEMETRY ?= true
+PYTEST_ARGS ?=
+
+.PHONY: setup runtimes demo test clean
+
+# The main venv: an overlay over the cached runtime built from infra/runtimes/main.txt (see infra/runtimes/build.py).
+setup: $(VENV)/.baton-overlay
+
+$(VENV)/.baton-overlay: infra/runtimes/main.txt infra/runtimes/build.py
+	$(PYTHON) infra/runtimes/build.py main --overlay $(VENV) >/dev/null
+
+# Engine runtimes whose pins conflict with the main venv (serving). Built once per requirements digest.
+runtimes: setup
+	@for rt in $$(ls infra/runtimes/*.txt | xargs -n1 basename | sed 's/\.txt$$//' | grep -v '^main$$'); do \
+		$(PYTHON) infra/runtimes/build.py $$rt >/dev/null || exit 1; done
+
+demo: setup runtimes
+	$(VENV)/bin/baton run configs/tiny.yaml
+
+test: setup runtimes
+	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .baton

@@ -1,0 +1,169 @@
+"""Hugging Face safetensors checkpoints: the hand-off format between stages and the one servers load."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from . import manifest as mf
+
+KNOWN_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                       "GPT2LMHeadModel", "GPTNeoXForCausalLM"}
+SAFETENSORS_METADATA = {"format": "pt"}
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def llama_config(arch: dict, vocab_size: int | None = None, **special_tokens):
+    """transformers.LlamaConfig for baton's architecture dict (the pipeline's `model:` section)."""
+    from transformers import LlamaConfig
+
+    heads = arch["num_attention_heads"]
+    return LlamaConfig(
+        vocab_size=vocab_size or arch["vocab_size"],
+        hidden_size=arch["hidden_size"],
+        intermediate_size=arch["ffn_hidden_size"],
+        num_hidden_layers=arch["num_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=arch.get("num_query_groups") or heads,
+        head_dim=arch["hidden_size"] // heads,
+        max_position_embeddings=arch["seq_length"],
+        rms_norm_eps=arch.get("norm_eps", 1e-5),
+        rope_theta=arch.get("rope_theta", 10000.0),
+        tie_word_embeddings=arch.get("tie_word_embeddings", False),
+        initializer_range=arch.get("init_std", 0.02),
+        attention_bias=False,
+        mlp_bias=False,
+        hidden_act="silu",
+        architectures=["LlamaForCausalLM"],
+        torch_dtype="float32",
+        **special_tokens,
+    )
+
+
+def safetensors_files(root: Path) -> list[Path]:
+    return sorted(Path(root).glob("*.safetensors"))
+
+
+def read_header(path: Path) -> dict:
+    """The safetensors JSON header (tensor names, dtypes, shapes, offsets; `__metadata__`) without reading tensors."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(n))
+
+
+def tensor_shapes(root: Path) -> dict[str, tuple[str, list[int]]]:
+    out = {}
+    for f in safetensors_files(root):
+        for name, info in read_header(f).items():
+            if name != "__metadata__":
+                out[name] = (info["dtype"], info["shape"])
+    return out
+
+
+def parameter_count(root: Path) -> int:
+    total = 0
+    for _, shape in tensor_shapes(root).values():
+        n = 1
+        for d in shape:
+            n *= d
+        total += n
+    return total
+
+
+def dominant_dtype(root: Path) -> str | None:
+    counts: dict[str, int] = {}
+    for dtype, _ in tensor_shapes(root).values():
+        counts[dtype] = counts.get(dtype, 0) + 1
+    names = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+    return names.get(max(counts, key=counts.get)) if counts else None
+
+
+def iter_tensors(root: Path) -> Iterator[tuple[str, "object"]]:
+    """(name, tensor) one at a time, memory mapped, across all shards."""
+    from safetensors import safe_open
+
+    for f in safetensors_files(root):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                yield name, st.get_tensor(name)
+
+
+def load_state_dict(root: Path) -> dict:
+    return dict(iter_tensors(root))
+
+
+class ShardedWriter:
+    """Write tensors one by one into safetensors shards of at most max_shard_bytes, plus the index JSON.
+
+    Only the current shard is held in memory, so a converter that feeds it tensor by tensor peaks near one shard.
+    """
+
+    def __init__(self, root: Path, max_shard_bytes: int = 2 << 30):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.max = max_shard_bytes
+        self.current: dict = {}
+        self.current_bytes = 0
+        self.shards: list[dict] = []
+
+    def add(self, name: str, tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.current and self.current_bytes + nbytes > self.max:
+            self._flush()
+        self.current[name] = tensor.contiguous()
+        self.current_bytes += nbytes
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        tmp = self.root / f".shard-{len(self.shards):05d}.tmp"
+        save_file(self.current, str(tmp), metadata=SAFETENSORS_METADATA)
+        self.shards.append({"tmp": tmp, "names": list(self.current)})
+        self.current, self.current_bytes = {}, 0
+
+    def close(self) -> list[Path]:
+        if self.current or not self.shards:
+            self._flush()
+        n = len(self.shards)
+        files, weight_map = [], {}
+        for i, shard in enumerate(self.shards):
+            name = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(shard["tmp"], self.root / name)
+            files.append(self.root / name)
+            weight_map.update({t: name for t in shard["names"]})
+        if n > 1:
+            total = sum(f.stat().st_size for f in files)
+            (self.root / INDEX_NAME).write_text(json.dumps(
+                {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+        return files
+
+
+def save_state_dict(root: Path, tensors: Iterable[tuple[str, "object"]] | dict, max_shard_bytes: int = 2 << 30):
+    w = ShardedWriter(root, max_shard_bytes)
+    for name, t in (tensors.items() if isinstance(tensors, dict) else tensors):
+        w.add(name, t)
+    return w.close()
+
+
+def copy_tokenizer(src: Path, dst: Path) -> list[str]:
+    """Copy the tokenizer files, chat template included; returns what was copied."""
+    copied = []
+    Path(dst).mkdir(parents=True, exist_ok=True)
+    for name in mf.TOKENIZER_FILES:
+        if (Path(src) / name).exists():
+            shutil.copy2(Path(src) / name, Path(dst) / name)
+            copied.append(name)
+    return copied
+
+
+def write_config_and_generation(root: Path, config) -> None:
+    """config.json (naming the architecture: servers refuse configs without it) and generation_config.json."""
+    from transformers import GenerationConfig
+
+    if not getattr(config, "architectures", None):
+        config.architectures = ["LlamaForCausalLM"]
+    config.save_pretrained(str(root))
+    GenerationConfig.from_model_config(config).save_pretrained(str(root))

@@ -1,0 +1,65 @@
+"""Fixed probe inputs and logits, shared by every parity check (L2) so that two stages compare like with like."""
+from __future__ import annotations
+
+from pathlib import Path
+
+PROBE_FILE = "probe_logits.safetensors"
+
+# Tolerances for logits parity, by the dtype the weights are kept in.
+THRESHOLDS = {
+    "float32": {"max_abs_diff": 1e-4, "top1_agreement": 1.0},
+    "bfloat16": {"max_abs_diff": 0.25, "top1_agreement": 0.98},
+    "float16": {"max_abs_diff": 0.05, "top1_agreement": 0.99},
+}
+
+
+def probe_input_ids(vocab_size: int, batch: int = 2, seq: int = 16, seed: int = 1234):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (batch, seq), generator=g)
+
+
+def hf_logits(model_dir: Path, input_ids, dtype: str = "float32"):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=input_ids).logits.float()
+
+
+def save_reference(path: Path, input_ids, logits, source: str) -> Path:
+    """Logits of the engine's in-memory model on the probe inputs, written beside its checkpoint."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    if path.is_dir():
+        path = path / PROBE_FILE
+    save_file({"input_ids": input_ids.contiguous(), "logits": logits.float().contiguous()}, str(path),
+              metadata={"format": "pt", "source": source})
+    return path
+
+
+def load_reference(path: Path):
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if path.is_dir():
+        path = path / PROBE_FILE
+    t = load_file(str(path))
+    return t["input_ids"], t["logits"]
+
+
+def compare_logits(a, b, dtype: str = "float32") -> dict:
+    """max abs diff and top-1 agreement of two logits tensors, with the pass/fail verdict for dtype."""
+    if a.shape != b.shape:
+        return {"passed": False, "detail": f"logits shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}"}
+    diff = (a.float() - b.float()).abs().max().item()
+    top1 = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+    lim = THRESHOLDS.get(dtype, THRESHOLDS["float32"])
+    passed = diff <= lim["max_abs_diff"] and top1 >= lim["top1_agreement"]
+    return {"passed": passed, "max_abs_diff": diff, "top1_agreement": top1,
+            "detail": f"max |Δlogit| {diff:.3g} (≤ {lim['max_abs_diff']:g}), top-1 agreement {top1:.3f} "
+                      f"(≥ {lim['top1_agreement']:g}) [{dtype}]"}

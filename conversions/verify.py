@@ -1,0 +1,244 @@
+"""Verification ladder for checkpoints.
+
+L0 integrity (manifest hashes and file set), L1 exact save/load round trip, L2 logits parity on probe inputs,
+L3 deterministic greedy generation, and the serving preflight (what servers need and silently get wrong).
+Each check is {"name", "passed", "detail"}; a report is {"passed", "checks"}.
+"""
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+from . import hf, manifest as mf, probe
+
+
+def check(name: str, passed: bool, detail: str = "") -> dict:
+    return {"name": name, "passed": bool(passed), "detail": detail}
+
+
+def report(checks: list[dict]) -> dict:
+    return {"passed": all(c["passed"] for c in checks) and bool(checks), "checks": checks}
+
+
+# ---- L0 ------------------------------------------------------------------------------------------------------------
+def integrity(root: Path) -> list[dict]:
+    root = Path(root)
+    m = mf.read(root)
+    if m is None:
+        return [check("L0.integrity", True, f"no {mf.MANIFEST_NAME}: integrity NOT checked "
+                                            f"(write one with `baton manifest {root}`)")]
+    expected = {f["path"]: f for f in m["files"]}
+    present = {p.as_posix() for p in mf.list_files(root)}
+    problems = []
+    for path in sorted(set(expected) - present):
+        problems.append(f"{path}: missing")
+    for path in sorted(present - set(expected)):
+        problems.append(f"{path}: not in the manifest")
+    for path in sorted(set(expected) & present):
+        e = expected[path]
+        size = (root / path).stat().st_size
+        if size != e["size"]:
+            problems.append(f"{path}: size {size} != {e['size']}")
+        elif mf.sha256_file(root / path) != e["sha256"]:
+            problems.append(f"{path}: sha256 mismatch (file changed or corrupted)")
+    detail = "; ".join(problems) if problems else f"{len(expected)} files match the manifest ({m['format']})"
+    return [check("L0.integrity", not problems, detail)]
+
+
+# ---- serving preflight ---------------------------------------------------------------------------------------------
+def _embedding_names(config) -> tuple[str | None, str | None]:
+    """Names of the input and output embedding weights, found on the model itself (never hard-coded)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+    in_name = out_name = None
+    for name, module in model.named_modules(remove_duplicate=False):
+        if module is inp and in_name is None:
+            in_name = f"{name}.weight"
+        if out is not None and module is out and out_name is None:
+            out_name = f"{name}.weight"
+    return in_name, out_name
+
+
+def tied_embeddings(root: Path, config=None) -> dict:
+    import torch
+    from transformers import AutoConfig
+
+    config = config or AutoConfig.from_pretrained(str(root))
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    in_name, out_name = _embedding_names(config)
+    shapes = hf.tensor_shapes(root)
+    has_head = out_name in shapes
+    if tied and not has_head:
+        return check("preflight.tied_embeddings", True, f"tie_word_embeddings=true and no separate {out_name}")
+    if not tied and not has_head:
+        return check("preflight.tied_embeddings", False,
+                     f"tie_word_embeddings=false but the weights have no {out_name}: servers would tie it silently")
+    if tied:
+        t = dict(hf.iter_tensors(root))
+        same = in_name in t and t[in_name].shape == t[out_name].shape and torch.equal(t[in_name], t[out_name])
+        if not same:
+            return check("preflight.tied_embeddings", False,
+                         f"tie_word_embeddings=true but {out_name} differs from {in_name}: "
+                         "servers would discard the trained lm_head (gibberish, no error)")
+        return check("preflight.tied_embeddings", True, f"tie_word_embeddings=true and {out_name} equals {in_name}")
+    return check("preflight.tied_embeddings", True, f"untied: {out_name} present")
+
+
+def preflight(root: Path) -> list[dict]:
+    root = Path(root)
+    checks = []
+    cfg_path = root / "config.json"
+    if not cfg_path.exists():
+        return [check("preflight.config", False, f"{cfg_path}: missing (not an HF checkpoint)")]
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        return [check("preflight.config", False, f"{cfg_path}: invalid JSON ({e})")]
+    archs = raw.get("architectures") or []
+    known = [a for a in archs if a in hf.KNOWN_ARCHITECTURES]
+    checks.append(check("preflight.architectures", bool(known),
+                        f"config.json architectures={archs}" + ("" if known else
+                        f"; expected one of {sorted(hf.KNOWN_ARCHITECTURES)}")))
+    files = hf.safetensors_files(root)
+    if not files:
+        checks.append(check("preflight.safetensors", False, f"no *.safetensors in {root}"))
+        return checks
+    bad = [f.name for f in files if (hf.read_header(f).get("__metadata__") or {}).get("format") != "pt"]
+    checks.append(check("preflight.safetensors_metadata", not bad,
+                        f"{', '.join(bad)}: lacks metadata format=pt" if bad else f"{len(files)} file(s) with format=pt"))
+    tok = mf.tokenizer_info(root)
+    has_tok = "tokenizer.json" in tok["files"] or "tokenizer.model" in tok["files"]
+    checks.append(check("preflight.tokenizer", has_tok,
+                        f"tokenizer files: {tok['files']}" if has_tok else f"no tokenizer.json/tokenizer.model in {root}"))
+    checks.append(check("preflight.chat_template", tok["chat_template"],
+                        "chat template present" if tok["chat_template"] else
+                        "no chat template (chat_template.jinja or tokenizer_config.json chat_template): "
+                        "chat requests would fail"))
+    if known:
+        try:
+            checks.append(tied_embeddings(root))
+        except Exception as e:  # a config transformers cannot build is itself a failed check
+            checks.append(check("preflight.tied_embeddings", False, f"could not build the model from config: {e}"))
+    return checks
+
+
+# ---- L1 ------------------------------------------------------------------------------------------------------------
+def roundtrip(root: Path) -> list[dict]:
+    """Load with transformers, save again, and compare every tensor with the files: exact equality."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    root = Path(root)
+    model, info = AutoModelForCausalLM.from_pretrained(str(root), dtype="auto", output_loading_info=True)
+    problems = []
+    for key in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+        if info.get(key):
+            problems.append(f"{key.replace('_', ' ')}: {sorted(map(str, info[key]))[:5]}")
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        saved = dict(hf.iter_tensors(Path(tmp)))
+    original = dict(hf.iter_tensors(root))
+    compared = 0
+    for name, t in original.items():
+        if name not in saved:
+            if model.config.tie_word_embeddings and name.endswith("lm_head.weight"):
+                continue
+            problems.append(f"{name}: not written back")
+            continue
+        if t.dtype != saved[name].dtype or t.shape != saved[name].shape or not torch.equal(t, saved[name]):
+            problems.append(f"{name}: differs after save/load")
+        compared += 1
+    detail = "; ".join(problems[:5]) if problems else f"{compared} tensors identical after load → save → load"
+    return [check("L1.roundtrip", not problems, detail)]
+
+
+# ---- L2 ------------------------------------------------------------------------------------------------------------
+def logits_parity(root: Path, against: Path) -> list[dict]:
+    """Logits of root vs another HF checkpoint, or vs a probe_logits.safetensors reference from an engine."""
+    from transformers import AutoConfig
+
+    root, against = Path(root), Path(against)
+    dtype = hf.dominant_dtype(root) or "float32"
+    ref_file = against if against.suffix == ".safetensors" else against / probe.PROBE_FILE
+    if ref_file.exists() and not (against / "config.json").exists():
+        ids, ref = probe.load_reference(ref_file)
+        label = f"engine reference {ref_file.name}"
+    else:
+        vocab = AutoConfig.from_pretrained(str(root)).vocab_size
+        ids = probe.probe_input_ids(vocab)
+        ref = probe.hf_logits(against, ids, dtype)
+        label = str(against)
+    got = probe.hf_logits(root, ids, dtype)
+    res = probe.compare_logits(got, ref, dtype)
+    return [check("L2.logits_parity", res["passed"], f"vs {label}: {res['detail']}")]
+
+
+# ---- L3 ------------------------------------------------------------------------------------------------------------
+SMOKE_MESSAGES = [{"role": "user", "content": "Classify the word: apple"}]
+
+
+def generation_smoke(root: Path, max_new_tokens: int = 12) -> list[dict]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(root))
+    model = AutoModelForCausalLM.from_pretrained(str(root), dtype="auto").eval()
+    if tok.chat_template:
+        ids = tok.apply_chat_template(SMOKE_MESSAGES, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    else:
+        ids = tok("Classify the word: apple", return_tensors="pt")["input_ids"]
+    outs = []
+    with torch.no_grad():
+        for _ in range(2):
+            out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+            outs.append(out[0, ids.shape[1]:].tolist())
+    text = tok.decode(outs[0], skip_special_tokens=True)
+    eos = tok.eos_token_id
+    content = [t for t in outs[0] if t != eos]
+    if outs[0] != outs[1]:
+        return [check("L3.generation", False, "greedy generation is not deterministic")]
+    if not content:
+        return [check("L3.generation", False, "greedy generation produced no tokens before EOS")]
+    return [check("L3.generation", True, f"{len(outs[0])} tokens, deterministic: {text[:60]!r}")]
+
+
+# ---- everything ----------------------------------------------------------------------------------------------------
+def verify(root: Path, against: Path | None = None, *, levels: tuple[str, ...] = ("L0", "preflight", "L1", "L2", "L3")) -> dict:
+    """Run every applicable check on an HF checkpoint. Later checks are skipped once the files are known bad."""
+    root = Path(root)
+    checks: list[dict] = []
+    if "L0" in levels:
+        try:
+            checks += integrity(root)
+        except mf.ManifestError as e:
+            checks.append(check("L0.integrity", False, str(e)))
+    if checks and not checks[-1]["passed"]:
+        return report(checks)  # corrupted files: loading them would only add confusing errors
+    if "preflight" in levels:
+        checks += preflight(root)
+    if any(c["name"] in ("preflight.config", "preflight.safetensors") and not c["passed"] for c in checks):
+        return report(checks)
+    steps = [("L1", lambda: roundtrip(root)), ("L3", lambda: generation_smoke(root))]
+    if against is not None:
+        steps.insert(1, ("L2", lambda: logits_parity(root, against)))
+    for level, fn in steps:
+        if level in levels:
+            try:
+                checks += fn()
+            except Exception as e:
+                checks.append(check(f"{level}", False, f"{type(e).__name__}: {e}"))
+    return report(checks)
+
+
+def format_report(rep: dict) -> str:
+    lines = []
+    for c in rep["checks"]:
+        lines.append(f"  [{'ok' if c['passed'] else 'FAIL'}] {c['name']}: {c['detail']}")
+    lines.append("PASSED" if rep["passed"] else "FAILED")
+    return "\n".join(lines)

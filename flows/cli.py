@@ -1,0 +1,180 @@
+"""`baton`: run pipelines, verify and describe checkpoints, list runs.
+
+Config errors are reported before Prefect, MLflow or any engine is imported, so they come back in about a second.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def _env_defaults() -> None:
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("DO_NOT_TRACK", "true")
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    home = Path(os.environ.setdefault("BATON_HOME", str(Path(".baton").resolve())))
+    os.environ["BATON_HOME"] = str(home.resolve())
+    stack = home / "stack.env"  # written by `make up`: use the running Prefect and MLflow servers
+    if stack.exists():
+        for line in stack.read_text().splitlines():
+            if "=" in line and not line.startswith("#"):
+                k, v = line.split("=", 1)
+                os.environ.setdefault(k.strip(), v.strip())
+
+
+def cmd_run(args) -> int:
+    from flows.config import ConfigError, load
+
+    try:
+        stages = [s.strip() for s in args.stages.split(",") if s.strip()] if args.stages else None
+        cfg = load(args.config, args.set, stages)
+        from tasks.runtimes import check_available
+        from tasks.registry import STAGES  # noqa: F401  (runtime needs are checked by the stages' validators)
+
+        from flows.pipeline import pipeline, prepare
+
+        prepare(cfg, args.from_ref)  # input checks before any flow run is created
+    except ConfigError as e:
+        print(f"baton: {e}", file=sys.stderr)
+        return 2
+    try:
+        summary = pipeline(cfg, from_ref=args.from_ref, use_cache=not args.no_cache)
+    except Exception as e:
+        print(f"baton: {e}", file=sys.stderr)
+        from flows.runs import list_runs
+
+        latest = list_runs(1)
+        if latest:
+            print(latest[0]["run_dir"])
+        return 1
+    for s in summary["stages"]:
+        print(f"  {s['label']:<28} {s['status']}")
+    print(summary["run_dir"])
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from conversions import verify
+
+    path = Path(args.path)
+    if not path.exists():
+        print(f"baton verify: {path}: no such folder", file=sys.stderr)
+        return 2
+    rep = verify.verify(path, Path(args.against) if args.against else None)
+    if args.json:
+        print(json.dumps(rep, indent=2))
+    else:
+        print(verify.format_report(rep))
+    return 0 if rep["passed"] else 1
+
+
+def cmd_manifest(args) -> int:
+    from conversions import hf, manifest as mf
+
+    path = Path(args.path)
+    if not path.is_dir():
+        print(f"baton manifest: {path}: no such folder", file=sys.stderr)
+        return 2
+    fmt = args.format or ("hf-safetensors" if (path / "config.json").exists() else None)
+    if fmt is None:
+        print("baton manifest: cannot tell the format; pass --format", file=sys.stderr)
+        return 2
+    arch = {}
+    if fmt == "hf-safetensors" and (path / "config.json").exists():
+        arch = {k: v for k, v in json.loads((path / "config.json").read_text()).items()
+                if k in ("architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                         "num_key_value_heads", "intermediate_size", "vocab_size", "tie_word_embeddings",
+                         "max_position_embeddings")}
+    m = mf.build(path, format=fmt, stage=args.stage, architecture=arch,
+                 parameter_count=hf.parameter_count(path) if fmt == "hf-safetensors" else None,
+                 dtype=hf.dominant_dtype(path) if fmt == "hf-safetensors" else None,
+                 engine={"name": "external"}, tokenizer_dir=path if fmt == "hf-safetensors" else path / "tokenizer")
+    out = mf.write(path, m)
+    print(f"{out}: {len(m['files'])} files, {m['parameter_count']} parameters, format {fmt}")
+    return 0
+
+
+def cmd_convert(args) -> int:
+    """Convert outside a pipeline, through the same worker and gate as the pipeline's convert step."""
+    import subprocess
+
+    from conversions import manifest as mf, verify
+    from tasks.convert.task import WORKER, gate
+
+    src, dst = Path(args.src).resolve(), Path(args.dst).resolve()
+    if not (src / mf.MANIFEST_NAME).exists() and not args.from_format:
+        print(f"baton convert: {src} has no manifest; pass --from-format", file=sys.stderr)
+        return 2
+    if dst.exists() and any(dst.iterdir()):
+        print(f"baton convert: {dst} exists and is not empty (nothing is overwritten)", file=sys.stderr)
+        return 2
+    cmd = [sys.executable, str(WORKER), str(src), str(dst), "--to", args.to]
+    if args.from_format:
+        cmd += ["--from-format", args.from_format]
+    rc = subprocess.call(cmd, env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent)))
+    if rc != 0:
+        return rc
+    rep = gate(dst, src, args.to)
+    print(verify.format_report(rep))
+    return 0 if rep["passed"] else 1
+
+
+def cmd_runs(args) -> int:
+    from flows.runs import list_runs
+
+    rows = list_runs(args.limit)
+    if not rows:
+        print("no runs yet")
+        return 0
+    for r in rows:
+        stages = " ".join(f"{s['label']}:{s['status']}" for s in r.get("stages", []))
+        print(f"{r['run_id']}  {r.get('status', '?'):<9}  {stages}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="baton", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run a pipeline config")
+    r.add_argument("config")
+    r.add_argument("--stages", help="comma-separated ordered subset, e.g. data,pretrain,convert")
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    r.add_argument("--from", dest="from_ref", help="input checkpoint folder or registered model name@alias")
+    r.add_argument("--no-cache", action="store_true", help="re-run stages even when inputs and config are unchanged")
+    r.set_defaults(fn=cmd_run)
+    v = sub.add_parser("verify", help="verify a checkpoint (integrity, preflight, round trip, generation)")
+    v.add_argument("path")
+    v.add_argument("--against", help="another HF checkpoint or a probe_logits.safetensors for logits parity")
+    v.add_argument("--json", action="store_true")
+    v.set_defaults(fn=cmd_verify)
+    m = sub.add_parser("manifest", help="write the manifest for an existing checkpoint")
+    m.add_argument("path")
+    m.add_argument("--format")
+    m.add_argument("--stage", default=None)
+    m.set_defaults(fn=cmd_manifest)
+    cv = sub.add_parser("convert", help="convert a checkpoint (e.g. megatron-dist → hf-safetensors)")
+    cv.add_argument("src")
+    cv.add_argument("dst")
+    cv.add_argument("--to", default="hf-safetensors")
+    cv.add_argument("--from-format")
+    cv.set_defaults(fn=cmd_convert)
+    ls = sub.add_parser("runs", help="list recent runs")
+    ls.add_argument("--limit", type=int, default=20)
+    ls.set_defaults(fn=cmd_runs)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    _env_defaults()
+    args = build_parser().parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""The run config: one YAML file, validated into PipelineConfig before anything launches.
+
+Unknown keys and wrong values fail with one message naming the key; `--set a.b=c` overrides are validated the same way.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+
+from tasks.convert.config import ConvertConfig
+from tasks.data.config import DataConfig
+from tasks.finetune.config import FinetuneConfig
+from tasks.pretrain.config import PretrainConfig
+from tasks.registry import DEFAULT_CHAIN, STAGES
+from tasks.rlhf.config import RlhfConfig
+from tasks.serve.config import ServeConfig
+from tasks.stage import StrictModel
+
+
+class ConfigError(ValueError):
+    """A config problem, reported before anything launches."""
+
+
+class ModelConfig(StrictModel):
+    """Llama-style decoder architecture, shared by every engine."""
+
+    arch: Literal["llama"] = "llama"
+    num_layers: int = Field(4, ge=1)
+    hidden_size: int = Field(128, ge=8)
+    num_attention_heads: int = Field(4, ge=1)
+    num_query_groups: int = Field(2, ge=1)
+    ffn_hidden_size: int = Field(344, ge=1)
+    seq_length: int = Field(128, ge=8)
+    vocab_size: int = Field(512, ge=300, description="tokenizer vocabulary size the data stage trains")
+    tie_word_embeddings: bool = False
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    @model_validator(mode="after")
+    def _shapes(self):
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
+                             f"{self.num_attention_heads}")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not divisible by num_query_groups "
+                             f"{self.num_query_groups}")
+        return self
+
+
+class TrackingConfig(StrictModel):
+    experiment: str = "baton"
+    registered_model: str = "baton-tiny"
+    upload_weights: bool = Field(False, description="also upload checkpoint weights as MLflow artifacts")
+
+
+class RuntimeConfig(StrictModel):
+    kind: Literal["venv", "container", "slurm", "kubernetes", "ray"] = "venv"
+    python: str | None = None        # venv: use this interpreter instead of the cached runtime
+    image: str | None = None         # container / kubernetes
+    nodes: int = Field(1, ge=1)      # slurm / ray
+
+
+StageName = Literal["data", "pretrain", "rlhf", "finetune", "serve", "convert"]
+
+
+class PipelineConfig(StrictModel):
+    name: str = "tiny"
+    seed: int = 0
+    stages: list[StageName] = Field(default_factory=lambda: list(DEFAULT_CHAIN))
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    pretrain: PretrainConfig = PretrainConfig()
+    rlhf: RlhfConfig = RlhfConfig()
+    finetune: FinetuneConfig = FinetuneConfig()
+    convert: ConvertConfig = ConvertConfig()
+    serve: ServeConfig = ServeConfig()
+    tracking: TrackingConfig = TrackingConfig()
+    runtimes: dict[str, RuntimeConfig] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _stage_order(self):
+        order = DEFAULT_CHAIN
+        named = [s for s in self.stages if s != "convert"]
+        if len(set(named)) != len(named):
+            raise ValueError(f"stages {self.stages}: a stage is listed twice")
+        idx = [order.index(s) for s in named]
+        if idx != sorted(idx):
+            raise ValueError(f"stages {self.stages}: must follow the order {order}")
+        return self
+
+    def stage_config(self, name: str):
+        return getattr(self, name)
+
+    def validate_stages(self) -> list[str]:
+        """Cross-field checks each stage declares (e.g. heads divisible by TP), run before anything launches."""
+        errors = []
+        for name in self.stages:
+            errors += STAGES[name].validate(self.stage_config(name), self)
+        return errors
+
+
+def _format_error(e: ValidationError, prefix: str = "") -> str:
+    lines = []
+    for err in e.errors():
+        key = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif "input" in err and not isinstance(err["input"], (dict, list)):
+            msg += f" (got {err['input']!r})"
+        lines.append(f"{prefix}{key}: {msg}")
+    return "\n".join(lines)
+
+
+def _parse_value(text: str):
+    return yaml.safe_load(text) if text != "" else ""
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected key=value (e.g. pretrain.steps=20)")
+        key, value = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = raw
+        for p in parts[:-1]:
+            if not isinstance(node.setdefault(p, {}), dict):
+                raise ConfigError(f"--set {key}: {p} is not a section")
+            node = node[p]
+        node[parts[-1]] = _parse_value(value)
+    return raw
+
+
+def load(path: str | Path | None, overrides: list[str] | None = None, stages: list[str] | None = None) -> PipelineConfig:
+    raw: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.exists():
+            raise ConfigError(f"{p}: no such config file")
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: invalid YAML: {e}") from e
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{p}: expected a mapping at the top level")
+    raw = apply_overrides(raw, overrides or [])
+    if stages is not None:
+        raw["stages"] = stages
+    try:
+        cfg = PipelineConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(f"invalid config {path or ''}:\n" + _format_error(e, "  ")) from None
+    errors = cfg.validate_stages()
+    if errors:
+        raise ConfigError(f"invalid config {path or ''}:\n" + "\n".join(f"  {e}" for e in errors))
+    return cfg

@@ -1,0 +1,117 @@
+"""The composite flow: the configured stages in order, each a subflow, with conversions where formats differ."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_link_artifact, create_markdown_artifact
+from prefect.runtime import flow_run as prefect_flow_run
+
+from conversions import manifest as mf
+from flows import plan as planning, report, runs
+from flows.config import ConfigError, PipelineConfig
+from flows.stages import STAGE_FLOWS, RunInfo, StageFailed, entry_holder
+from tasks import tracking
+
+
+def resolve_input(cfg: PipelineConfig, from_ref: str | None) -> tuple[Path | None, str | None, str | None]:
+    """(checkpoint folder, its format, its fingerprint) for the first stage, or (None, None, None)."""
+    if from_ref:
+        if Path(from_ref).exists():
+            path = Path(from_ref).resolve()
+        elif "@" in from_ref or "/" in from_ref:
+            path, _, _ = tracking.resolve_model_ref(from_ref)
+        else:
+            raise ConfigError(f"--from {from_ref}: neither a folder nor a registered model (name@alias)")
+        m = mf.read(path)
+        if m is None:
+            raise ConfigError(f"--from {path}: no {mf.MANIFEST_NAME}; write one first with `baton manifest {path}`")
+        return path, m["format"], mf.digest_of(m)
+    prev = planning.predecessor(cfg)
+    if prev is None:
+        return None, None, None
+    rec = runs.Index().get(prev.fingerprint)
+    if rec and rec.get("status") == "completed" and rec.get("output") and Path(rec["output"]).exists():
+        return Path(rec["output"]), prev.produces, prev.fingerprint
+    first = next(s for s in cfg.stages if s != "data")
+    raise ConfigError(f"stage '{first}' needs an input checkpoint: pass --from PATH or name@alias, or run the "
+                      f"earlier stages first (no completed '{prev.label}' with this config in {tracking.baton_home()})")
+
+
+def prepare(cfg: PipelineConfig, from_ref: str | None):
+    input_path, input_format, input_fp = resolve_input(cfg, from_ref)
+    steps = planning.plan(cfg, input_format, input_fp)
+    first_real = next((s for s in steps if s.name != "data"), None)
+    if first_real is not None and input_path is None and first_real.consumes is not None:
+        from tasks.registry import STAGES
+
+        if STAGES[first_real.name].input_required:
+            raise ConfigError(f"stage '{first_real.label}' needs an input checkpoint ({first_real.consumes}): "
+                              "pass --from PATH or name@alias")
+    return input_path, input_format, steps
+
+
+@flow(name="baton-pipeline", log_prints=True)
+def pipeline(config: PipelineConfig, from_ref: str | None = None, use_cache: bool = True,
+             run_id: str | None = None) -> dict:
+    """Run the configured stages (data → pretrain → rlhf → finetune → serve by default) and gate every hand-off."""
+    logger = get_run_logger()
+    cfg = config
+    input_path, input_format, steps = prepare(cfg, from_ref)
+    run_id = run_id or runs.new_run_id()
+    run_dir = runs.runs_root() / run_id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    (run_dir / "plan.json").write_text(__import__("json").dumps([s.to_dict() for s in steps], indent=2))
+    flow_run_id = prefect_flow_run.get_id()
+    c = tracking.client()
+    parent = tracking.start_run(c, cfg.tracking.experiment, f"{cfg.name}-{run_id}",
+                                tags={tracking.PREFECT_TAG: flow_run_id or "", "baton.run_id": run_id,
+                                      "baton.config": cfg.name, "baton.stages": ",".join(s.label for s in steps)})
+    tracking.log_params(c, parent, cfg.model_dump(mode="json"))
+    c.log_artifact(parent, str(run_dir / "config.yaml"))
+    try:
+        create_link_artifact(link=f"{tracking.tracking_uri()}#/experiments/-/runs/{parent}", link_text=f"MLflow run {parent}",
+                             key="mlflow-run", description="this pipeline's MLflow parent run")
+    except Exception:
+        pass
+    summary = {"run_id": run_id, "mlflow_run_id": parent, "prefect_flow_run_id": flow_run_id, "run_dir": str(run_dir),
+               "config": cfg.name, "status": "running", "stages": []}
+    logger.info("baton run %s: %s", run_id, " → ".join(s.label for s in steps))
+    run = RunInfo(run_id, run_dir, parent, flow_run_id)
+    current, current_fmt = (str(input_path) if input_path else None), input_format
+    data_dir = None
+    failed = None
+    for i, step in enumerate(steps):
+        if failed:
+            summary["stages"].append({"name": step.name, "label": step.label, "status": "skipped",
+                                      "fingerprint": step.fingerprint})
+            continue
+        try:
+            entry = STAGE_FLOWS[step.name](step, cfg, run, i, current, current_fmt, data_dir, use_cache)
+        except StageFailed as e:
+            failed = str(e)
+            entry = entry_holder.pop(step.label, {"name": step.name, "label": step.label, "status": "failed",
+                                                  "error": failed})
+            entry["status"] = "failed"
+        summary["stages"].append(entry)
+        runs.write_summary(run_dir, summary)
+        if entry["status"] in ("completed", "cached"):
+            if step.name == "data":
+                data_dir = entry.get("output")
+            elif entry.get("output") and step.produces is not None:
+                current, current_fmt = entry["output"], step.produces
+    summary["status"] = "failed" if failed else "completed"
+    runs.write_summary(run_dir, summary)
+    c.log_artifact(parent, str(run_dir / "summary.json"))
+    c.set_terminated(parent, "FAILED" if failed else "FINISHED")
+    md = report.markdown(summary)
+    (run_dir / "summary.md").write_text(md)
+    try:
+        create_markdown_artifact(markdown=md, key="baton-run-summary", description=f"baton run {run_id}")
+    except Exception as e:
+        logger.warning("could not create the summary artifact: %s", e)
+    if failed:
+        raise RuntimeError(f"baton run {run_id} failed: {failed}\nrun dir: {run_dir}")
+    return summary

@@ -1,0 +1,60 @@
+"""The run summary a person reads: a markdown table of every stage with its gate and metrics, plus loss plots."""
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+
+
+def loss_plot(history: dict, path: Path, title: str) -> Path | None:
+    series = {k: v for k, v in history.items() if k in ("loss", "eval_loss", "heldout_loss") and len(v) > 1}
+    if not series:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3), dpi=100)
+    for name, pts in series.items():
+        ax.plot([s for s, _ in pts], [v for _, v in pts], label=name)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def markdown(summary: dict) -> str:
+    lines = [f"# baton run `{summary['run_id']}`", "",
+             f"Status: **{summary['status']}** · MLflow run `{summary.get('mlflow_run_id')}` · run dir `{summary.get('run_dir')}`", "",
+             "| stage | status | engine | gate | key metrics | eval | output |",
+             "|---|---|---|---|---|---|---|"]
+    for s in summary["stages"]:
+        gate = s.get("gate") or {}
+        checks = gate.get("checks", [])
+        g = "—" if not checks else (f"passed ({len(checks)} checks)" if gate.get("passed") else
+                                    "FAILED: " + ", ".join(c["name"] for c in checks if not c["passed"]))
+        metrics = ", ".join(f"{k}={_fmt(v)}" for k, v in list((s.get("metrics") or {}).items())[:4])
+        ev = s.get("eval") or {}
+        ev_s = f"{ev.get('metric')}: {_fmt(ev.get('before'))} → {_fmt(ev.get('after'))}" if ev else ""
+        lines.append(f"| {s['label']} | {s['status']} | {s.get('engine', '')} {s.get('backend', '')} | {g} | "
+                     f"{metrics} | {ev_s} | `{s.get('output') or ''}` |")
+    errors = [s for s in summary["stages"] if s.get("error")]
+    if errors:
+        lines += ["", "## Errors"] + [f"- **{s['label']}**: {s['error']}" for s in errors]
+    plots = [s for s in summary["stages"] if s.get("loss_plot") and Path(s["loss_plot"]).exists()]
+    if plots:
+        lines += ["", "## Loss"]
+        for s in plots:
+            data = base64.b64encode(Path(s["loss_plot"]).read_bytes()).decode()
+            lines.append(f"![{s['label']} loss](data:image/png;base64,{data})")
+    return "\n".join(lines) + "\n"

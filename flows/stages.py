@@ -1,0 +1,186 @@
+"""One Prefect flow per stage. Each runs its stage's task inside an MLflow child run, applies the gate, and registers
+the checkpoint (alias `candidate`) only when the gate passed. A failed gate fails the stage: nothing is promoted."""
+from __future__ import annotations
+
+import json
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+from prefect.runtime import flow_run as prefect_flow_run
+
+from conversions import manifest as mf, verify
+from flows.config import PipelineConfig
+from flows.plan import HF, Step
+from flows.runs import Index
+from flows import report
+from tasks import streaming, tracking
+from tasks.launch import LaunchError
+from tasks.registry import STAGES
+from tasks.stage import StageContext, StageOutput
+
+
+class StageFailed(RuntimeError):
+    pass
+
+
+@dataclass
+class RunInfo:
+    run_id: str
+    run_dir: Path
+    mlflow_parent: str | None
+    prefect_flow_run_id: str | None
+
+
+def _cached(index: Index, step: Step) -> dict | None:
+    rec = index.get(step.fingerprint)
+    if not rec or rec.get("status") != "completed":
+        return None
+    out = rec.get("output")
+    if out:
+        if not Path(out).exists():
+            return None
+        if not all(c["passed"] for c in verify.integrity(Path(out))):  # changed on disk since: run again
+            return None
+    return rec
+
+
+def _work_dir(index: Index, step: Step, run: RunInfo, position: int) -> Path:
+    """A new folder in this run, or the folder of an interrupted earlier attempt (so the engine resumes)."""
+    link = run.run_dir / f"{position:02d}-{step.label}"
+    rec = index.get(step.fingerprint)
+    if rec and rec.get("status") in ("running", "failed") and rec.get("work_dir") and Path(rec["work_dir"]).exists():
+        old = Path(rec["work_dir"])
+        if old != link:
+            if link.is_symlink() or link.exists():
+                link.unlink()
+            link.symlink_to(old, target_is_directory=True)
+        return old
+    link.mkdir(parents=True, exist_ok=True)
+    return link
+
+
+def _metric_summary(out: StageOutput, history: dict) -> dict:
+    metrics = dict(out.metrics)
+    loss = history.get("loss")
+    if loss:
+        metrics.setdefault("loss_first", loss[0][1])
+        metrics.setdefault("loss_last", loss[-1][1])
+    return {k: v for k, v in metrics.items() if v is not None}
+
+
+def _register(c, cfg: PipelineConfig, step: Step, out: Path, run_id: str, mlflow_run: str) -> dict | None:
+    m = mf.read(out)
+    if m is None:
+        return None
+    fmt = m["format"]
+    if fmt == "dataset":
+        return None
+    name = cfg.tracking.registered_model if fmt == HF else f"{cfg.tracking.registered_model}-{fmt}"
+    version = tracking.register_checkpoint(
+        c, name, out, mlflow_run,
+        tags={"stage": step.label, "format": fmt, "baton.run_id": run_id, "manifest_digest": mf.digest_of(m),
+              "data_digest": json.dumps(m.get("extra", {}).get("data_digest", ""))},
+        alias="candidate", upload_weights=cfg.tracking.upload_weights)
+    return {"name": name, "version": version, "alias": "candidate"}
+
+
+def execute_step(step: Step, cfg: PipelineConfig, run: RunInfo, position: int, input_path: str | None,
+                 input_format: str | None, data_dir: str | None, use_cache: bool = True) -> dict:
+    logger = get_run_logger()
+    index = Index()
+    entry: dict = {"name": step.name, "label": step.label, "status": "running", "fingerprint": step.fingerprint,
+                   "implicit": step.implicit, "prefect_flow_run_id": prefect_flow_run.get_id()}
+    if step.name == "convert":
+        entry.update(step.extra)
+    if use_cache and (rec := _cached(index, step)) is not None:
+        logger.info("=== %s: unchanged inputs and config; reusing %s ===", step.label, rec.get("output"))
+        cached = dict(rec["entry"])
+        cached.update(status="cached", prefect_flow_run_id=entry["prefect_flow_run_id"], cached_from=rec.get("run_id"))
+        return cached
+    logger.info("=== stage %s (%s) ===", step.label, STAGES[step.name].description)
+    c = tracking.client()
+    mlflow_run = tracking.start_run(
+        c, cfg.tracking.experiment, step.label,
+        tags={"baton.stage": step.name, "baton.run_id": run.run_id, "baton.fingerprint": step.fingerprint,
+              tracking.PREFECT_TAG: entry["prefect_flow_run_id"] or "", "prefect.pipeline_flow_run_id": run.prefect_flow_run_id or ""},
+        parent_run_id=run.mlflow_parent)
+    entry["mlflow_run_id"] = mlflow_run
+    stage_cfg = cfg.stage_config(step.name)
+    tracking.log_params(c, mlflow_run, {"stage": stage_cfg.model_dump(), "model": cfg.model.model_dump(), **(
+        {"convert": step.extra} if step.name == "convert" else {})})
+    monitor = tracking.system_metrics(mlflow_run)
+    work = _work_dir(index, step, run, position)
+    index.put(step.fingerprint, status="running", work_dir=str(work), run_id=run.run_id, output=None, entry=entry)
+    ctx = StageContext(
+        stage=step.name, run_id=run.run_id, run_dir=run.run_dir, work_dir=work, model=cfg.model.model_dump(),
+        seed=cfg.seed, data_dir=Path(data_dir) if data_dir else None, input=Path(input_path) if input_path else None,
+        input_format=input_format, runtimes={k: v.model_dump() for k, v in cfg.runtimes.items()},
+        mlflow_run_id=mlflow_run, tracking=cfg.tracking.model_dump(), extra=dict(step.extra))
+    t0 = time.time()
+    ok = False
+    try:
+        out: StageOutput = STAGES[step.name].load_task()(ctx, stage_cfg)
+        sink = streaming.pop_sink(mlflow_run)
+        history = {**(sink.history if sink else {}), **out.history}
+        entry.update(engine=out.engine, backend=out.backend, output=str(out.output) if out.output else None,
+                     manifest=str(Path(out.output) / mf.MANIFEST_NAME) if out.output else None,
+                     gate=out.gate, metrics=_metric_summary(out, history), eval=out.eval, **out.extra)
+        tracking.log_json(c, mlflow_run, out.gate, "gate.json")
+        if out.output and (Path(out.output) / mf.MANIFEST_NAME).exists():
+            tracking.log_file(c, mlflow_run, Path(out.output) / mf.MANIFEST_NAME)
+        plot = report.loss_plot(history, work / "loss.png", step.label)
+        if plot:
+            tracking.log_file(c, mlflow_run, plot)
+            entry["loss_plot"] = str(plot)
+        summary_metrics = {k: v for k, v in entry["metrics"].items() if isinstance(v, (int, float))}
+        if out.eval:
+            for k in ("before", "after"):
+                if isinstance(out.eval.get(k), (int, float)):
+                    summary_metrics[f"eval_{out.eval['metric']}_{k}"] = out.eval[k]
+        c.log_batch(mlflow_run, metrics=[__import__("mlflow").entities.Metric(f"summary.{k}", float(v), int(time.time() * 1000), 0)
+                                         for k, v in summary_metrics.items()])
+        for chk in out.gate.get("checks", []):
+            logger.info("gate %s [%s] %s", chk["name"], "ok" if chk["passed"] else "FAIL", chk["detail"])
+        if not out.gate.get("passed"):
+            entry["status"] = "failed"
+            failed = [chk["name"] for chk in out.gate.get("checks", []) if not chk["passed"]]
+            entry["error"] = f"gate failed: {', '.join(failed)}"
+            raise StageFailed(f"{step.label}: {entry['error']} (checkpoint not promoted)")
+        if out.output:
+            entry["registered"] = _register(c, cfg, step, Path(out.output), run.run_id, mlflow_run)
+        entry["status"] = "completed"
+        ok = True
+    except StageFailed:
+        raise
+    except LaunchError as e:
+        entry.update(status="failed", error=str(e).splitlines()[0], log_tail=e.tail[-20:])
+        raise StageFailed(f"{step.label}: {e}") from None
+    except Exception as e:
+        entry.update(status="failed", error=f"{type(e).__name__}: {e}")
+        logger.error("%s failed:\n%s", step.label, traceback.format_exc())
+        raise StageFailed(f"{step.label}: {type(e).__name__}: {e}") from e
+    finally:
+        entry["seconds"] = round(time.time() - t0, 2)
+        if monitor is not None:
+            try:
+                monitor.finish()
+            except Exception:
+                pass
+        tracking.log_json(c, mlflow_run, entry, "stage.json")
+        tracking.end_run(c, mlflow_run, ok)
+        index.put(step.fingerprint, status=entry["status"], work_dir=str(work), run_id=run.run_id,
+                  output=entry.get("output"), entry=entry)
+        entry_holder[step.label] = entry
+    return entry
+
+
+# The failing path raises, so the pipeline reads the entry from here.
+entry_holder: dict[str, dict] = {}
+
+STAGE_FLOWS = {
+    name: flow(name=f"stage-{name}", flow_run_name=f"{name}", log_prints=True, validate_parameters=False)(execute_step)
+    for name in STAGES
+}

@@ -1,0 +1,11 @@
+from tasks.convert.config import ConvertConfig
+from tasks.stage import StageSpec
+
+STAGE = StageSpec(
+    name="convert",
+    config_model=ConvertConfig,
+    task="tasks.convert.task:run_convert",
+    consumes=lambda cfg: None,  # whatever its neighbour left; the pipeline sets from/to formats
+    produces=lambda cfg: cfg.to_format,
+    description="checkpoint format conversion with its own verification gate",
+)

@@ -1,0 +1,43 @@
+"""Convert stage: its own step between two stages whose formats differ, with its own gate."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from conversions import probe, verify
+from tasks.convert.config import ConvertConfig
+from tasks.stage import StageContext, StageOutput
+
+WORKER = Path(__file__).with_name("worker.py")
+
+
+def gate(out: Path, src: Path, to_format: str) -> dict:
+    """L0 + preflight + L1 + L2 (against the engine's probe logits when the source has them) + L3."""
+    if to_format != "hf-safetensors":
+        return verify.report(verify.integrity(out))
+    ref = src / probe.PROBE_FILE
+    return verify.verify(out, against=ref if ref.exists() else None)
+
+
+@task(name="convert", cache_policy=NO_CACHE)
+def run_convert(ctx: StageContext, cfg: ConvertConfig) -> StageOutput:
+    to_format = ctx.extra.get("to_format", cfg.to_format)
+    out = ctx.work_dir / "checkpoint"
+    if out.exists():
+        shutil.rmtree(out)  # a conversion is cheap to redo and must never be half-written
+    tmp = ctx.work_dir / "checkpoint.partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    cmd = [ctx.python("main"), str(WORKER), str(ctx.input), str(tmp), "--to", to_format,
+           "--max-shard-mb", str(cfg.max_shard_size_mb), "--stage", ctx.stage]
+    if ctx.input_format:
+        cmd += ["--from-format", ctx.input_format]
+    res = ctx.launch(cmd, name="convert", timeout=cfg.timeout_s, env={"OMP_NUM_THREADS": "1"})
+    tmp.rename(out)
+    g = gate(out, ctx.input, to_format)
+    r = res.results()
+    return StageOutput(output=out, engine="baton-convert", backend=f"{r.get('from_format')}→{to_format}", gate=g,
+                       metrics={"seconds": r.get("seconds")},
+                       extra={"from_format": r.get("from_format"), "to_format": to_format})

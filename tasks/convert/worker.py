@@ -1,0 +1,46 @@
+"""Convert a checkpoint to another format, write its manifest. Runs in the main runtime: `python worker.py SRC DST FMT`."""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from conversions import events, hf, manifest as mf, registry
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("src", type=Path)
+    ap.add_argument("dst", type=Path)
+    ap.add_argument("--to", default="hf-safetensors")
+    ap.add_argument("--from-format", default=None)
+    ap.add_argument("--max-shard-mb", type=int, default=2048)
+    ap.add_argument("--stage", default="convert")
+    args = ap.parse_args()
+    src_m = mf.read(args.src)
+    src_format = args.from_format or (src_m or {}).get("format")
+    if not src_format:
+        raise SystemExit(f"{args.src}: no manifest, pass --from-format")
+    fn = registry.converter(src_format, args.to)
+    t0 = time.time()
+    args.dst.mkdir(parents=True, exist_ok=True)
+    info = fn(args.src, args.dst, max_shard_bytes=args.max_shard_mb << 20) or {}
+    seconds = time.time() - t0
+    arch = dict((src_m or {}).get("architecture") or {})
+    m = mf.build(
+        args.dst, format=args.to, stage=args.stage, architecture=arch,
+        engine={"name": "baton-convert", "converter": registry.CONVERTERS[(src_format, args.to)],
+                **mf.engine_versions("torch", "safetensors", "transformers")},
+        parameter_count=hf.parameter_count(args.dst) if args.to == "hf-safetensors" else info.get("parameter_count"),
+        dtype=hf.dominant_dtype(args.dst) if args.to == "hf-safetensors" else info.get("dtype"),
+        parent=mf.parent_ref(args.src),
+        extra={"from_format": src_format, "seconds": round(seconds, 3), **info},
+        tokenizer_dir=args.dst if args.to == "hf-safetensors" else args.dst / "tokenizer",
+    )
+    mf.write(args.dst, m)
+    events.emit("result", seconds=seconds, from_format=src_format, to_format=args.to, info=json.loads(json.dumps(info, default=str)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""A deterministic synthetic world, built so that every later stage has a measurable effect.
+
+- pretraining text about words and their categories (held-out perplexity falls as the model learns it);
+- preference pairs: a prompt asking for a member of a category, chosen = a member, rejected = a word of another
+  category (held-out preference accuracy rises under DPO);
+- instruction → JSON: "Classify the word: dog" → {"category": "animal"} (held-out exact match rises under SFT;
+  held-out pairs use (template, word) combinations never seen in training).
+"""
+from __future__ import annotations
+
+import json
+import random
+
+CATEGORIES = {
+    "fruit": ["apple", "pear", "plum", "mango", "lemon", "cherry", "peach", "grape", "melon", "kiwi"],
+    "animal": ["cat", "dog", "horse", "mouse", "tiger", "sheep", "goat", "camel", "wolf", "bear"],
+    "color": ["red", "blue", "green", "yellow", "purple", "black", "white", "pink", "brown", "gray"],
+    "city": ["paris", "tokyo", "lima", "cairo", "oslo", "rome", "delhi", "quito", "sydney", "dublin"],
+}
+NAMES = ["alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi"]
+WORD_CATEGORY = {w: c for c, ws in CATEGORIES.items() for w in ws}
+
+SENTENCES = [
+    "the {w} is a {c} .",
+    "a {w} is one kind of {c} .",
+    "{n} said that the {w} is a {c} .",
+    "every {c} list has the {w} in it .",
+]
+SFT_TEMPLATES = [
+    "Classify the word: {w}",
+    "What kind of thing is {w}?",
+    "Category of {w}?",
+    "Is {w} a fruit, an animal, a color or a city?",
+]
+PREF_TEMPLATES = ["Name a {c}.", "Give me one {c}.", "Which word is a {c}?"]
+
+
+def sft_answer(category: str) -> str:
+    return json.dumps({"category": category})
+
+
+def pretrain_docs(n: int, rng: random.Random) -> list[dict]:
+    words = list(WORD_CATEGORY)
+    docs = []
+    for _ in range(n):
+        parts = []
+        for _ in range(rng.randint(3, 6)):
+            w = rng.choice(words)
+            parts.append(rng.choice(SENTENCES).format(w=w, c=WORD_CATEGORY[w], n=rng.choice(NAMES)))
+        docs.append({"text": " ".join(parts)})
+    return docs
+
+
+def _split_combos(combos: list[tuple], heldout_fraction: float, rng: random.Random) -> tuple[list, list]:
+    combos = combos[:]
+    rng.shuffle(combos)
+    k = max(1, int(len(combos) * heldout_fraction))
+    return combos[k:], combos[:k]
+
+
+def sft_examples(n: int, heldout_fraction: float, label_noise: float, rng: random.Random) -> tuple[list, list]:
+    combos = [(t, w) for t in SFT_TEMPLATES for w in WORD_CATEGORY]
+    train_c, held_c = _split_combos(combos, heldout_fraction, rng)
+    cats = list(CATEGORIES)
+
+    def make(t, w, noisy):
+        c = WORD_CATEGORY[w]
+        if noisy:
+            c = rng.choice([x for x in cats if x != c])
+        return {"instruction": t.format(w=w), "answer": sft_answer(c)}
+
+    train = [make(*rng.choice(train_c), rng.random() < label_noise) for _ in range(n)]
+    heldout = [make(t, w, False) for t, w in held_c]
+    return train, heldout
+
+
+def preference_pairs(n: int, heldout_fraction: float, rng: random.Random) -> tuple[list, list]:
+    combos = [(t, c, w) for t in PREF_TEMPLATES for c, ws in CATEGORIES.items() for w in ws]
+    train_c, held_c = _split_combos(combos, heldout_fraction, rng)
+
+    def make(t, c, w):
+        other = rng.choice([x for x in WORD_CATEGORY if WORD_CATEGORY[x] != c])
+        return {"prompt": t.format(c=c), "chosen": w, "rejected": other}
+
+    train = [make(*rng.choice(train_c)) for _ in range(n)]
+    heldout = [make(*x) for x in held_c]
+    return train, heldout

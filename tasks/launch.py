@@ -1,0 +1,196 @@
+"""Run an engine command in its runtime: stream its lines to the logs, parse its events, own its whole process tree.
+
+The child starts in its own process group (session). On timeout, failure, cancellation (SIGTERM/SIGINT to us) or our
+own death (PR_SET_PDEATHSIG), the whole group is terminated, then killed after a grace period, so no engine
+process outlives the stage.
+"""
+from __future__ import annotations
+
+import collections
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+from conversions import events
+
+log = logging.getLogger("baton.launch")
+_active: set[subprocess.Popen] = set()
+_active_lock = threading.Lock()
+_handlers_installed = False
+
+
+class LaunchError(RuntimeError):
+    def __init__(self, message: str, returncode: int | None, tail: list[str]):
+        self.returncode = returncode
+        self.tail = tail
+        super().__init__(message + ("\n--- last log lines ---\n" + "\n".join(tail) if tail else ""))
+
+
+@dataclass
+class LaunchResult:
+    returncode: int
+    events: list[dict] = field(default_factory=list)
+    tail: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def results(self) -> dict:
+        """Merged fields of every `result` event the worker printed."""
+        out: dict = {}
+        for e in self.events:
+            if e["kind"] == "result":
+                out.update({k: v for k, v in e.items() if k != "kind"})
+        return out
+
+    def metrics(self) -> list[dict]:
+        return [e for e in self.events if e["kind"] == "metric"]
+
+
+def _set_pdeathsig() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def kill_tree(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """SIGTERM the process group, wait up to grace seconds, then SIGKILL whatever is left."""
+    try:
+        pgid = os.getpgid(proc.pid)
+    except ProcessLookupError:
+        return
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.time() + wait
+        while time.time() < deadline:
+            if proc.poll() is not None and not _group_alive(pgid):
+                return
+            time.sleep(0.1)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def _install_signal_handlers() -> None:
+    """On SIGTERM/SIGINT (Prefect cancellation, Ctrl-C), take the engine trees down before we go."""
+    global _handlers_installed
+    if _handlers_installed or threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        previous = signal.getsignal(sig)
+
+        def handler(signum, frame, previous=previous):
+            terminate_all()
+            if callable(previous):
+                previous(signum, frame)
+            else:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+
+        signal.signal(sig, handler)
+    _handlers_installed = True
+
+
+def terminate_all() -> None:
+    with _active_lock:
+        procs = list(_active)
+    for p in procs:
+        kill_tree(p, grace=5.0)
+
+
+def run(
+    cmd: Sequence[str],
+    *,
+    env: dict | None = None,
+    cwd: Path | None = None,
+    timeout: float | None = None,
+    on_line: Callable[[str], None] | None = None,
+    on_event: Callable[[dict], None] | None = None,
+    log_path: Path | None = None,
+    tail_lines: int = 60,
+    name: str = "engine",
+) -> LaunchResult:
+    """Run cmd to completion; raise LaunchError (exit code + last lines) unless it exits 0."""
+    _install_signal_handlers()
+    full_env = dict(os.environ)
+    full_env.update({k: str(v) for k, v in (env or {}).items()})
+    full_env.setdefault("PYTHONUNBUFFERED", "1")
+    tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
+    collected: list[dict] = []
+    t0 = time.time()
+    log.info("launch %s: %s", name, " ".join(map(str, cmd)))
+    proc = subprocess.Popen(
+        [str(c) for c in cmd], env=full_env, cwd=str(cwd) if cwd else None, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, bufsize=1, errors="replace",
+        start_new_session=True, preexec_fn=_set_pdeathsig,
+    )
+    with _active_lock:
+        _active.add(proc)
+    timed_out = threading.Event()
+
+    def watchdog():
+        timed_out.set()
+        log.error("%s exceeded its timeout of %ss; terminating its process tree", name, timeout)
+        kill_tree(proc)
+
+    timer = threading.Timer(timeout, watchdog) if timeout else None
+    if timer:
+        timer.daemon = True
+        timer.start()
+    logf = open(log_path, "a", buffering=1) if log_path else None
+    try:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            line = raw.rstrip("\n")
+            if logf:
+                logf.write(line + "\n")
+            event = events.parse(line)
+            if event is not None:
+                collected.append(event)
+                if on_event:
+                    on_event(event)
+                if event["kind"] != "metric":
+                    continue
+            tail.append(line)
+            if on_line:
+                on_line(line)
+        proc.wait()
+    except BaseException:
+        kill_tree(proc)
+        raise
+    finally:
+        if timer:
+            timer.cancel()
+        if logf:
+            logf.close()
+        if proc.poll() is None:
+            kill_tree(proc)
+        else:  # the leader exited; take down anything it left in its group
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        with _active_lock:
+            _active.discard(proc)
+    result = LaunchResult(proc.returncode, collected, list(tail), time.time() - t0)
+    if timed_out.is_set():
+        raise LaunchError(f"{name} timed out after {timeout}s", proc.returncode, list(tail))
+    if proc.returncode != 0:
+        raise LaunchError(f"{name} failed with exit code {proc.returncode}", proc.returncode, list(tail))
+    return result

@@ -1,0 +1,12 @@
+from tasks.pretrain.config import PretrainConfig
+from tasks.stage import StageSpec
+
+STAGE = StageSpec(
+    name="pretrain",
+    config_model=PretrainConfig,
+    task="tasks.pretrain.task:run_pretrain",
+    consumes=lambda cfg: "megatron-dist",
+    produces=lambda cfg: "megatron-dist",
+    input_required=False,
+    description="Megatron-Core GPT pretraining (TP/PP/DP), distributed checkpoints, resume",
+)

@@ -1,0 +1,9 @@
+"""Every stage baton knows, in the design card's order."""
+from __future__ import annotations
+
+from tasks import convert, data, finetune, pretrain, rlhf, serve
+from tasks.stage import StageSpec
+
+STAGES: dict[str, StageSpec] = {s.name: s for s in (
+    data.STAGE, pretrain.STAGE, rlhf.STAGE, finetune.STAGE, serve.STAGE, convert.STAGE)}
+DEFAULT_CHAIN = ["data", "pretrain", "rlhf", "finetune", "serve"]

@@ -1,0 +1,11 @@
+from tasks.rlhf.config import RlhfConfig
+from tasks.stage import StageSpec
+
+STAGE = StageSpec(
+    name="rlhf",
+    config_model=RlhfConfig,
+    task="tasks.rlhf.task:run_rlhf",
+    consumes=lambda cfg: "hf-safetensors",
+    produces=lambda cfg: "hf-safetensors",
+    description="preference optimisation: NeMo-RL on GPU clusters, TRL on CPU",
+)

@@ -1,0 +1,97 @@
+"""What every stage plugs into: its spec (config model, formats, Prefect task), the context it runs in, its output.
+
+A stage module `tasks/<name>/__init__.py` exposes `STAGE = StageSpec(...)`. Config models are imported eagerly (cheap,
+so bad configs fail in well under a second); the Prefect task is imported only when the stage runs.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from pydantic import BaseModel, ConfigDict
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class StrictModel(BaseModel):
+    """Config models reject unknown keys and re-validate on assignment (so --set overrides are checked too)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    name: str
+    config_model: type[StrictModel]
+    task: str                                   # "module:function", a Prefect task taking (ctx, cfg)
+    consumes: Callable[[Any], str | None]       # checkpoint format the stage reads (None: no checkpoint input)
+    produces: Callable[[Any], str | None]       # checkpoint format it writes (None: no checkpoint)
+    input_required: bool = True                 # False: runs without an input checkpoint (e.g. pretrain from scratch)
+    validate: Callable[[Any, Any], list[str]] = lambda cfg, pipeline: []  # errors found before anything launches
+    description: str = ""
+
+    def load_task(self):
+        mod, fn = self.task.split(":")
+        return getattr(importlib.import_module(mod), fn)
+
+
+@dataclass
+class StageContext:
+    """Everything a stage task needs, as plain data (it crosses Prefect task boundaries)."""
+
+    stage: str
+    run_id: str
+    run_dir: Path
+    work_dir: Path                              # this stage's own folder: outputs and engine checkpoints
+    model: dict                                 # architecture (pipeline `model:` section)
+    seed: int
+    data_dir: Path | None = None                # the data stage's output
+    input: Path | None = None                   # input checkpoint folder
+    input_format: str | None = None
+    runtimes: dict = field(default_factory=dict)
+    mlflow_run_id: str | None = None
+    tracking: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)   # e.g. convert: from/to formats, source stage
+
+    def python(self, runtime: str = "main") -> str:
+        from tasks.runtimes import python_for
+
+        return python_for(runtime, self.runtimes)
+
+    def worker_env(self, **more) -> dict:
+        """Environment for worker processes: this checkout importable (workers import `conversions`), quiet hubs."""
+        env = {
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+            "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
+        }
+        env.update({k: str(v) for k, v in more.items()})
+        return env
+
+    def launch(self, cmd: list[str], *, name: str | None = None, env: dict | None = None, timeout: float | None = None,
+               cwd: Path | None = None):
+        """Run a worker command: logs stream to Prefect and <work_dir>/engine.log, metrics to this stage's MLflow run."""
+        from tasks.streaming import launch_streaming
+
+        return launch_streaming(self, cmd, name=name or self.stage, env=self.worker_env(**(env or {})),
+                                timeout=timeout, cwd=cwd)
+
+
+@dataclass
+class StageOutput:
+    output: Path | None                         # checkpoint folder (with a manifest) or None
+    engine: str
+    backend: str = ""
+    gate: dict = field(default_factory=lambda: {"passed": True, "checks": []})
+    metrics: dict = field(default_factory=dict)  # summary metrics: loss_first, loss_last, ...
+    eval: dict | None = None                     # {"metric", "before", "after"}
+    history: dict = field(default_factory=dict)  # metric name -> [(step, value)] for plots
+    extra: dict = field(default_factory=dict)
+
+
+def python_executable() -> str:
+    return sys.executable
