@@ -34,9 +34,6 @@ def cmd_run(args) -> int:
     try:
         stages = [s.strip() for s in args.stages.split(",") if s.strip()] if args.stages else None
         cfg = load(args.config, args.set, stages)
-        from tasks.runtimes import check_available
-        from tasks.registry import STAGES  # noqa: F401  (runtime needs are checked by the stages' validators)
-
         from flows.pipeline import pipeline, prepare
 
         prepare(cfg, args.from_ref)  # input checks before any flow run is created
@@ -66,7 +63,10 @@ def cmd_verify(args) -> int:
     if not path.exists():
         print(f"baton verify: {path}: no such folder", file=sys.stderr)
         return 2
-    rep = verify.verify(path, Path(args.against) if args.against else None)
+    import contextlib
+
+    with contextlib.redirect_stdout(sys.stderr):  # libraries print banners; stdout carries only the report
+        rep = verify.verify(path, Path(args.against) if args.against else None)
     if args.json:
         print(json.dumps(rep, indent=2))
     else:

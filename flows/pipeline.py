@@ -42,6 +42,11 @@ def resolve_input(cfg: PipelineConfig, from_ref: str | None) -> tuple[Path | Non
 def prepare(cfg: PipelineConfig, from_ref: str | None):
     input_path, input_format, input_fp = resolve_input(cfg, from_ref)
     steps = planning.plan(cfg, input_format, input_fp)
+    from conversions.registry import supported
+
+    for st in steps:
+        if st.name == "convert" and not supported(st.consumes, st.produces):
+            raise ConfigError(f"step {st.label}: no converter from {st.consumes} to {st.produces}")
     first_real = next((s for s in steps if s.name != "data"), None)
     if first_real is not None and input_path is None and first_real.consumes is not None:
         from tasks.registry import STAGES

@@ -11,6 +11,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from conversions.registry import CONVERTERS, supported
 from flows.config import ConfigError, PipelineConfig
 from tasks.registry import DEFAULT_CHAIN, STAGES
 from tasks.stage import REPO_ROOT
@@ -43,10 +44,15 @@ def _convert(src_fmt: str, dst_fmt: str, source_stage: str | None, implicit: boo
                 extra={"from_format": src_fmt, "to_format": dst_fmt, "source_stage": source_stage})
 
 
-def _code_digest(*dirs: str) -> str:
+CORE_CODE = ("conversions/manifest.py", "conversions/hf.py", "conversions/probe.py", "conversions/verify.py",
+             "conversions/events.py", "tasks/launch.py", "tasks/stage.py")
+
+
+def _code_digest(*paths: str) -> str:
     h = hashlib.sha256()
-    for d in dirs:
-        for f in sorted((REPO_ROOT / d).rglob("*.py")):
+    for d in paths:
+        p = REPO_ROOT / d
+        for f in sorted(p.rglob("*.py")) if p.is_dir() else ([p] if p.exists() else []):
             h.update(f.relative_to(REPO_ROOT).as_posix().encode())
             h.update(f.read_bytes())
     return h.hexdigest()
@@ -92,7 +98,7 @@ def build_steps(cfg: PipelineConfig, stages: list[str], input_format: str | None
 
 
 def fingerprint_steps(cfg: PipelineConfig, steps: list[Step], input_fingerprint: str | None) -> None:
-    common = _code_digest("conversions", "tasks/launch.py", "tasks/stage.py")
+    common = _code_digest(*CORE_CODE)
     data_fp = _hash(["data", cfg.data.model_dump(), cfg.model.vocab_size, cfg.seed, _code_digest("tasks/data"), common])
     prev = input_fingerprint
     for st in steps:
@@ -101,8 +107,11 @@ def fingerprint_steps(cfg: PipelineConfig, steps: list[Step], input_fingerprint:
             continue
         scfg = cfg.stage_config(st.name).model_dump()
         st.input_fingerprint = prev
+        code = [f"tasks/{st.name}"]
+        if st.name == "convert" and supported(st.consumes, st.produces):
+            code.append(CONVERTERS[(st.consumes, st.produces)].split(":")[0].replace(".", "/") + ".py")
         st.fingerprint = _hash([st.name, st.extra, scfg, cfg.model.model_dump(), cfg.seed, data_fp, prev,
-                                _code_digest(f"tasks/{st.name}"), common])
+                                _code_digest(*code), common])
         if st.produces is not None:
             prev = st.fingerprint
 

@@ -181,6 +181,6 @@ def execute_step(step: Step, cfg: PipelineConfig, run: RunInfo, position: int, i
 entry_holder: dict[str, dict] = {}
 
 STAGE_FLOWS = {
-    name: flow(name=f"stage-{name}", flow_run_name=f"{name}", log_prints=True, validate_parameters=False)(execute_step)
+    name: flow(name=f"stage-{name}", flow_run_name=f"{name}", validate_parameters=False)(execute_step)
     for name in STAGES
 }

@@ -1,0 +1,91 @@
+"""Shared fixtures: an isolated BATON_HOME (MLflow SQLite store, runs, index), the data stage's output, and a small
+random-init HF checkpoint with the data stage's tokenizer, for stages that start from HF weights."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = REPO / "configs" / "tiny.yaml"
+
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("DO_NOT_TRACK", "true")
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture
+def baton_home(tmp_path, monkeypatch):
+    home = tmp_path / "baton-home"
+    home.mkdir()
+    monkeypatch.setenv("BATON_HOME", str(home))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    return home
+
+
+def baton(*args: str, home: Path, timeout: float = 1800, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run the real CLI in a subprocess, as a user would."""
+    full = dict(os.environ, BATON_HOME=str(home), **(env or {}))
+    full.pop("MLFLOW_TRACKING_URI", None)
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=full, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def tiny_config():
+    from flows.config import load
+
+    return load(TINY)
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory, tiny_config) -> Path:
+    """The data stage's output for configs/tiny.yaml (datasets + tokenizer + manifest), built once per session."""
+    from conversions import manifest as mf
+    from tasks.data.task import write_data
+    from tasks.stage import StageContext
+
+    out = tmp_path_factory.mktemp("data")
+    ctx = StageContext(stage="data", run_id="test", run_dir=out, work_dir=out, model=tiny_config.model.model_dump(),
+                       seed=0)
+    write_data(ctx, tiny_config.data)
+    mf.write(out, mf.build(out, format="dataset", stage="data", tokenizer_dir=out / "tokenizer"))
+    return out
+
+
+def make_hf_checkpoint(dest: Path, arch: dict, tokenizer_dir: Path, seed: int = 0, tie: bool | None = None) -> Path:
+    """A random-init LlamaForCausalLM saved the way any HF user would (save_pretrained), plus tokenizer."""
+    import torch
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from conversions import hf
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    arch = dict(arch)
+    if tie is not None:
+        arch["tie_word_embeddings"] = tie
+    config = hf.llama_config(arch, vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                             pad_token_id=tok.pad_token_id)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(str(dest), safe_serialization=True)
+    tok.save_pretrained(str(dest))
+    return dest
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory, tiny_config, data_dir) -> Path:
+    """A random-init HF checkpoint of the tiny architecture with a manifest (read-only: copy before changing it)."""
+    from conversions import hf, manifest as mf
+
+    dest = make_hf_checkpoint(tmp_path_factory.mktemp("hf") / "ckpt", tiny_config.model.model_dump(), data_dir / "tokenizer")
+    mf.write(dest, mf.build(dest, format="hf-safetensors", stage="external", parameter_count=hf.parameter_count(dest),
+                            dtype="float32", architecture=tiny_config.model.model_dump()))
+    return dest

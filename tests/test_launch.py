@@ -1,0 +1,62 @@
+"""The launcher streams events, reports failures with their last lines, and leaves no process behind."""
+import os
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from tasks import launch
+
+
+def _script(tmp_path, body: str):
+    p = tmp_path / "w.py"
+    p.write_text(textwrap.dedent(body))
+    return [sys.executable, str(p)]
+
+
+def test_events_and_lines_are_streamed(tmp_path):
+    cmd = _script(tmp_path, """
+        import sys; sys.path.insert(0, %r)
+        from conversions import events
+        print("hello")
+        for s in range(3):
+            events.metric(s, loss=3.0 - s)
+        events.progress(3, 3)
+        events.emit("result", answer=42)
+    """ % os.getcwd())
+    lines, evs = [], []
+    res = launch.run(cmd, on_line=lines.append, on_event=evs.append, log_path=tmp_path / "log")
+    assert res.returncode == 0 and "hello" in lines
+    assert [e["loss"] for e in res.metrics()] == [3.0, 2.0, 1.0]
+    assert res.results() == {"answer": 42}
+    assert "hello" in (tmp_path / "log").read_text()
+
+
+def test_failure_carries_exit_code_and_tail(tmp_path):
+    cmd = _script(tmp_path, """
+        print("step 1 ok")
+        raise SystemExit("boom: out of patience")
+    """)
+    with pytest.raises(launch.LaunchError) as e:
+        launch.run(cmd)
+    assert e.value.returncode == 1 and any("boom" in line for line in e.value.tail)
+    assert "step 1 ok" in str(e.value)
+
+
+def test_timeout_kills_the_whole_tree(tmp_path):
+    pidfile = tmp_path / "pids"
+    cmd = _script(tmp_path, """
+        import subprocess, sys, time
+        kids = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"]) for _ in range(2)]
+        open(%r, "w").write(" ".join(str(k.pid) for k in kids))
+        print("started", flush=True)
+        time.sleep(300)
+    """ % str(pidfile))
+    t0 = time.time()
+    with pytest.raises(launch.LaunchError, match="timed out"):
+        launch.run(cmd, timeout=3)
+    assert time.time() - t0 < 30
+    for pid in map(int, pidfile.read_text().split()):
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE

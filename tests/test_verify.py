@@ -1,0 +1,92 @@
+"""`baton manifest` + `baton verify` on an HF checkpoint made outside baton, and the failures they must catch."""
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import baton, make_hf_checkpoint
+from conversions import hf
+
+
+@pytest.fixture
+def outside_checkpoint(tmp_path, tiny_config, data_dir):
+    arch = tiny_config.model.model_dump() | {"num_layers": 2}
+    return make_hf_checkpoint(tmp_path / "outside", arch, data_dir / "tokenizer", seed=3)
+
+
+def test_good_checkpoint_passes(outside_checkpoint, baton_home):
+    r = baton("verify", str(outside_checkpoint), home=baton_home, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "integrity NOT checked" in r.stdout  # no manifest yet: said, not silently skipped
+    r = baton("manifest", str(outside_checkpoint), home=baton_home, timeout=120)
+    assert r.returncode == 0, r.stderr
+    m = json.loads((outside_checkpoint / "baton_manifest.json").read_text())
+    assert m["format"] == "hf-safetensors" and m["parameter_count"] == hf.parameter_count(outside_checkpoint)
+    assert m["tokenizer"]["chat_template"] is True
+    r = baton("verify", str(outside_checkpoint), "--json", home=baton_home, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    names = {c["name"] for c in json.loads(r.stdout)["checks"]}
+    assert {"L0.integrity", "preflight.chat_template", "preflight.tied_embeddings", "L1.roundtrip", "L3.generation"} <= names
+
+
+def test_flipped_byte_in_tensor_data_is_caught(outside_checkpoint, baton_home):
+    assert baton("manifest", str(outside_checkpoint), home=baton_home, timeout=120).returncode == 0
+    f = outside_checkpoint / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-100] ^= 0x01  # inside the tensor data, past the header
+    f.write_bytes(bytes(data))
+    r = baton("verify", str(outside_checkpoint), home=baton_home, timeout=300)
+    assert r.returncode == 1
+    assert "model.safetensors: sha256 mismatch" in r.stdout
+
+
+def test_missing_chat_template_is_caught(outside_checkpoint, baton_home):
+    (outside_checkpoint / "chat_template.jinja").unlink()
+    cfg = outside_checkpoint / "tokenizer_config.json"
+    tc = json.loads(cfg.read_text())
+    tc.pop("chat_template", None)
+    cfg.write_text(json.dumps(tc))
+    r = baton("verify", str(outside_checkpoint), home=baton_home, timeout=300)
+    assert r.returncode == 1
+    assert "[FAIL] preflight.chat_template" in r.stdout
+
+
+def test_config_tied_but_lm_head_differs(outside_checkpoint, baton_home):
+    cfg = outside_checkpoint / "config.json"
+    c = json.loads(cfg.read_text())
+    c["tie_word_embeddings"] = True
+    cfg.write_text(json.dumps(c))
+    r = baton("verify", str(outside_checkpoint), home=baton_home, timeout=300)
+    assert r.returncode == 1
+    assert "[FAIL] preflight.tied_embeddings" in r.stdout and "differs" in r.stdout
+
+
+def test_config_untied_but_no_lm_head(outside_checkpoint, baton_home):
+    f = outside_checkpoint / "model.safetensors"
+    tensors = load_file(str(f))
+    del tensors["lm_head.weight"]
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    r = baton("verify", str(outside_checkpoint), home=baton_home, timeout=300)
+    assert r.returncode == 1
+    assert "[FAIL] preflight.tied_embeddings" in r.stdout and "no lm_head.weight" in r.stdout
+
+
+def test_logits_parity_against_another_checkpoint(outside_checkpoint, tmp_path, baton_home):
+    twin = tmp_path / "twin"
+    shutil.copytree(outside_checkpoint, twin)
+    r = baton("verify", str(outside_checkpoint), "--against", str(twin), home=baton_home, timeout=300)
+    assert r.returncode == 0 and "L2.logits_parity" in r.stdout
+    t = load_file(str(twin / "model.safetensors"))
+    t["model.norm.weight"] = t["model.norm.weight"] * 1.5
+    save_file(t, str(twin / "model.safetensors"), metadata={"format": "pt"})
+    r = baton("verify", str(outside_checkpoint), "--against", str(twin), home=baton_home, timeout=300)
+    assert r.returncode == 1 and "[FAIL] L2.logits_parity" in r.stdout
+
+
+def test_missing_format_metadata_is_caught(outside_checkpoint, baton_home):
+    f = outside_checkpoint / "model.safetensors"
+    save_file(load_file(str(f)), str(f))  # no metadata, as some converters write it
+    r = baton("verify", str(outside_checkpoint), home=baton_home, timeout=300)
+    assert r.returncode == 1 and "[FAIL] preflight.safetensors_metadata" in r.stdout
