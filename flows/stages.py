@@ -71,7 +71,16 @@ def _metric_summary(out: StageOutput, history: dict) -> dict:
     return {k: v for k, v in metrics.items() if v is not None}
 
 
-def _register(c, cfg: PipelineConfig, step: Step, out: Path, run_id: str, mlflow_run: str) -> dict | None:
+def data_digest(data_dir: str | Path | None) -> str:
+    """Lineage of the data a checkpoint was trained on: the digest of the data stage's manifest (file sha256s)."""
+    m = mf.read(Path(data_dir)) if data_dir else None
+    if m is None:
+        return ""
+    return mf.digest_of({k: m[k] for k in ("files", "extra")})
+
+
+def _register(c, cfg: PipelineConfig, step: Step, out: Path, run_id: str, mlflow_run: str,
+              data_dir: str | None) -> dict | None:
     m = mf.read(out)
     if m is None:
         return None
@@ -82,7 +91,7 @@ def _register(c, cfg: PipelineConfig, step: Step, out: Path, run_id: str, mlflow
     version = tracking.register_checkpoint(
         c, name, out, mlflow_run,
         tags={"stage": step.label, "format": fmt, "baton.run_id": run_id, "manifest_digest": mf.digest_of(m),
-              "data_digest": json.dumps(m.get("extra", {}).get("data_digest", ""))},
+              "data_digest": data_digest(data_dir)},
         alias="candidate", upload_weights=cfg.tracking.upload_weights)
     return {"name": name, "version": version, "alias": "candidate"}
 
@@ -150,7 +159,7 @@ def execute_step(step: Step, cfg: PipelineConfig, run: RunInfo, position: int, i
             entry["error"] = f"gate failed: {', '.join(failed)}"
             raise StageFailed(f"{step.label}: {entry['error']} (checkpoint not promoted)")
         if out.output:
-            entry["registered"] = _register(c, cfg, step, Path(out.output), run.run_id, mlflow_run)
+            entry["registered"] = _register(c, cfg, step, Path(out.output), run.run_id, mlflow_run, data_dir)
         entry["status"] = "completed"
         ok = True
     except StageFailed:
