@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,9 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "configs" / "tiny.yaml"
 
+# One Prefect database per test session (the ephemeral server migrates it once), never the user's ~/.prefect.
+os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="baton-test-prefect-")
+os.environ.pop("PREFECT_API_URL", None)
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "true")

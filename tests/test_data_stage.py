@@ -33,6 +33,16 @@ def test_data_stage_end_to_end(baton_home):
     assert {"pretrain-train", "preference-heldout", "sft-train", "sft-heldout"} <= names
     assert child.data.params["stage.pretrain_docs"] == "3000"
 
+    # the Prefect run carries the summary artifact (markdown table of every stage)
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    with get_client(sync_client=True) as pc:
+        arts = pc.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[summary["prefect_flow_run_id"]])))
+    md = [a for a in arts if a.key == "baton-run-summary"]
+    assert md and "| data | completed |" in md[0].data
+
     # unchanged config and code: the stage is not re-run
     r2 = baton("run", str(TINY), "--stages", "data", home=baton_home, timeout=600)
     assert r2.returncode == 0, r2.stderr[-3000:]
