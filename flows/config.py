@@ -58,10 +58,16 @@ class TrackingConfig(StrictModel):
 
 
 class RuntimeConfig(StrictModel):
-    kind: Literal["venv", "container", "slurm", "kubernetes", "ray"] = "venv"
-    python: str | None = None        # venv: use this interpreter instead of the cached runtime
-    image: str | None = None         # container / kubernetes
-    nodes: int = Field(1, ge=1)      # slurm / ray
+    """Where an engine runs. `venv`: a local runtime venv; `slurm`: srun across `nodes` (the python path must exist on
+    every node, e.g. a shared filesystem or the container image's); container images for Kubernetes/Ray: infra/docker."""
+
+    kind: Literal["venv", "slurm", "container"] = "venv"
+    python: str | None = None        # use this interpreter instead of the cached runtime
+    path: str | None = None          # an engine checkout (e.g. NeMo-RL) the runtime runs from
+    image: str | None = None         # the container image for this engine on clusters
+    nodes: int = Field(1, ge=1)      # slurm: number of nodes
+    srun_args: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)  # e.g. GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME
 
 
 StageName = Literal["data", "pretrain", "rlhf", "finetune", "serve", "convert"]
