@@ -182,3 +182,65 @@ def resolve_model_ref(ref: str) -> tuple[Path, str, str]:
 
         src = mlflow.artifacts.download_artifacts(artifact_uri=src, dst_path=tempfile.mkdtemp(prefix="baton-model-"))
     return Path(src), name, mv.version
+
+
+# ---- serving aliases (champion / rollback) --------------------------------------------------------------------------
+CHAMPION, PREVIOUS = "champion", "previous-champion"
+REPLACED_TAG = "baton.replaced_champion"  # on a version: the champion version it replaced ("" when none)
+
+
+def _alias_version(c, name: str, alias: str) -> str | None:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return str(c.get_model_version_by_alias(name, alias).version)
+    except MlflowException:
+        return None
+
+
+def promote_champion(c, name: str, version: str, tags: dict | None = None) -> dict:
+    """Move `champion` to version; the version it replaces stays registered, recorded in a tag and `previous-champion`."""
+    version = str(version)
+    previous = _alias_version(c, name, CHAMPION)
+    for k, v in (tags or {}).items():
+        c.set_model_version_tag(name, version, k, str(v))
+    if previous == version:
+        return {"name": name, "version": version, "previous": c.get_model_version(name, version).tags.get(REPLACED_TAG)
+                or None, "changed": False}
+    c.set_model_version_tag(name, version, REPLACED_TAG, previous or "")
+    c.set_registered_model_alias(name, CHAMPION, version)
+    if previous:
+        c.set_registered_model_alias(name, PREVIOUS, previous)
+    return {"name": name, "version": version, "previous": previous, "changed": True}
+
+
+def rollback_champion(c, name: str) -> dict:
+    """Move `champion` back to the version the current champion replaced (repeatable down the chain)."""
+    current = _alias_version(c, name, CHAMPION)
+    if current is None:
+        raise ValueError(f"registered model {name!r} has no {CHAMPION!r} alias: nothing to roll back")
+    previous = c.get_model_version(name, current).tags.get(REPLACED_TAG) or None
+    if not previous:
+        raise ValueError(f"{name} version {current} is the first champion: there is no earlier one to roll back to")
+    c.set_model_version_tag(name, current, "baton.rolled_back", "true")
+    c.set_registered_model_alias(name, CHAMPION, previous)
+    before = c.get_model_version(name, previous).tags.get(REPLACED_TAG) or None
+    if before:
+        c.set_registered_model_alias(name, PREVIOUS, before)
+    else:
+        try:
+            c.delete_registered_model_alias(name, PREVIOUS)
+        except Exception:
+            pass
+    return {"name": name, "from": current, "to": previous}
+
+
+def find_version_by_digest(c, name: str, manifest_digest: str):
+    """The registered version of a checkpoint, found by its manifest digest tag (None when not registered)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        found = c.search_model_versions(f"name = '{name}' and tags.manifest_digest = '{manifest_digest}'")
+    except MlflowException:
+        return None
+    return max(found, key=lambda mv: int(mv.version)) if found else None

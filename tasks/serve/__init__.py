@@ -1,11 +1,32 @@
 from tasks.serve.config import ServeConfig
 from tasks.stage import StageSpec
 
+
+def validate(cfg: ServeConfig, pipeline) -> list[str]:
+    """Bad serve settings fail before anything launches. (Whether the engine runtimes are built is checked when the
+    stage starts, so loading a config never depends on `make runtimes`.)"""
+    errors = []
+    model = getattr(pipeline, "model", None)
+    if model is not None:
+        if model.num_query_groups % cfg.tensor_parallel_size:
+            errors.append(f"serve.tensor_parallel_size: {cfg.tensor_parallel_size} does not divide "
+                          f"model.num_query_groups {model.num_query_groups}")
+        if cfg.max_model_len and cfg.max_model_len > model.seq_length:
+            errors.append(f"serve.max_model_len: {cfg.max_model_len} exceeds model.seq_length {model.seq_length} "
+                          "(the checkpoint's max_position_embeddings)")
+    if cfg.api_key_file and not cfg.api_key_file.is_file():
+        errors.append(f"serve.api_key_file: {cfg.api_key_file}: no such file")
+    if cfg.device == "cpu" and cfg.tensor_parallel_size > 1:
+        errors.append("serve.tensor_parallel_size: > 1 needs device: cuda (the CPU recipes serve on one process)")
+    return errors
+
+
 STAGE = StageSpec(
     name="serve",
     config_model=ServeConfig,
     task="tasks.serve.task:run_serve",
     consumes=lambda cfg: "hf-safetensors",
     produces=lambda cfg: None,
+    validate=validate,
     description="vLLM / SGLang OpenAI-compatible serving, smoke checks, promotion",
 )

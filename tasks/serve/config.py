@@ -1,9 +1,57 @@
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
 from tasks.stage import StrictModel
 
 
-class ServeConfig(StrictModel):
-    """Placeholder until the serve stage lands."""
+class SmokeConfig(StrictModel):
+    """Checks run against the live server before anything is promoted."""
 
-    steps: int = 10
+    json_requests: int = Field(20, ge=1, description="JSON-schema requests; every answer must parse and validate")
+    parity_prompts: int = Field(4, ge=1, description="prompts whose greedy token ids must equal HF generate")
+    parity_tokens: int = Field(16, ge=1)
+    max_tokens: int = Field(48, ge=8, description="cap for chat / JSON / regex answers")
+
+
+class LmEvalConfig(StrictModel):
+    """lm-evaluation-harness against the live server (model local-chat-completions)."""
+
+    enabled: bool = True
+    tasks: list[str] = Field(default_factory=list,
+                             description="lm-eval task names; empty: the data stage's held-out SFT task")
+    include_path: Path | None = Field(None, description="folder with extra lm-eval task YAMLs")
+    limit: int | None = Field(None, ge=1, description="evaluate at most this many documents per task")
+    min_score: float = Field(0.0, ge=0.0, le=1.0, description="promotion needs exact_match >= this")
+    no_regression: bool = Field(False, description="promotion also needs a score >= the current champion's")
+    timeout: float = Field(900, gt=0)
+
+
+class ServeConfig(StrictModel):
+    """Serve the input HF checkpoint with vLLM and/or SGLang, smoke-test it, and promote it to `champion`."""
+
+    engine: Literal["vllm", "sglang", "both"] = "both"
+    device: Literal["cpu", "cuda"] = Field("cpu", description="cpu: the CPU runtimes and flags; cuda: GPU images")
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535, description="0: pick a free port")
+    api_key_file: Path | None = Field(None, description="file holding the API key; unset: generate one (0600)")
+    served_model_name: str | None = Field(None, description="unset: <registered name>:<version>, else the folder name")
+    max_model_len: int | None = Field(None, ge=16, description="unset: the checkpoint's max_position_embeddings")
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    tensor_parallel_size: int = Field(1, ge=1)
+    engine_args: dict[Literal["vllm", "sglang"], list[str]] = Field(
+        default_factory=dict, description="extra command-line flags per engine, appended last")
+    kv_cache_gib: int = Field(1, ge=1, description="vLLM CPU KV cache (VLLM_CPU_KVCACHE_SPACE)")
+    sglang_grammar_backend: Literal["llguidance", "xgrammar"] = Field(
+        "llguidance", description="llguidance + disable-any-whitespace gives strictly valid JSON on CPU")
+    health_timeout: float = Field(600, gt=0, description="seconds to wait for /health")
+    keep_alive: bool = Field(False, description="leave the (last) server running after the stage")
+    promote: bool = Field(True, description="move the registry alias `champion` when every check passes")
+    smoke: SmokeConfig = SmokeConfig()
+    lm_eval: LmEvalConfig = LmEvalConfig()
+
+    def engines(self) -> list[str]:
+        return ["vllm", "sglang"] if self.engine == "both" else [self.engine]

@@ -1,0 +1,66 @@
+"""How each engine's OpenAI-compatible server is launched, and how each takes structured-output requests.
+
+CPU flags follow the measured recipes (shared notes vllm-on-cpu.md, sglang-on-cpu.md); on `device: cuda` only the
+portable flags are passed and the regular GPU packages / images are expected.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tasks.serve.config import ServeConfig
+
+RUNTIME = {"vllm": "vllm", "sglang": "sglang"}
+
+
+def vllm_command(cfg: ServeConfig, python: str, model_dir: Path, port: int, served_name: str,
+                 api_key: str) -> tuple[list[str], dict]:
+    # `vllm serve` through its module, so any runtime's python works (the CPU dist needs vllm.post.sh's alias).
+    cmd = [python, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir), "--host", cfg.host,
+           "--port", str(port), "--served-model-name", served_name, "--dtype", cfg.dtype, "--tensor-parallel-size", str(cfg.tensor_parallel_size),
+           "--generation-config", "vllm",  # sampling defaults from the request, not from generation_config.json
+           # xgrammar let raw control characters into JSON strings on CPU; guidance without whitespace did not.
+           "--structured-outputs-config", json.dumps({"backend": "guidance", "disable_any_whitespace": True})]
+    if cfg.max_model_len:
+        cmd += ["--max-model-len", str(cfg.max_model_len)]
+    env = {"VLLM_API_KEY": api_key}  # through the environment: never on a command line or in a log
+    if cfg.device == "cpu":
+        cmd += ["--enforce-eager"]  # 22 s instead of 85 s to start; same greedy outputs
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gib)  # unset: "No available memory for the cache blocks"
+    return cmd + list(cfg.engine_args.get("vllm", [])), env
+
+
+def sglang_command(cfg: ServeConfig, python: str, model_dir: Path, port: int, served_name: str,
+                   api_key: str) -> tuple[list[str], dict]:
+    cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model_dir), "--host", cfg.host,
+           "--port", str(port), "--served-model-name", served_name, "--dtype", cfg.dtype, "--tp-size", str(cfg.tensor_parallel_size), "--api-key", api_key,
+           "--grammar-backend", cfg.sglang_grammar_backend, "--constrained-json-disable-any-whitespace"]
+    if cfg.max_model_len:
+        cmd += ["--context-length", str(cfg.max_model_len)]
+    env: dict = {}
+    if cfg.device == "cpu":
+        cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
+                "--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled",
+                "--mem-fraction-static", "0.05", "--max-total-tokens", "8192", "--chunked-prefill-size", "1024",
+                "--max-running-requests", "8",
+                "--sleep-on-idle"]  # otherwise the idle scheduler busy-polls a whole core
+        env.update(SGLANG_USE_CPU_ENGINE="1", SGLANG_CPU_OMP_THREADS_BIND="all")
+    return cmd + list(cfg.engine_args.get("sglang", [])), env
+
+
+COMMANDS = {"vllm": vllm_command, "sglang": sglang_command}
+
+
+def served_name(engine: str, name: str) -> str:
+    """SGLang reserves ':' for `model:adapter` (LoRA) and refuses it in served names: `baton-tiny:3` -> `baton-tiny-v3`."""
+    if engine == "sglang" and ":" in name:
+        base, _, version = name.rpartition(":")
+        return f"{base}-v{version}" if version.isdigit() else name.replace(":", "-")
+    return name
+
+
+def structured(engine: str, kind: str, spec) -> dict:
+    """Request fields that constrain a chat completion to a regex or choices (JSON schema is standard OpenAI)."""
+    if engine == "vllm":
+        return {"structured_outputs": {kind: spec}}
+    return {kind: spec}  # SGLang reads `regex` / `ebnf` at the top level of the request

@@ -1,0 +1,42 @@
+"""What the served model must reproduce: HF transformers greedy token ids on the same checkpoint and prompts (fp32)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+PARITY_INSTRUCTIONS = ["Classify the word: apple", "What kind of thing is tiger?", "Category of paris?",
+                       "Is purple a fruit, an animal, a color or a city?", "Name a fruit.", "Give me one city."]
+
+
+def chat_prompt_ids(tokenizer, instruction: str) -> list[int]:
+    return tokenizer.apply_chat_template([{"role": "user", "content": instruction}], add_generation_prompt=True,
+                                         return_dict=True)["input_ids"]
+
+
+def greedy_reference(model_dir: Path, n_prompts: int, n_tokens: int) -> list[dict]:
+    """[{"instruction", "prompt_ids", "output_ids"}]: HF generate, greedy, EOS not stopping (servers use ignore_eos)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for instruction in (PARITY_INSTRUCTIONS * n_prompts)[:n_prompts]:
+            ids = chat_prompt_ids(tok, instruction)
+            gen = model.generate(torch.tensor([ids]), max_new_tokens=n_tokens, do_sample=False, eos_token_id=None,
+                                 pad_token_id=tok.pad_token_id)[0, len(ids):].tolist()
+            if len(gen) != n_tokens:
+                raise RuntimeError(f"HF generate stopped after {len(gen)} of {n_tokens} tokens despite eos=None")
+            out.append({"instruction": instruction, "prompt_ids": ids, "output_ids": gen})
+    return out
+
+
+def top2_margin(model_dir: Path, ids: list[int]) -> float:
+    """Gap between the two largest next-token logits: tells a genuine divergence from a floating-point tie."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        top = model(torch.tensor([ids])).logits[0, -1].topk(2).values
+    return float(top[0] - top[1])

@@ -1,0 +1,178 @@
+"""Smoke checks against a live OpenAI-compatible server. Each returns verify-style checks {"name","passed","detail"}.
+
+They hold for a random-init model too: nothing here needs the model to be good, only the server to be right.
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass
+
+import requests
+
+from conversions.verify import check
+from tasks.serve import engines
+
+CATEGORIES = ["fruit", "animal", "color", "city"]
+JSON_SCHEMA = {
+    "type": "object",
+    "properties": {"category": {"type": "string", "enum": CATEGORIES},
+                   "word": {"type": "string", "maxLength": 12}},
+    "required": ["category", "word"],
+    "additionalProperties": False,
+}
+REGEX = r"(fruit|animal|color|city): [a-z]{2,8}"
+WORDS = ["apple", "tiger", "paris", "purple", "mango", "wolf", "lima", "green", "kiwi", "bear"]
+
+
+@dataclass
+class Endpoint:
+    engine: str
+    base_url: str
+    api_key: str
+    model: str
+    timeout: float = 120.0
+
+    def post(self, path: str, body: dict, key: str | None = "default", **kw) -> requests.Response:
+        return requests.post(self.base_url + path, json=body, headers=self._auth(key), timeout=self.timeout, **kw)
+
+    def get(self, path: str, key: str | None = "default") -> requests.Response:
+        return requests.get(self.base_url + path, headers=self._auth(key), timeout=self.timeout)
+
+    def _auth(self, key: str | None) -> dict:
+        key = self.api_key if key == "default" else key
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def chat(self, content: str, **params) -> dict:
+        body = {"model": self.model, "messages": [{"role": "user", "content": content}], **params}
+        r = self.post("/v1/chat/completions", body)
+        r.raise_for_status()
+        return r.json()
+
+
+def models(ep: Endpoint) -> dict:
+    r = ep.get("/v1/models")
+    ids = [m.get("id") for m in r.json().get("data", [])] if r.ok else []
+    return check("smoke.models", r.status_code == 200 and ep.model in ids,
+                 f"GET /v1/models -> {r.status_code}, models {ids}")
+
+
+def unauthorized(ep: Endpoint) -> dict:
+    body = {"model": ep.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    codes = {"models, no key": ep.get("/v1/models", key=None).status_code,
+             "chat, no key": ep.post("/v1/chat/completions", body, key=None).status_code,
+             "chat, wrong key": ep.post("/v1/chat/completions", body, key="not-the-key").status_code}
+    return check("smoke.auth_401", all(c == 401 for c in codes.values()),
+                 ", ".join(f"{k}: {v}" for k, v in codes.items()))
+
+
+def chat(ep: Endpoint, tokenizer, max_tokens: int) -> dict:
+    """A chat completion whose prompt token count equals HF's chat template rendering: the template was applied."""
+    from tasks.serve.reference import chat_prompt_ids
+
+    text = "Classify the word: apple"
+    expected = len(chat_prompt_ids(tokenizer, text))
+    try:
+        res = ep.chat(text, max_tokens=max_tokens, temperature=0)
+    except requests.RequestException as e:
+        return check("smoke.chat", False, f"chat completion failed: {e}")
+    msg = res["choices"][0]["message"].get("content")
+    got = res.get("usage", {}).get("prompt_tokens")
+    ok = isinstance(msg, str) and got == expected
+    return check("smoke.chat", ok, f"prompt_tokens {got} (HF chat template: {expected}), "
+                                   f"finish {res['choices'][0].get('finish_reason')}, answer {msg!r:.60}")
+
+
+def json_schema(ep: Endpoint, n: int, max_tokens: int) -> tuple[dict, float]:
+    """n sampled answers under a JSON schema: each must pass strict json.loads and jsonschema validation."""
+    import jsonschema
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "classification", "schema": JSON_SCHEMA, "strict": True}}
+    valid, lenient_only, failures = 0, 0, []
+    for i in range(n):
+        word = WORDS[i % len(WORDS)]
+        res = ep.chat(f"Classify the word: {word}. Answer in JSON.", response_format=fmt, max_tokens=max_tokens,
+                      temperature=1.0, seed=i)
+        text = res["choices"][0]["message"].get("content") or ""
+        try:
+            jsonschema.validate(json.loads(text), JSON_SCHEMA)  # strict=True: no raw control characters
+            valid += 1
+        except (json.JSONDecodeError, jsonschema.ValidationError) as e:
+            try:
+                json.loads(text, strict=False)
+                lenient_only += 1
+            except json.JSONDecodeError:
+                pass
+            failures.append(f"{text!r:.80} ({type(e).__name__})")
+    rate = valid / n
+    detail = f"{valid}/{n} strictly valid ({lenient_only} only with strict=False)"
+    if failures:
+        detail += "; e.g. " + failures[0]
+    return check("smoke.json_schema", rate == 1.0, detail), rate
+
+
+def regex(ep: Endpoint, n: int, max_tokens: int) -> dict:
+    bad = []
+    for i in range(n):
+        res = ep.chat(f"Classify the word: {WORDS[i % len(WORDS)]}", max_tokens=max_tokens, temperature=1.0, seed=i,
+                      **engines.structured(ep.engine, "regex", REGEX))
+        text = res["choices"][0]["message"].get("content") or ""
+        if not re.fullmatch(REGEX, text):
+            bad.append(text)
+    return check("smoke.regex", not bad, f"{n - len(bad)}/{n} answers match {REGEX}" +
+                 (f"; e.g. {bad[0]!r:.60}" if bad else ""))
+
+
+def greedy_ids(ep: Endpoint, prompt_ids: list[int], n_tokens: int) -> list[int]:
+    """Greedy continuation of token ids, EOS ignored, as token ids (each engine has its own field for them)."""
+    if ep.engine == "sglang":
+        body = {"input_ids": prompt_ids, "sampling_params": {"max_new_tokens": n_tokens, "temperature": 0,
+                                                             "ignore_eos": True}}
+        r = ep.post("/generate", body)
+        r.raise_for_status()
+        return list(r.json()["output_ids"])
+    body = {"model": ep.model, "prompt": prompt_ids, "max_tokens": n_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    r = ep.post("/v1/completions", body)
+    r.raise_for_status()
+    return list(r.json()["choices"][0]["token_ids"])
+
+
+def greedy_parity(ep: Endpoint, reference: list[dict], model_dir) -> dict:
+    from tasks.serve.reference import top2_margin
+
+    n_tokens = len(reference[0]["output_ids"])
+    for ref in reference:
+        got = greedy_ids(ep, ref["prompt_ids"], n_tokens)
+        if got != ref["output_ids"]:
+            k = next((i for i, (a, b) in enumerate(zip(got, ref["output_ids"])) if a != b), min(len(got), n_tokens))
+            margin = top2_margin(model_dir, ref["prompt_ids"] + ref["output_ids"][:k])
+            return check("smoke.greedy_parity", False,
+                         f"{ref['instruction']!r}: first difference at token {k} (server {got[k:k + 3]}, HF "
+                         f"{ref['output_ids'][k:k + 3]}; HF top-2 logit gap there {margin:.2e})")
+    return check("smoke.greedy_parity", True,
+                 f"{len(reference)} prompts x {n_tokens} tokens identical to HF generate (fp32, greedy)")
+
+
+def performance(ep: Endpoint, max_tokens: int = 64) -> dict:
+    """TTFT of a streamed chat completion, and decode throughput of a non-streamed one (EOS ignored)."""
+    body = {"model": ep.model, "messages": [{"role": "user", "content": "Classify the word: apple"}],
+            "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    t0 = time.perf_counter()
+    ttft = None
+    with ep.post("/v1/chat/completions", body, stream=True) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                delta = json.loads(line[6:])["choices"]
+                if ttft is None and delta and delta[0].get("delta", {}).get("content"):
+                    ttft = time.perf_counter() - t0
+    body = {"model": ep.model, "prompt": "the apple is a", "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True}
+    t0 = time.perf_counter()
+    r = ep.post("/v1/completions", body)
+    r.raise_for_status()
+    seconds = time.perf_counter() - t0
+    tokens = r.json().get("usage", {}).get("completion_tokens") or max_tokens
+    return {"ttft_s": ttft, "tokens_per_s": tokens / seconds, "latency_s": seconds}

@@ -1,0 +1,315 @@
+"""Serve stage: preflight the HF checkpoint, serve it with vLLM and/or SGLang (one server at a time), prove each
+server right with smoke checks and lm-eval, then move the registry alias `champion` to it.
+
+A checkpoint that fails preflight is refused before any server starts; nothing is promoted unless every check passed.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import time
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from conversions import manifest as mf, verify
+from tasks import tracking
+from tasks.serve import engines, smoke
+from tasks.serve.config import ServeConfig
+from tasks.serve.server import Server, ServerFailed, free_port, redactor
+from tasks.stage import StageContext, StageOutput
+
+HERE = Path(__file__).resolve().parent
+SGL_PROGRAM = HERE / "sgl_program.py"
+LM_EVAL_WORKER = HERE / "lm_eval_worker.py"
+EVAL_METRIC = "lm_eval_exact_match"
+
+
+def _logger():
+    try:
+        from prefect import get_run_logger
+
+        return get_run_logger()
+    except Exception:  # outside a flow or task run (e.g. `baton serve`)
+        return logging.getLogger("baton.serve")
+
+
+def preflight(model_dir: Path) -> list[dict]:
+    """L0 integrity + the serving preflight; later checks are skipped once the files are known corrupt."""
+    try:
+        checks = verify.integrity(model_dir)
+    except mf.ManifestError as e:
+        return [verify.check("L0.integrity", False, str(e))]
+    if not checks[-1]["passed"]:
+        return checks
+    return checks + verify.preflight(model_dir)
+
+
+def runtime_checks(ctx: StageContext, cfg: ServeConfig) -> list[dict]:
+    from tasks.runtimes import check_available
+
+    needed = [engines.RUNTIME[e] for e in cfg.engines()] + (["main"] if cfg.lm_eval.enabled else [])
+    problems = [p for p in (check_available(r, ctx.runtimes) for r in dict.fromkeys(needed)) if p]
+    return [verify.check("preflight.runtimes", not problems, "; ".join(problems) or f"built: {', '.join(needed)}")]
+
+
+def api_key(work_dir: Path, cfg: ServeConfig) -> tuple[str, Path]:
+    """The server's API key and the 0600 file holding it (generated per serve unless cfg.api_key_file is set)."""
+    if cfg.api_key_file:
+        return cfg.api_key_file.read_text().strip(), cfg.api_key_file
+    path = work_dir / "api_key"
+    path.unlink(missing_ok=True)
+    key = "baton-" + secrets.token_urlsafe(24)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
+    return key, path
+
+
+def model_identity(ctx: StageContext, cfg: ServeConfig, register: bool) -> dict:
+    """{"name", "version", "digest"}: the registry entry of the input (found by its manifest digest tag, registered
+    here when missing and `register`), and the served model name `<name>:<version>` (else the folder name)."""
+    name = (ctx.tracking or {}).get("registered_model") or "baton"
+    m = mf.read(ctx.input)
+    digest = mf.digest_of(m) if m else None
+    version = None
+    if digest:
+        c = tracking.client()
+        mv = tracking.find_version_by_digest(c, name, digest)
+        if mv is None and register:
+            version = tracking.register_checkpoint(
+                c, name, ctx.input, ctx.mlflow_run_id,
+                tags={"stage": m.get("stage") or "external", "format": m["format"], "manifest_digest": digest,
+                      "registered_by": "serve"}, alias=None)
+        elif mv is not None:
+            version = mv.version
+    served = cfg.served_model_name or (f"{name}:{version}" if version else ctx.input.name)
+    return {"name": name, "version": version, "digest": digest, "served_model_name": served}
+
+
+def lm_eval_tasks(ctx: StageContext, cfg: ServeConfig) -> tuple[list[str], Path | None]:
+    """(task names, include path): the configured tasks, else the data stage's held-out SFT task."""
+    if cfg.lm_eval.tasks:
+        return list(cfg.lm_eval.tasks), cfg.lm_eval.include_path
+    if ctx.data_dir is None or not (ctx.data_dir / "sft" / "heldout.jsonl").exists():
+        return [], None
+    from tasks.data import lm_eval_task
+
+    folder = lm_eval_task.usable_task_dir(ctx.data_dir) or lm_eval_task.write_lm_eval_task(
+        ctx.data_dir, ctx.work_dir / "lm_eval_tasks")
+    return [lm_eval_task.TASK_NAME], folder
+
+
+def _guarded(name: str, fn, *args):
+    try:
+        return fn(*args)
+    except Exception as e:  # a crash in a check is that check failing, with the reason
+        return verify.check(name, False, f"{type(e).__name__}: {e}"[:500])
+
+
+def _prefixed(engine: str, checks: list[dict]) -> list[dict]:
+    return [dict(c, name=f"{engine}.{c['name']}") for c in checks]
+
+
+def run_lm_eval(ctx: StageContext, cfg: ServeConfig, ep: smoke.Endpoint, key_file: Path, tasks_: list[str],
+                include: Path | None) -> dict:
+    cmd = [ctx.python("main"), str(LM_EVAL_WORKER), "--base-url", ep.base_url, "--model", ep.model,
+           "--key-file", str(key_file), "--tasks", ",".join(tasks_), "--out", str(ctx.work_dir / "lm_eval.json")]
+    if include:
+        cmd += ["--include-path", str(include)]
+    if cfg.lm_eval.limit:
+        cmd += ["--limit", str(cfg.lm_eval.limit)]
+    return ctx.launch(cmd, name="lm-eval", timeout=cfg.lm_eval.timeout).results()
+
+
+def primary_score(scores: dict) -> float | None:
+    """exact_match of the first task (any filter), the number that goes into the promotion decision."""
+    for metrics in scores.values():
+        for k, v in metrics.items():
+            if k.split(",")[0] == "exact_match":
+                return float(v)
+    return None
+
+
+def serve_engine(ctx: StageContext, cfg: ServeConfig, engine: str, ident: dict, key: str, key_file: Path,
+                 reference: list[dict], tokenizer, *, evaluate: bool, keep: bool, detach: bool) -> dict:
+    """Start one engine's server, run every smoke check against it, stop it unless keep (detach: let it outlive
+    this process). Returns {"checks", "metrics", "server", "eval"}."""
+    log = _logger()
+    port = cfg.port or free_port(cfg.host)
+    base_url = f"http://{cfg.host}:{port}"
+    name = engines.served_name(engine, ident["served_model_name"])
+    cmd, env = engines.COMMANDS[engine](cfg, ctx.python(engines.RUNTIME[engine]), ctx.input, port, name, key)
+    server = Server(engine, cmd, {**ctx.worker_env(), **env}, base_url, ctx.work_dir / f"server-{engine}.log",
+                    redactor(key), on_line=lambda line: log.info("[%s] %s", engine, line), managed=not detach)
+    out: dict = {"checks": [], "metrics": {}, "server": server, "eval": None}
+    server.start()
+    try:
+        healthy = server.wait_healthy(cfg.health_timeout)
+    except ServerFailed as e:
+        out["checks"].append(verify.check(f"{engine}.server", False, str(e).splitlines()[0] + " | " +
+                                          " / ".join(e.tail[-5:])[:800]))
+        server.stop()
+        return out
+    out["metrics"]["startup_s"] = round(healthy, 2)
+    out["checks"].append(verify.check(f"{engine}.server", True, f"healthy after {healthy:.1f}s at {base_url}"))
+    out["served_model_name"] = name
+    ep = smoke.Endpoint(engine, base_url, key, name)
+    s = cfg.smoke
+    try:
+        checks = [_guarded("smoke.models", smoke.models, ep),
+                  _guarded("smoke.auth_401", smoke.unauthorized, ep),
+                  _guarded("smoke.chat", smoke.chat, ep, tokenizer, s.max_tokens)]
+        try:
+            chk, rate = smoke.json_schema(ep, s.json_requests, s.max_tokens)
+            out["metrics"]["json_valid_rate"] = rate
+        except Exception as e:
+            chk = verify.check("smoke.json_schema", False, f"{type(e).__name__}: {e}"[:500])
+        checks += [chk, _guarded("smoke.regex", smoke.regex, ep, 3, s.max_tokens),
+                   _guarded("smoke.greedy_parity", smoke.greedy_parity, ep, reference, ctx.input)]
+        if engine == "sglang":
+            checks.append(_guarded("smoke.sgl_frontend", sgl_frontend, ctx, base_url, key_file))
+        out["checks"] += _prefixed(engine, checks)
+        try:
+            out["metrics"].update({k: round(v, 4) for k, v in smoke.performance(ep).items() if v is not None})
+        except Exception as e:
+            log.warning("%s: performance probe failed: %s", engine, e)
+        if evaluate:
+            out["eval"] = _guarded("lm_eval", run_lm_eval, ctx, cfg, ep, key_file, *lm_eval_tasks(ctx, cfg))
+    finally:
+        if not keep:
+            server.stop()
+    return out
+
+
+def sgl_frontend(ctx: StageContext, base_url: str, key_file: Path) -> dict:
+    res = ctx.launch([ctx.python("sglang"), str(SGL_PROGRAM), "--url", base_url, "--key-file", str(key_file)],
+                     name="sgl-frontend", timeout=600)
+    return res.results()["check"]
+
+
+def decide(cfg: ServeConfig, score: float | None, before: float | None, evaluated: bool) -> dict:
+    """The lm-eval part of the promotion decision, as a check."""
+    if not evaluated:
+        return verify.check("promotion.lm_eval", True, "lm-eval not run (disabled or no task): smoke checks decide")
+    if score is None:
+        return verify.check("promotion.lm_eval", False, "lm-eval produced no exact_match score")
+    if score < cfg.lm_eval.min_score:
+        return verify.check("promotion.lm_eval", False, f"exact_match {score:.4f} < min_score {cfg.lm_eval.min_score}")
+    if cfg.lm_eval.no_regression and before is not None and score < before:
+        return verify.check("promotion.lm_eval", False, f"exact_match {score:.4f} < champion's {before:.4f}")
+    return verify.check("promotion.lm_eval", True, f"exact_match {score:.4f} (min {cfg.lm_eval.min_score}"
+                                                   + (f", champion {before:.4f}" if before is not None else "") + ")")
+
+
+def champion_score(name: str) -> float | None:
+    try:
+        c = tracking.client()
+        mv = c.get_model_version_by_alias(name, tracking.CHAMPION)
+        return float(mv.tags[EVAL_METRIC]) if EVAL_METRIC in mv.tags else None
+    except Exception:
+        return None
+
+
+def serve(ctx: StageContext, cfg: ServeConfig, hold: bool = False) -> StageOutput:
+    """The whole stage. hold=True (`baton serve`): keep the last server in the foreground until Ctrl-C."""
+    log = _logger()
+    ctx.work_dir.mkdir(parents=True, exist_ok=True)
+    label = "+".join(cfg.engines())
+    pre = preflight(ctx.input) + runtime_checks(ctx, cfg)
+    if not all(c["passed"] for c in pre):
+        failed = "; ".join(f"{c['name']}: {c['detail']}" for c in pre if not c["passed"])
+        log.error("serve: %s refused by preflight, no server started: %s", ctx.input, failed)
+        return StageOutput(output=None, engine=label, gate=verify.report(pre),
+                           extra={"served_checkpoint": str(ctx.input), "servers_started": 0, "refused": failed})
+    ident = model_identity(ctx, cfg, register=cfg.promote)
+    key, key_file = api_key(ctx.work_dir, cfg)
+    log.info("serve %s as %r (API key in %s)", ctx.input, ident["served_model_name"], key_file)
+    from transformers import AutoTokenizer
+
+    from tasks.serve.reference import greedy_reference
+
+    tokenizer = AutoTokenizer.from_pretrained(str(ctx.input))
+    reference = greedy_reference(ctx.input, cfg.smoke.parity_prompts, cfg.smoke.parity_tokens)
+    checks, metrics, results = list(pre), {}, {}
+    eval_result, kept = None, None
+    names = cfg.engines()
+    for i, engine in enumerate(names):
+        last = i == len(names) - 1
+        t0 = time.time()
+        r = serve_engine(ctx, cfg, engine, ident, key, key_file, reference, tokenizer,
+                         evaluate=cfg.lm_eval.enabled and eval_result is None, keep=last and (cfg.keep_alive or hold),
+                         detach=last and cfg.keep_alive and not hold)
+        results[engine] = r
+        checks += r["checks"]
+        metrics.update({f"{engine}_{k}": v for k, v in r["metrics"].items()})
+        metrics[f"{engine}_seconds"] = round(time.time() - t0, 1)
+        if r["eval"] is not None:
+            eval_result = r["eval"]
+        if last and (cfg.keep_alive or hold):
+            kept = r["server"]
+        if not all(c["passed"] for c in r["checks"]):
+            break  # a broken engine already decides the gate; don't spend minutes on the next one
+    rates = [v for k, v in metrics.items() if k.endswith("_json_valid_rate")]
+    if rates:
+        metrics["json_valid_rate"] = min(rates)
+    # lm-eval: a crash is a failed check, a score is a metric and part of the promotion decision.
+    score, before, evaluated = None, champion_score(ident["name"]), eval_result is not None
+    if evaluated:
+        if "passed" in eval_result:  # _guarded turned a crash into a failed check
+            checks.append(dict(eval_result, name="lm_eval.run"))
+        else:
+            score = primary_score(eval_result.get("scores", {}))
+            for task_name, ms in eval_result.get("scores", {}).items():
+                metrics.update({f"lm_eval.{task_name}.{k.replace(',', '.')}": v for k, v in ms.items()})
+            metrics["lm_eval_seconds"] = eval_result.get("seconds")
+    checks.append(decide(cfg, score, before, evaluated and "passed" not in eval_result))
+    gate = verify.report(checks)
+    champion = None
+    if gate["passed"] and cfg.promote and ident["version"]:
+        champion = tracking.promote_champion(
+            tracking.client(), ident["name"], ident["version"],
+            tags={k: v for k, v in {EVAL_METRIC: score, "served_by": label,
+                                    "json_valid_rate": metrics.get("json_valid_rate")}.items() if v is not None})
+        log.info("champion: %s version %s (previous %s)", ident["name"], ident["version"], champion["previous"])
+    elif not gate["passed"]:
+        log.error("serve gate failed: nothing promoted")
+    extra = {"served_model_name": ident["served_model_name"],
+             "served_model_names": {e: r["served_model_name"] for e, r in results.items() if "served_model_name" in r},
+             "served_checkpoint": str(ctx.input),
+             "servers_started": sum(1 for r in results.values() if r["server"].proc is not None),
+             "champion": {"name": champion["name"], "version": champion["version"], "previous": champion["previous"]}
+             if champion else None,
+             "api_key_file": str(key_file)}
+    if kept is not None and cfg.keep_alive and not hold:
+        kept.write_info(ctx.work_dir / "server.json")
+        extra["server"] = kept.describe()
+        log.info("keep_alive: %s server stays up at %s (stop: %s)", kept.name, kept.base_url, kept.describe()["stop"])
+    out = StageOutput(output=None, engine=label, backend=ident["served_model_name"], gate=gate,
+                      metrics={k: v for k, v in metrics.items() if v is not None},
+                      eval={"metric": EVAL_METRIC, "before": before, "after": score} if evaluated else None,
+                      extra=extra)
+    if hold and kept is not None:
+        _hold(kept, ident["served_model_name"], key_file, gate["passed"])
+    return out
+
+
+def _hold(server: Server, served: str, key_file: Path, passed: bool) -> None:
+    if server.proc is None or server.proc.poll() is not None:
+        return
+    print(f"\nserving {served!r} with {server.name} at {server.base_url}/v1 "
+          f"(API key in {key_file}; checks {'passed' if passed else 'FAILED'}). Ctrl-C to stop.", flush=True)
+    try:
+        while server.proc.poll() is None:
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+
+
+@task(name="serve", cache_policy=NO_CACHE)
+def run_serve(ctx: StageContext, cfg: ServeConfig) -> StageOutput:
+    return serve(ctx, cfg)

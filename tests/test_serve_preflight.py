@@ -1,0 +1,95 @@
+"""Serve stage refusals: a checkpoint servers would get wrong is refused before any server starts, nothing promoted."""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from conversions import hf, manifest as mf
+from tasks.serve.config import ServeConfig
+from tasks.serve.task import serve
+from tasks.stage import StageContext
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _remanifest(ckpt):
+    mf.write(ckpt, mf.build(ckpt, format="hf-safetensors", stage="external", parameter_count=hf.parameter_count(ckpt),
+                            dtype="float32"))
+
+
+def _ctx(tmp_path, ckpt, tiny_config) -> StageContext:
+    work = tmp_path / "serve"
+    return StageContext(stage="serve", run_id="test", run_dir=tmp_path, work_dir=work,
+                        model=tiny_config.model.model_dump(), seed=0, input=ckpt, input_format="hf-safetensors",
+                        tracking={"registered_model": "serve-refusal"})
+
+
+def _assert_refused(out, ctx, check_name, words):
+    assert not out.gate["passed"]
+    failed = {c["name"]: c["detail"] for c in out.gate["checks"] if not c["passed"]}
+    assert check_name in failed, failed
+    for w in words:
+        assert w in failed[check_name]
+    assert out.extra["servers_started"] == 0
+    assert out.extra.get("champion") is None
+    assert not list(ctx.work_dir.glob("server-*.log")), "a server was started"
+    assert not (ctx.work_dir / "api_key").exists()
+    from tasks import tracking
+
+    c = tracking.client()
+    assert c.search_registered_models("name = 'serve-refusal'") == []  # nothing registered, nothing promoted
+
+
+def test_no_chat_template_is_refused(tmp_path, baton_home, hf_checkpoint, tiny_config):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(hf_checkpoint, ckpt)
+    (ckpt / "chat_template.jinja").unlink()
+    tok_cfg = json.loads((ckpt / "tokenizer_config.json").read_text())
+    tok_cfg.pop("chat_template", None)
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    _remanifest(ckpt)
+    ctx = _ctx(tmp_path, ckpt, tiny_config)
+    t0 = time.time()
+    out = serve(ctx, ServeConfig())
+    _assert_refused(out, ctx, "preflight.chat_template", ["no chat template"])
+    assert time.time() - t0 < 60
+
+
+def test_tied_config_with_different_lm_head_is_refused(tmp_path, baton_home, hf_checkpoint, tiny_config):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(hf_checkpoint, ckpt)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["tie_word_embeddings"] = True  # the weights keep their own, different lm_head
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    _remanifest(ckpt)
+    ctx = _ctx(tmp_path, ckpt, tiny_config)
+    out = serve(ctx, ServeConfig())
+    _assert_refused(out, ctx, "preflight.tied_embeddings", ["tie_word_embeddings=true", "differs"])
+
+
+def test_corrupted_weights_are_refused(tmp_path, baton_home, hf_checkpoint, tiny_config):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(hf_checkpoint, ckpt)
+    shard = next(ckpt.glob("*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-10] ^= 0xFF  # one flipped byte in the weights
+    shard.write_bytes(bytes(data))
+    ctx = _ctx(tmp_path, ckpt, tiny_config)
+    out = serve(ctx, ServeConfig())
+    _assert_refused(out, ctx, "L0.integrity", ["sha256 mismatch"])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("serve.max_model_len=4096", "exceeds model.seq_length"),
+    ("serve.engine=tgi", "serve.engine"),
+    ("serve.api_key_file=/nonexistent/key", "no such file"),
+])
+def test_bad_serve_config_fails_before_launch(override, message):
+    from flows.config import ConfigError, load
+
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        load(REPO / "configs" / "tiny.yaml", [override])
