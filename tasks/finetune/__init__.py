@@ -1,4 +1,4 @@
-from tasks.finetune.config import FinetuneConfig
+from tasks.finetune.config import FinetuneConfig, validate
 from tasks.stage import StageSpec
 
 STAGE = StageSpec(
@@ -7,5 +7,6 @@ STAGE = StageSpec(
     task="tasks.finetune.task:run_finetune",
     consumes=lambda cfg: "hf-safetensors",
     produces=lambda cfg: "deepspeed-zero",
+    validate=validate,
     description="DeepSpeed ZeRO supervised fine-tuning",
 )

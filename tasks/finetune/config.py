@@ -1,9 +1,85 @@
 from __future__ import annotations
 
+from typing import Literal
+
+from pydantic import Field
+
 from tasks.stage import StrictModel
 
 
-class FinetuneConfig(StrictModel):
-    """Placeholder until the finetune stage lands."""
+class ZeroConfig(StrictModel):
+    """DeepSpeed ZeRO partitioning: 1 optimizer states, 2 + gradients, 3 + parameters."""
 
-    steps: int = 10
+    stage: int = Field(2, description="ZeRO stage: 1, 2 or 3")
+    offload_optimizer: Literal["none", "cpu"] = "none"
+    offload_params: Literal["none", "cpu"] = Field("none", description="ZeRO-3 only")
+    overlap_comm: bool = False
+    contiguous_gradients: bool = True
+    reduce_bucket_size: int = Field(50_000_000, ge=1)
+    allgather_bucket_size: int = Field(50_000_000, ge=1, description="ZeRO-1/2")
+    prefetch_bucket_size: int = Field(50_000_000, ge=1, description="ZeRO-3")
+    param_persistence_threshold: int = Field(0, ge=0, description="ZeRO-3: smaller params stay unpartitioned")
+
+
+class LoraConfig(StrictModel):
+    """Optional LoRA adapters (peft); the checkpoint keeps them separate, the converter merges them."""
+
+    enabled: bool = False
+    r: int = Field(8, ge=1)
+    alpha: float = Field(16.0, gt=0)
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                               "gate_proj", "up_proj", "down_proj"])
+
+
+class FinetuneConfig(StrictModel):
+    """Supervised fine-tuning with DeepSpeed ZeRO on the data stage's instruction set (loss on answer tokens)."""
+
+    zero: ZeroConfig = ZeroConfig()
+    lora: LoraConfig = LoraConfig()
+    precision: Literal["fp32", "bf16"] = "fp32"
+    device: Literal["cpu", "cuda"] = "cpu"
+    processes: int = Field(2, description="data-parallel processes (ranks) on this host")
+    launcher: Literal["deepspeed", "torchrun"] = "deepspeed"
+    micro_batch_size: int = Field(16, description="sequences per rank per micro step")
+    gradient_accumulation_steps: int = 1
+    steps: int = Field(150, description="optimizer steps")
+    lr: float = Field(3e-3, gt=0)
+    optimizer: Literal["torch_adamw", "deepspeed_adamw"] = Field(
+        "torch_adamw", description="torch AdamW (no JIT build) or DeepSpeed's FusedAdam / DeepSpeedCPUAdam with offload")
+    lr_schedule: Literal["constant", "cosine"] = "cosine"
+    warmup_steps: int = Field(10, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine: final lr / peak lr")
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, ge=0, description="0 disables clipping")
+    max_seq_length: int | None = Field(None, description="default: the model's seq_length")
+    checkpoint_every: int = Field(50, description="steps between checkpoints (the last step always saves)")
+    keep_checkpoints: int = Field(2, ge=1, description="newest complete checkpoints kept while training")
+    eval_max_new_tokens: int = Field(16, ge=1)
+    log_every: int = Field(1, ge=1)
+    master_port: int = Field(0, ge=0, le=65535, description="0: pick a free port")
+    timeout_s: float = Field(3600, gt=0)
+
+
+def validate(cfg: FinetuneConfig, pipeline=None) -> list[str]:
+    """Problems found before anything launches, each naming its key."""
+    errors = []
+    z = cfg.zero
+    if z.stage not in (1, 2, 3):
+        errors.append(f"finetune.zero.stage: {z.stage} is not a ZeRO stage (1, 2 or 3)")
+    if z.offload_params != "none" and z.stage != 3:
+        errors.append(f"finetune.zero.offload_params: parameter offload needs ZeRO stage 3 (stage is {z.stage})")
+    for key in ("processes", "micro_batch_size", "gradient_accumulation_steps", "steps", "checkpoint_every"):
+        if getattr(cfg, key) < 1:
+            errors.append(f"finetune.{key}: must be a positive integer (got {getattr(cfg, key)})")
+    if cfg.warmup_steps >= cfg.steps > 0 and cfg.lr_schedule != "constant":
+        errors.append(f"finetune.warmup_steps: {cfg.warmup_steps} leaves no steps for the {cfg.lr_schedule} decay "
+                      f"(steps is {cfg.steps})")
+    if cfg.lora.enabled and not cfg.lora.target_modules:
+        errors.append("finetune.lora.target_modules: empty")
+    if pipeline is not None:
+        seq = pipeline.model.seq_length
+        if cfg.max_seq_length is not None and not 8 <= cfg.max_seq_length <= seq:
+            errors.append(f"finetune.max_seq_length: {cfg.max_seq_length} must be between 8 and model.seq_length {seq}")
+    elif cfg.max_seq_length is not None and cfg.max_seq_length < 8:
+        errors.append(f"finetune.max_seq_length: {cfg.max_seq_length} is below 8")
+    return errors

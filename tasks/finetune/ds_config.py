@@ -1,0 +1,49 @@
+"""The DeepSpeed JSON config, generated from the stage config (and saved beside the run, so the run is reproducible)."""
+from __future__ import annotations
+
+from tasks.finetune.config import FinetuneConfig
+
+
+def zero_section(cfg: FinetuneConfig) -> dict:
+    z = cfg.zero
+    pin = cfg.device == "cuda"
+    out: dict = {"stage": z.stage, "overlap_comm": z.overlap_comm, "contiguous_gradients": z.contiguous_gradients,
+                 "reduce_bucket_size": z.reduce_bucket_size}
+    if z.stage < 3:
+        out["allgather_bucket_size"] = z.allgather_bucket_size
+    else:
+        out["stage3_prefetch_bucket_size"] = z.prefetch_bucket_size
+        out["stage3_param_persistence_threshold"] = z.param_persistence_threshold
+    if z.offload_optimizer != "none":
+        out["offload_optimizer"] = {"device": z.offload_optimizer, "pin_memory": pin}
+    if z.offload_params != "none":
+        out["offload_param"] = {"device": z.offload_params, "pin_memory": pin}
+    return out
+
+
+def scheduler_section(cfg: FinetuneConfig) -> dict:
+    warmup = max(1, cfg.warmup_steps)
+    if cfg.lr_schedule == "constant":
+        return {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": cfg.lr,
+                                               "warmup_num_steps": warmup, "warmup_type": "linear"}}
+    return {"type": "WarmupCosineLR", "params": {"total_num_steps": cfg.steps, "warmup_min_ratio": 0.0,
+                                                 "warmup_num_steps": warmup, "cos_min_ratio": cfg.min_lr_ratio,
+                                                 "warmup_type": "linear"}}
+
+
+def build(cfg: FinetuneConfig) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+        "train_batch_size": cfg.micro_batch_size * cfg.gradient_accumulation_steps * cfg.processes,
+        "gradient_clipping": cfg.grad_clip,
+        "zero_optimization": zero_section(cfg),
+        "bf16": {"enabled": cfg.precision == "bf16"},
+        "optimizer": {"type": "AdamW", "params": {
+            "lr": cfg.lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": cfg.weight_decay,
+            # torch's AdamW avoids JIT-building FusedAdam/DeepSpeedCPUAdam (minutes on CPU)
+            "torch_adam": cfg.optimizer == "torch_adamw"}},
+        "scheduler": scheduler_section(cfg),
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }

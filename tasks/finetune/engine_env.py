@@ -1,0 +1,55 @@
+"""How a DeepSpeed worker is launched here: the launcher command and an environment that pays JIT op builds once."""
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import sys
+from pathlib import Path
+
+CACHE_ROOT = Path(os.environ.get("BATON_CACHE", Path.home() / ".cache" / "baton"))
+
+
+def cpu_flags() -> str:
+    """The CPU's instruction-set flags: DeepSpeed builds its CPU ops with -march=native, so builds are keyed on them."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def torch_extensions_dir() -> Path:
+    """A stable build cache per (CPU flags, python, torch, deepspeed): ops compile once, not on every run."""
+    from importlib.metadata import version
+
+    key = "|".join([cpu_flags(), sys.version.split()[0], version("torch"), version("deepspeed")])
+    return CACHE_ROOT / "torch_extensions" / hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def worker_env(accelerator: str = "cpu") -> dict:
+    env = {"TORCH_EXTENSIONS_DIR": str(torch_extensions_dir()), "OMP_NUM_THREADS": "1"}
+    if accelerator == "cpu":
+        env["DS_ACCELERATOR"] = "cpu"
+    return env
+
+
+def deepspeed_command(python: str, script: Path, args: list[str], *, nproc: int, master_port: int) -> list[str]:
+    """The `deepspeed` launcher; --num_gpus is required even on CPU, or it starts a single process."""
+    return [python, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_port", str(master_port),
+            str(script), *args]
+
+
+def remove_shm_segments(port: int, shm_dir: Path = Path("/dev/shm")) -> list[str]:
+    """DeepSpeed's CPU shm all-reduce leaves a 66 MB segment per rank in /dev/shm, named by master address and port,
+    and never unlinks it (a RAM leak per run, and a stale segment if the port comes back). Remove this run's."""
+    removed = []
+    for p in shm_dir.glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"):
+        try:
+            p.unlink()
+            removed.append(p.name)
+        except OSError:
+            pass
+    return removed

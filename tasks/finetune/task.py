@@ -1,0 +1,133 @@
+"""Finetune stage: launch the DeepSpeed worker on N ranks, then describe and gate its checkpoint.
+
+The output folder `<work_dir>/checkpoint` is DeepSpeed's save dir (tag folders + `latest`) plus what the
+deepspeed-zero → HF converter needs beside it: config.json, tokenizer/ and the engine's probe logits. Re-running in
+the same work dir resumes from the newest complete tag.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from conversions import hf, manifest as mf, verify
+from tasks.finetune import ds_config, engine_env
+from tasks.finetune.config import FinetuneConfig, validate
+from tasks.stage import StageContext, StageOutput
+
+WORKER = Path(__file__).with_name("worker.py")
+TAG_PREFIX = "global_step"
+
+
+class FinetuneInputError(ValueError):
+    pass
+
+
+def check_inputs(ctx: StageContext, cfg: FinetuneConfig) -> None:
+    problems = validate(cfg)
+    if ctx.input is None or not (Path(ctx.input) / "config.json").exists():
+        problems.append(f"finetune: input {ctx.input} is not an HF checkpoint (no config.json)")
+    elif not mf.chat_template_present(Path(ctx.input)):
+        problems.append(f"finetune: input {ctx.input} has no chat template (tokenizer_config.json / chat_template.jinja)")
+    for split in ("train", "heldout"):
+        if ctx.data_dir is None or not (Path(ctx.data_dir) / "sft" / f"{split}.jsonl").exists():
+            problems.append(f"finetune: data {ctx.data_dir} lacks sft/{split}.jsonl (run the data stage)")
+    if problems:
+        raise FinetuneInputError("; ".join(problems))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prepare(ctx: StageContext, cfg: FinetuneConfig) -> tuple[list[str], dict, Path, int]:
+    """Write the DeepSpeed config and the worker spec into the work dir, seed the output folder, build the command."""
+    check_inputs(ctx, cfg)
+    work = Path(ctx.work_dir)
+    out = work / "checkpoint"
+    out.mkdir(parents=True, exist_ok=True)
+    hf.copy_tokenizer(Path(ctx.input), out / "tokenizer")
+    for name in ("config.json", "generation_config.json"):
+        if (Path(ctx.input) / name).exists():
+            shutil.copy2(Path(ctx.input) / name, out / name)
+    ds = ds_config.build(cfg)
+    (work / "ds_config.json").write_text(json.dumps(ds, indent=2) + "\n")
+    spec = {
+        "input": str(Path(ctx.input).resolve()), "data_dir": str(Path(ctx.data_dir).resolve()), "output": str(out),
+        "ds_config": str(work / "ds_config.json"), "device": cfg.device, "seed": ctx.seed, "steps": cfg.steps,
+        "checkpoint_every": cfg.checkpoint_every, "keep_checkpoints": cfg.keep_checkpoints,
+        "max_seq_length": cfg.max_seq_length or ctx.model.get("seq_length", 128),
+        "eval_max_new_tokens": cfg.eval_max_new_tokens, "log_every": cfg.log_every, "lora": cfg.lora.model_dump(),
+    }
+    (work / "finetune_spec.json").write_text(json.dumps(spec, indent=2) + "\n")
+    py = ctx.python("main")
+    port = cfg.master_port or free_port()
+    args = ["--spec", str(work / "finetune_spec.json")]
+    if cfg.launcher == "deepspeed":
+        cmd = engine_env.deepspeed_command(py, WORKER, args, nproc=cfg.processes, master_port=port)
+    else:
+        cmd = [py, "-m", "torch.distributed.run", "--nproc_per_node", str(cfg.processes), "--master_port", str(port),
+               str(WORKER), *args]
+    engine_env.remove_shm_segments(port)
+    return cmd, engine_env.worker_env(cfg.device), out, port
+
+
+def finalize(out: Path, ctx: StageContext, cfg: FinetuneConfig, r: dict) -> dict:
+    """Keep only the final tag (earlier ones served resumption), then write the manifest."""
+    final = (out / "latest").read_text().strip()
+    for d in out.glob(f"{TAG_PREFIX}*"):
+        if d.name != final:
+            shutil.rmtree(d)
+    config = json.loads((out / "config.json").read_text())
+    params = (mf.read(Path(ctx.input)) or {}).get("parameter_count") or hf.parameter_count(Path(ctx.input))
+    m = mf.build(
+        out, format="deepspeed-zero", stage="finetune",
+        engine={"name": "deepspeed", "launcher": cfg.launcher, **mf.engine_versions("deepspeed", "torch", "transformers")},
+        architecture=dict(ctx.model, hf_architectures=config.get("architectures")), parameter_count=params,
+        dtype="bfloat16" if cfg.precision == "bf16" else "float32", parent=mf.parent_ref(Path(ctx.input)),
+        extra={"zero_stage": cfg.zero.stage, "world_size": r.get("world_size", cfg.processes), "tag": final,
+               "step": r.get("steps"), "lora": cfg.lora.model_dump() if cfg.lora.enabled else None,
+               "deepspeed_config": json.loads((Path(ctx.work_dir) / "ds_config.json").read_text())},
+        tokenizer_dir=out / "tokenizer")
+    mf.write(out, m)
+    return m
+
+
+def gate(out: Path, before: float, after: float) -> dict:
+    checks = verify.integrity(out)
+    checks.append(verify.check("eval.heldout_exact_match", after > before,
+                               f"held-out exact match {before:.3f} → {after:.3f}"
+                               + ("" if after > before else " (must improve over the input checkpoint)")))
+    return verify.report(checks)
+
+
+@task(name="finetune", cache_policy=NO_CACHE)
+def run_finetune(ctx: StageContext, cfg: FinetuneConfig) -> StageOutput:
+    cmd, env, out, port = prepare(ctx, cfg)
+    try:
+        res = ctx.launch(cmd, name="finetune", env=env, timeout=cfg.timeout_s)
+    finally:
+        engine_env.remove_shm_segments(port)
+    r = res.results()
+    m = finalize(out, ctx, cfg, r)
+    before, after = float(r["before"]), float(r["after"])
+    metric_events = res.metrics()
+    last = metric_events[-1] if metric_events else {}
+    return StageOutput(
+        output=out, engine="deepspeed", backend=f"ZeRO-{cfg.zero.stage} x{r.get('world_size', cfg.processes)} "
+                                                f"{cfg.device} {cfg.precision}",
+        gate=gate(out, before, after),
+        metrics={"loss_first": metric_events[0].get("loss") if metric_events else None, "loss_last": last.get("loss"),
+                 "heldout_exact_match_before": before, "heldout_exact_match_after": after,
+                 "peak_mem_mb_max": r.get("peak_mem_mb"), "resumed_from_step": r.get("resumed_from"),
+                 "step_time_s_last": last.get("step_time_s"), "tokens_per_s_last": last.get("tokens_per_s"),
+                 "seconds": round(res.seconds, 2)},
+        eval={"metric": "heldout_exact_match", "before": before, "after": after},
+        extra={"zero": m["extra"]["deepspeed_config"]["zero_optimization"], "deepspeed_config":
+               m["extra"]["deepspeed_config"], "tag": m["extra"]["tag"], "samples": r.get("samples")})

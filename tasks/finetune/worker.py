@@ -1,0 +1,353 @@
+"""DeepSpeed ZeRO supervised fine-tuning, one process per rank.
+
+    deepspeed --num_gpus N tasks/finetune/worker.py --spec <work_dir>/finetune_spec.json     (or torchrun)
+
+The recipe, top to bottom: read the spec and the DeepSpeed JSON config; build the model (inside zero.Init for ZeRO-3)
+and load the input HF weights; tokenize the instruction set with the checkpoint's chat template (loss on the answer
+and its closing eos only); score held-out exact match; resume from the newest complete checkpoint; train, saving a
+checkpoint every N steps (a tag counts only once every rank finished writing it); score again; write the probe
+logits of the in-memory model. Rank 0 prints @@baton events (metrics, checkpoints, the result).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import time
+from pathlib import Path
+
+T_START = time.time()
+
+import deepspeed  # noqa: E402  (imports dominate start-up on small CPUs: timed below)
+import torch
+import torch.distributed as dist
+from transformers import AutoConfig, AutoTokenizer
+
+from conversions import events, hf, probe
+
+COMPLETE = "baton_complete.json"
+TAG_PREFIX = "global_step"
+IGNORE = -100
+
+
+# ---- data ----------------------------------------------------------------------------------------------------------
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def prompt_text(tok, instruction: str) -> str:
+    return tok.apply_chat_template([{"role": "user", "content": instruction}], add_generation_prompt=True,
+                                   tokenize=False)
+
+
+def encode(tok, row: dict, max_len: int) -> tuple[list[int], list[int]] | None:
+    """Token ids and labels: the prompt (chat template up to the assistant turn) is masked, the answer and its
+    closing eos are learned. None when the example does not fit in max_len."""
+    prompt = prompt_text(tok, row["instruction"])
+    full = tok.apply_chat_template([{"role": "user", "content": row["instruction"]},
+                                    {"role": "assistant", "content": row["answer"]}], tokenize=False)
+    if not full.startswith(prompt):
+        raise ValueError("the chat template renders the prompt differently with and without the answer")
+    completion = full[len(prompt):]
+    end = completion.find(tok.eos_token)
+    if end < 0:
+        raise ValueError(f"the chat template does not close the assistant turn with eos {tok.eos_token!r}")
+    prompt_ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    answer_ids = tok(completion[:end + len(tok.eos_token)], add_special_tokens=False)["input_ids"]
+    ids = prompt_ids + answer_ids
+    if len(ids) > max_len:
+        return None
+    return ids, [IGNORE] * len(prompt_ids) + answer_ids
+
+
+def sample_ids(n: int, seed: int, position: int, count: int, cache: dict) -> list[int]:
+    """Examples at global positions [position, position+count) of an endless sequence of seeded epoch shuffles.
+    A pure function of the position, so a resumed run sees exactly the batches an uninterrupted one would."""
+    out = []
+    for pos in range(position, position + count):
+        epoch, i = divmod(pos, n)
+        if epoch not in cache:
+            cache[epoch] = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
+        out.append(cache[epoch][i])
+    return out
+
+
+def collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> dict:
+    width = max(len(ids) for ids, _ in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for i, (x, y) in enumerate(examples):
+        ids[i, :len(x)] = torch.tensor(x)
+        labels[i, :len(y)] = torch.tensor(y)
+        mask[i, :len(x)] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+# ---- model ---------------------------------------------------------------------------------------------------------
+def model_class(config):
+    """The HF class named by config.json, imported here: importing it inside zero.Init (which patches
+    torch.Tensor.__new__) breaks torch._dynamo's import with a signature mismatch."""
+    import transformers
+
+    for name in config.architectures or []:
+        if hasattr(transformers, name):
+            return getattr(transformers, name)
+    raise SystemExit(f"config.json architectures {config.architectures} names no transformers class")
+
+
+def build_model(input_dir: Path, ds_config: dict, zero3: bool):
+    from transformers.initialization import no_init_weights
+
+    config = AutoConfig.from_pretrained(str(input_dir))
+    cls = model_class(config)
+    # Random init is skipped: every weight is loaded below (and HF init cannot index ZeRO-3's empty partitions).
+    # Each parameter is partitioned as soon as its module is built (ZeRO-3): no rank ever holds the whole model.
+    with deepspeed.zero.Init(config_dict_or_path=ds_config, enabled=zero3), no_init_weights():
+        model = cls(config)
+        if getattr(config, "tie_word_embeddings", False):
+            model.tie_weights()
+    load_hf_weights(model, input_dir, zero3)
+    return model
+
+
+def load_hf_weights(model, input_dir: Path, zero3: bool) -> None:
+    """Copy the input checkpoint into the model tensor by tensor (memory mapped; ZeRO-3: gathered one at a time)."""
+    params = dict(model.named_parameters())
+    loaded = set()
+    for name, tensor in hf.iter_tensors(input_dir):
+        if name not in params:
+            if getattr(model.config, "tie_word_embeddings", False) and name.endswith("lm_head.weight"):
+                continue
+            raise KeyError(f"{input_dir}: tensor {name} has no parameter in {type(model).__name__}")
+        p = params[name]
+        if zero3:
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
+                if dist.get_rank() == 0:
+                    p.data.copy_(tensor)
+        else:
+            with torch.no_grad():
+                p.copy_(tensor)
+        loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise KeyError(f"{input_dir}: no weights for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+
+def add_lora(model, lora: dict):
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=0.0,
+                                            target_modules=lora["target_modules"], bias="none"))
+
+
+def param_groups(model, weight_decay: float) -> list[dict]:
+    """Matrices decay, vectors (norms, biases) do not: two optimizer groups."""
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    return [g for g in ({"params": decay, "weight_decay": weight_decay},
+                        {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+
+
+# ---- evaluation ----------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def heldout_exact_match(model, tok, rows: list[dict], max_new_tokens: int, synced: bool) -> tuple[float, list]:
+    """Greedy decode each held-out instruction; exact string match with the answer. Prompts of equal length are
+    batched (no padding, so positions match training). Every rank runs the same calls (ZeRO-3 gathers inside)."""
+    was_training = model.training
+    model.eval()
+    by_len: dict[int, list[int]] = {}
+    prompts = [tok(prompt_text(tok, r["instruction"]), add_special_tokens=False)["input_ids"] for r in rows]
+    for i, p in enumerate(prompts):
+        by_len.setdefault(len(p), []).append(i)
+    outputs: dict[int, str] = {}
+    for length in sorted(by_len):
+        idx = by_len[length]
+        ids = torch.tensor([prompts[i] for i in idx])
+        gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                             synced_gpus=synced)
+        for j, i in enumerate(idx):
+            outputs[i] = tok.decode(gen[j, length:], skip_special_tokens=True).strip()
+    model.train(was_training)
+    hits = [outputs[i] == rows[i]["answer"].strip() for i in range(len(rows))]
+    samples = [{"instruction": rows[i]["instruction"], "answer": rows[i]["answer"], "output": outputs[i]}
+               for i in range(min(3, len(rows)))]
+    return sum(hits) / max(1, len(rows)), samples
+
+
+@torch.no_grad()
+def probe_logits(model, vocab_size: int):
+    was_training = model.training
+    model.eval()
+    ids = probe.probe_input_ids(vocab_size)
+    logits = model(input_ids=ids).logits.float()
+    model.train(was_training)
+    return ids, logits
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------------------------
+def complete_tags(ckpt_dir: Path) -> list[tuple[int, str]]:
+    """(step, tag) of every checkpoint whose save finished on all ranks, oldest first."""
+    out = []
+    for d in ckpt_dir.glob(f"{TAG_PREFIX}*"):
+        if (d / COMPLETE).exists():
+            out.append((json.loads((d / COMPLETE).read_text())["step"], d.name))
+    return sorted(out)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def save(engine, ckpt_dir: Path, step: int, keep: int, rank: int, facts: dict) -> None:
+    tag = f"{TAG_PREFIX}{step}"
+    if rank == 0 and (ckpt_dir / tag).exists():
+        shutil.rmtree(ckpt_dir / tag)  # an unfinished save of this step from an interrupted attempt
+    dist.barrier()
+    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"baton_step": step}, save_latest=False)
+    dist.barrier()  # every rank's partitions are on disk: only now does the tag count
+    if rank == 0:
+        write_atomic(ckpt_dir / tag / COMPLETE, json.dumps({"step": step, **facts}))
+        write_atomic(ckpt_dir / "latest", tag)
+        for _, old in complete_tags(ckpt_dir)[:-keep]:
+            shutil.rmtree(ckpt_dir / old)
+        events.emit("checkpoint", step=step, tag=tag)
+    dist.barrier()
+
+
+def resume(engine, ckpt_dir: Path, rank: int, facts: dict) -> int:
+    """Load the newest complete checkpoint; drop unfinished ones. Returns the step to continue from."""
+    tags = complete_tags(ckpt_dir)
+    dist.barrier()
+    if rank == 0:
+        done = {t for _, t in tags}
+        for d in ckpt_dir.glob(f"{TAG_PREFIX}*"):
+            if d.name not in done:
+                shutil.rmtree(d)
+    dist.barrier()
+    if not tags:
+        return 0
+    step, tag = tags[-1]
+    saved = json.loads((ckpt_dir / tag / COMPLETE).read_text())
+    for key in ("world_size", "zero_stage"):
+        if saved.get(key) != facts[key]:
+            raise SystemExit(f"cannot resume {ckpt_dir / tag}: saved with {key}={saved.get(key)}, "
+                             f"this run has {key}={facts[key]} (start in a fresh work dir)")
+    _, client = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=True,
+                                       load_lr_scheduler_states=True)
+    if client is None:
+        raise SystemExit(f"{ckpt_dir / tag}: DeepSpeed could not load the checkpoint")
+    return int(client["baton_step"])
+
+
+# ---- main ----------------------------------------------------------------------------------------------------------
+def peak_memory_mb(device: str) -> float:
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--spec", type=Path, required=True)
+    ap.add_argument("--local_rank", type=int, default=None)  # passed by the deepspeed launcher
+    args = ap.parse_args()
+    spec = json.loads(args.spec.read_text())
+    ds_config = json.loads(Path(spec["ds_config"]).read_text())
+    device = spec["device"]
+
+    timings = {"imports_s": time.time() - T_START}
+    t = time.time()
+    deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo")
+    timings["init_distributed_s"] = time.time() - t
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    torch.manual_seed(spec["seed"])
+    stage = ds_config["zero_optimization"]["stage"]
+    facts = {"world_size": world, "zero_stage": stage}
+
+    input_dir, data_dir, ckpt_dir = Path(spec["input"]), Path(spec["data_dir"]), Path(spec["output"])
+    tok = AutoTokenizer.from_pretrained(str(input_dir))
+    train_rows = read_jsonl(data_dir / "sft" / "train.jsonl")
+    heldout = read_jsonl(data_dir / "sft" / "heldout.jsonl")
+    train = [e for e in (encode(tok, r, spec["max_seq_length"]) for r in train_rows) if e is not None]
+    if not train:
+        raise SystemExit(f"no training example fits in max_seq_length {spec['max_seq_length']}")
+
+    t = time.time()
+    model = build_model(input_dir, ds_config, zero3=stage == 3)
+    if spec["lora"]["enabled"]:
+        model = add_lora(model, spec["lora"])
+    groups = param_groups(model, ds_config["optimizer"]["params"]["weight_decay"])
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config)
+    timings["model_and_engine_s"] = time.time() - t
+    dev = engine.device
+    vocab = engine.module.config.vocab_size
+
+    t = time.time()
+    before, _ = heldout_exact_match(engine.module, tok, heldout, spec["eval_max_new_tokens"], synced=stage == 3)
+    timings["eval_before_s"] = time.time() - t
+    start = resume(engine, ckpt_dir, rank, facts)
+    if rank == 0:
+        print(f"rank 0: {len(train)} training examples, {len(heldout)} held out; exact match before {before:.3f}; "
+              f"ZeRO-{stage}, {world} ranks, starting at step {start}; start-up "
+              + ", ".join(f"{k} {v:.1f}" for k, v in timings.items()), flush=True)
+        events.emit("result", before=before, resumed_from=start, train_examples=len(train), world_size=world,
+                    zero_stage=stage)
+
+    t_train = time.time()
+    steps, mb, ga = spec["steps"], ds_config["train_micro_batch_size_per_gpu"], ds_config["gradient_accumulation_steps"]
+    order_cache: dict = {}
+    engine.train()
+    for step in range(start, steps):
+        t0 = time.time()
+        loss_sum, tokens = 0.0, 0
+        for micro in range(ga):
+            position = ((step * ga + micro) * world + rank) * mb
+            batch = collate([train[i] for i in sample_ids(len(train), spec["seed"], position, mb, order_cache)],
+                            tok.pad_token_id)
+            tokens += int(batch["attention_mask"].sum())
+            loss = engine(**{k: v.to(dev) for k, v in batch.items()}).loss
+            engine.backward(loss)
+            engine.step()
+            loss_sum += loss.item()
+        step_time = time.time() - t0
+        done = step + 1
+        if done % spec["log_every"] == 0 or done == steps:
+            stats = torch.zeros(2 + world, dtype=torch.float64)
+            stats[0], stats[1], stats[2 + rank] = loss_sum / ga, tokens, peak_memory_mb(device)
+            dist.all_reduce(stats)  # gloo has no AVG: sum, then divide
+            if rank == 0:
+                mem = {f"peak_mem_mb_rank{r}": stats[2 + r].item() for r in range(world)}
+                events.metric(done, loss=stats[0].item() / world, lr=engine.get_lr()[0],
+                              tokens_per_s=stats[1].item() / step_time, step_time_s=step_time,
+                              peak_mem_mb_max=max(mem.values()), **mem)
+                events.progress(done, steps)
+        if done % spec["checkpoint_every"] == 0 or done == steps:
+            save(engine, ckpt_dir, done, spec["keep_checkpoints"], rank, facts)
+
+    if start >= steps and rank == 0:
+        print(f"rank 0: checkpoint at step {start} already complete; nothing to train", flush=True)
+    timings["train_s"] = time.time() - t_train
+    after, samples = heldout_exact_match(engine.module, tok, heldout, spec["eval_max_new_tokens"], synced=stage == 3)
+    ids, logits = probe_logits(engine.module, vocab)
+    final_tag = complete_tags(ckpt_dir)[-1][1]
+    if rank == 0:
+        probe.save_reference(ckpt_dir, ids, logits, source=f"deepspeed ZeRO-{stage} engine, {final_tag}")
+        if spec["lora"]["enabled"]:  # how the converter merges the adapters (r, lora_alpha, ...)
+            engine.module.peft_config["default"].save_pretrained(str(ckpt_dir))
+        events.emit("result", after=after, samples=samples, tag=final_tag, steps=steps, timings=timings,
+                    peak_mem_mb=peak_memory_mb(device))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
