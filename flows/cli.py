@@ -138,6 +138,60 @@ def cmd_runs(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    """Serve a registered model (name@champion, name/3) or a checkpoint folder on its own, outside a pipeline."""
+    import datetime as _dt
+
+    from flows.config import ConfigError, load
+    from tasks import tracking
+    from tasks.serve.task import serve
+    from tasks.stage import StageContext
+
+    overrides = [f"serve.engine={args.engine}", *args.set] + ([f"serve.port={args.port}"] if args.port else [])
+    try:
+        cfg = load(args.config, overrides)
+    except ConfigError as e:
+        print(f"baton serve: {e}", file=sys.stderr)
+        return 2
+    registered = cfg.tracking.registered_model
+    if Path(args.ref).exists():
+        path = Path(args.ref).resolve()
+    else:
+        try:
+            path, registered, _ = tracking.resolve_model_ref(args.ref)
+        except Exception as e:
+            print(f"baton serve: {args.ref}: neither a folder nor a registered model (name@alias, name/version): {e}",
+                  file=sys.stderr)
+            return 2
+    work = tracking.baton_home() / "serve" / _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    ctx = StageContext(stage="serve", run_id=work.name, run_dir=work, work_dir=work, model=cfg.model.model_dump(),
+                       seed=cfg.seed, data_dir=Path(args.data_dir).resolve() if args.data_dir else None, input=path,
+                       input_format="hf-safetensors", runtimes={k: v.model_dump() for k, v in cfg.runtimes.items()},
+                       tracking={**cfg.tracking.model_dump(), "registered_model": registered})
+    serve_cfg = cfg.serve.model_copy(update={"promote": args.promote,
+                                             "lm_eval": cfg.serve.lm_eval.model_copy(update={"enabled": args.eval})})
+    out = serve(ctx, serve_cfg, hold=not args.check_only)
+    from conversions import verify
+
+    print(verify.format_report(out.gate))
+    if out.extra.get("champion"):
+        ch = out.extra["champion"]
+        print(f"champion: {ch['name']} version {ch['version']}")
+    return 0 if out.gate["passed"] else 1
+
+
+def cmd_rollback(args) -> int:
+    from tasks import tracking
+
+    try:
+        res = tracking.rollback_champion(tracking.client(), args.name)
+    except Exception as e:
+        print(f"baton rollback: {e}", file=sys.stderr)
+        return 1
+    print(f"{res['name']}: champion moved back from version {res['from']} to version {res['to']}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="baton", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -167,6 +221,20 @@ def build_parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("runs", help="list recent runs")
     ls.add_argument("--limit", type=int, default=20)
     ls.set_defaults(fn=cmd_runs)
+    sv = sub.add_parser("serve", help="serve name@champion or a checkpoint folder (vLLM or SGLang) until Ctrl-C")
+    sv.add_argument("ref", help="checkpoint folder, name@alias or name/version")
+    sv.add_argument("--engine", choices=["vllm", "sglang"], default="vllm")
+    sv.add_argument("--port", type=int, default=0)
+    sv.add_argument("--config", default=None, help="YAML whose serve/tracking/runtimes sections apply")
+    sv.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. serve.dtype=bfloat16")
+    sv.add_argument("--data-dir", help="data stage output: enables the held-out lm-eval task")
+    sv.add_argument("--eval", action="store_true", help="run lm-eval against the server before serving")
+    sv.add_argument("--promote", action="store_true", help="move `champion` here when every check passes")
+    sv.add_argument("--check-only", action="store_true", help="run the smoke checks, then stop the server")
+    sv.set_defaults(fn=cmd_serve)
+    rb = sub.add_parser("rollback", help="move the `champion` alias back to the version it replaced")
+    rb.add_argument("name", help="registered model name")
+    rb.set_defaults(fn=cmd_rollback)
     return ap
 
 
