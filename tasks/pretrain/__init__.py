@@ -1,4 +1,4 @@
-from tasks.pretrain.config import PretrainConfig
+from tasks.pretrain.config import PretrainConfig, validate
 from tasks.stage import StageSpec
 
 STAGE = StageSpec(
@@ -8,5 +8,6 @@ STAGE = StageSpec(
     consumes=lambda cfg: "megatron-dist",
     produces=lambda cfg: "megatron-dist",
     input_required=False,
+    validate=validate,
     description="Megatron-Core GPT pretraining (TP/PP/DP), distributed checkpoints, resume",
 )

@@ -1,0 +1,324 @@
+"""Megatron-Core dist checkpoints (torch_dist) ⇄ Hugging Face `LlamaForCausalLM` safetensors.
+
+A torch_dist checkpoint stores every weight as one global tensor (whatever TP/PP layout wrote it), transformer layers
+stacked on a leading axis: `decoder.layers.self_attention.linear_qkv.weight` is [layers, (heads + 2·groups)·head_dim,
+hidden]. We read it with torch.distributed.checkpoint one layer slice at a time, so the conversion never holds more
+than one layer plus one output shard; no process group and no megatron import are needed.
+
+Megatron layouts that differ from HF:
+- linear_qkv interleaves per query group: [q heads of the group | k | v] for each group;
+- linear_fc1 is [gate; up] (SwiGLU);
+- embedding and output rows are padded (to a multiple of make_vocab_size_divisible_by × TP): rows past the
+  tokenizer's vocabulary are dropped on export and zero-filled on import;
+- layer norms live under the TE names (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`) for both the
+  local and the Transformer Engine layer specs.
+"""
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from pathlib import Path
+
+from . import hf, manifest as mf, probe
+
+EMBEDDING = "embedding.word_embeddings.weight"
+FINAL_NORM = "decoder.final_layernorm.weight"
+OUTPUT = "output_layer.weight"
+LAYER = {
+    "input_norm": "decoder.layers.self_attention.linear_qkv.layer_norm_weight",
+    "qkv": "decoder.layers.self_attention.linear_qkv.weight",
+    "proj": "decoder.layers.self_attention.linear_proj.weight",
+    "mlp_norm": "decoder.layers.mlp.linear_fc1.layer_norm_weight",
+    "fc1": "decoder.layers.mlp.linear_fc1.weight",
+    "fc2": "decoder.layers.mlp.linear_fc2.weight",
+}
+COMMON_FILE = "common.pt"
+METADATA_FILE = "metadata.json"
+TORCH_DIST_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                       "common_backend": "torch", "common_backend_version": 1}
+ARCH_KEY = "baton_architecture"   # common.pt entry: the checkpoint describes its own architecture
+PROBE_MAX_PARAMS = 2_000_000_000  # from_hf computes the HF model's probe logits up to this size (one fp32 copy)
+
+
+class MegatronCheckpointError(ValueError):
+    pass
+
+
+def padded_vocab_size(vocab: int, divisible_by: int = 128, tp: int = 1) -> int:
+    """Megatron's rule: embedding rows padded up to a multiple of divisible_by × TP."""
+    multiple = divisible_by * tp
+    return int(math.ceil(vocab / multiple) * multiple)
+
+
+def is_dist_checkpoint(root: Path) -> bool:
+    root = Path(root)
+    return (root / ".metadata").exists() and (root / METADATA_FILE).exists()
+
+
+def read_common(root: Path) -> dict:
+    import torch
+
+    path = Path(root) / COMMON_FILE
+    return torch.load(str(path), map_location="cpu", weights_only=False) if path.exists() else {}
+
+
+def architecture(root: Path) -> dict:
+    """The architecture a checkpoint was written with: common.pt first, then the manifest."""
+    arch = dict(read_common(root).get(ARCH_KEY) or {})
+    if not arch:
+        m = mf.read(root) or {}
+        arch = dict(m.get("architecture") or {})
+    missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size")
+               if k not in arch]
+    if missing:
+        raise MegatronCheckpointError(f"{root}: architecture lacks {missing} (neither {COMMON_FILE} nor the manifest "
+                                      "describe the model)")
+    arch.setdefault("num_query_groups", arch["num_attention_heads"])
+    return arch
+
+
+class DistReader:
+    """Read slices of the global tensors of a torch_dist checkpoint, one request at a time."""
+
+    def __init__(self, root: Path):
+        from torch.distributed.checkpoint import FileSystemReader
+
+        self.root = Path(root)
+        if not is_dist_checkpoint(self.root):
+            raise MegatronCheckpointError(f"{root}: not a Megatron torch_dist checkpoint (.metadata / {METADATA_FILE})")
+        backend = json.loads((self.root / METADATA_FILE).read_text()).get("sharded_backend")
+        if backend != "torch_dist":
+            raise MegatronCheckpointError(f"{root}: sharded backend {backend!r}; only torch_dist is supported")
+        self.metadata = FileSystemReader(str(self.root)).read_metadata()
+
+    def shape(self, key: str) -> tuple[int, ...] | None:
+        md = self.metadata.state_dict_metadata.get(key)
+        return tuple(md.size) if md is not None and hasattr(md, "size") else None
+
+    def dtype(self, key: str):
+        return self.metadata.state_dict_metadata[key].properties.dtype
+
+    def read(self, requests: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]) -> dict:
+        """{key: (offsets, sizes)} -> {key: tensor of that box of the global tensor}."""
+        import torch
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemReader
+
+        for key in requests:
+            if self.shape(key) is None:
+                raise MegatronCheckpointError(f"{self.root}: no tensor {key!r} in the checkpoint")
+        out = {k: torch.empty(sizes, dtype=self.dtype(k)) for k, (_, sizes) in requests.items()}
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(out, storage_reader=FileSystemReader(str(self.root)), planner=_BoxPlanner(requests), no_dist=True)
+        return out
+
+    def read_full(self, key: str):
+        shape = self.shape(key)
+        return self.read({key: ((0,) * len(shape), shape)})[key]
+
+    def read_layer(self, key: str, layer: int):
+        shape = self.shape(key)
+        box = ((layer,) + (0,) * (len(shape) - 1), (1,) + shape[1:])
+        return self.read({key: box})[key][0]
+
+
+def _BoxPlanner(boxes):
+    import torch
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.planner import LoadPlan
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    class BoxPlanner(DefaultLoadPlanner):
+        """Load a box (offsets, sizes) of each global tensor into a plain tensor of the box's shape."""
+
+        def create_local_plan(self) -> LoadPlan:
+            items = []
+            for fqn, (offsets, sizes) in boxes.items():
+                chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+                items += create_read_items_for_chunk_list(fqn, self.metadata.state_dict_metadata[fqn], [chunk])
+            return LoadPlan(items)
+
+        def lookup_tensor(self, index):
+            return self.state_dict[index.fqn]  # read items' offsets are relative to the box already
+
+    return BoxPlanner()
+
+
+# ---- Megatron → HF ----------------------------------------------------------------------------------------------
+def split_qkv(qkv, heads: int, groups: int, head_dim: int):
+    """[groups·(heads/groups + 2)·head_dim, hidden] → q [heads·d, h], k [groups·d, h], v [groups·d, h]."""
+    per = heads // groups
+    hidden = qkv.shape[-1]
+    g = qkv.reshape(groups, (per + 2) * head_dim, hidden)
+    q = g[:, : per * head_dim].reshape(heads * head_dim, hidden)
+    k = g[:, per * head_dim: (per + 1) * head_dim].reshape(groups * head_dim, hidden)
+    v = g[:, (per + 1) * head_dim:].reshape(groups * head_dim, hidden)
+    return q, k, v
+
+
+def merge_qkv(q, k, v, heads: int, groups: int, head_dim: int):
+    import torch
+
+    per = heads // groups
+    hidden = q.shape[-1]
+    return torch.cat([q.reshape(groups, per * head_dim, hidden), k.reshape(groups, head_dim, hidden),
+                      v.reshape(groups, head_dim, hidden)], dim=1).reshape(-1, hidden)
+
+
+def _tokenizer_ids(tok_dir: Path) -> dict:
+    ids = {}
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(tok_dir))
+        ids = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+    except Exception:  # no tokenizer: the config simply has no special ids
+        pass
+    return {k: v for k, v in ids.items() if v is not None}
+
+
+def to_hf(src: Path, dst: Path, *, max_shard_bytes: int = 2 << 30) -> dict:
+    """Any TP/PP layout → one HF folder: weights, config.json, generation config, tokenizer and chat template."""
+    src, dst = Path(src), Path(dst)
+    r = DistReader(src)
+    arch = architecture(src)
+    heads, groups, hidden = arch["num_attention_heads"], arch["num_query_groups"], arch["hidden_size"]
+    head_dim = arch.get("kv_channels") or hidden // heads
+    vocab = int(arch["vocab_size"])
+    emb_shape = r.shape(EMBEDDING)
+    if emb_shape is None:
+        raise MegatronCheckpointError(f"{src}: no {EMBEDDING}")
+    padded = emb_shape[0]
+    if padded < vocab:
+        raise MegatronCheckpointError(f"{src}: embedding has {padded} rows, fewer than the vocabulary ({vocab})")
+    layers = r.shape(LAYER["qkv"])[0]
+    if layers != arch["num_layers"]:
+        raise MegatronCheckpointError(f"{src}: {layers} layers in the weights, {arch['num_layers']} in the architecture")
+    tied = bool(arch.get("tie_word_embeddings", False))
+    if not tied and r.shape(OUTPUT) is None:
+        raise MegatronCheckpointError(f"{src}: untied embeddings but no {OUTPUT} in the checkpoint")
+
+    w = hf.ShardedWriter(dst, max_shard_bytes)
+    rows = ((0, 0), (vocab, hidden))  # the tokenizer's rows only: padding is dropped here
+    w.add("model.embed_tokens.weight", r.read({EMBEDDING: rows})[EMBEDDING])
+    for i in range(layers):
+        t = r.read({key: ((i,) + (0,) * (len(r.shape(key)) - 1), (1,) + r.shape(key)[1:]) for key in LAYER.values()})
+        t = {role: t[key][0] for role, key in LAYER.items()}
+        q, k, v = split_qkv(t["qkv"], heads, groups, head_dim)
+        gate, up = t["fc1"].chunk(2, dim=0)
+        p = f"model.layers.{i}."
+        w.add(p + "input_layernorm.weight", t["input_norm"])
+        w.add(p + "self_attn.q_proj.weight", q)
+        w.add(p + "self_attn.k_proj.weight", k)
+        w.add(p + "self_attn.v_proj.weight", v)
+        w.add(p + "self_attn.o_proj.weight", t["proj"])
+        w.add(p + "post_attention_layernorm.weight", t["mlp_norm"])
+        w.add(p + "mlp.gate_proj.weight", gate)
+        w.add(p + "mlp.up_proj.weight", up)
+        w.add(p + "mlp.down_proj.weight", t["fc2"])
+    w.add("model.norm.weight", r.read_full(FINAL_NORM))
+    if not tied:
+        w.add("lm_head.weight", r.read({OUTPUT: rows})[OUTPUT])
+    w.close()
+
+    tok_src = src / "tokenizer"
+    dtype = str(r.dtype(EMBEDDING)).replace("torch.", "")
+    config = hf.llama_config({**arch, "num_layers": layers}, vocab_size=vocab, **_tokenizer_ids(tok_src))
+    config.dtype = dtype
+    hf.write_config_and_generation(dst, config)
+    copied = hf.copy_tokenizer(tok_src, dst) if tok_src.exists() else []
+    return {"parameter_count": hf.parameter_count(dst), "dtype": dtype, "vocab_size": vocab,
+            "padded_vocab_size": padded, "padding_rows_removed": padded - vocab, "tied_embeddings": tied,
+            "tokenizer_files": copied}
+
+
+# ---- HF → Megatron ----------------------------------------------------------------------------------------------
+def hf_architecture(config: dict) -> dict:
+    heads = config["num_attention_heads"]
+    return {
+        "num_layers": config["num_hidden_layers"], "hidden_size": config["hidden_size"],
+        "num_attention_heads": heads, "num_query_groups": config.get("num_key_value_heads") or heads,
+        "ffn_hidden_size": config["intermediate_size"], "seq_length": config.get("max_position_embeddings", 2048),
+        "vocab_size": config["vocab_size"], "tie_word_embeddings": bool(config.get("tie_word_embeddings", False)),
+        "rope_theta": float(config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+        "norm_eps": config.get("rms_norm_eps", 1e-5), "init_std": config.get("initializer_range", 0.02),
+        "kv_channels": config.get("head_dim") or config["hidden_size"] // heads,
+    }
+
+
+def from_hf(src: Path, dst: Path, *, max_shard_bytes: int = 2 << 30, divisible_by: int = 128) -> dict:
+    """HF Llama folder → a weights-only torch_dist checkpoint a Megatron run can start from (any TP/PP layout)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from safetensors import safe_open
+
+    src, dst = Path(src), Path(dst)
+    config = json.loads((src / "config.json").read_text())
+    archs = config.get("architectures") or []
+    if not any(a in ("LlamaForCausalLM", "MistralForCausalLM") for a in archs):
+        raise MegatronCheckpointError(f"{src}: architectures {archs}: only Llama-style models convert to Megatron")
+    arch = hf_architecture(config)
+    heads, groups, head_dim = arch["num_attention_heads"], arch["num_query_groups"], arch["kv_channels"]
+    layers, vocab, hidden = arch["num_layers"], arch["vocab_size"], arch["hidden_size"]
+    padded = padded_vocab_size(vocab, divisible_by)
+    arch["padded_vocab_size"] = padded
+    dst.mkdir(parents=True, exist_ok=True)
+
+    n_params = hf.parameter_count(src)
+    if n_params <= PROBE_MAX_PARAMS:  # the HF model's logits, for the L2 check of whoever loads this checkpoint
+        ids = probe.probe_input_ids(vocab)
+        probe.save_reference(dst, ids, probe.hf_logits(src, ids, "float32"), source=f"transformers {archs[0]} {src}")
+
+    handles = {}
+    for f in hf.safetensors_files(src):
+        h = safe_open(str(f), framework="pt")
+        for name in h.keys():
+            handles[name] = h
+
+    def get(name):
+        if name not in handles:
+            raise MegatronCheckpointError(f"{src}: no tensor {name!r}")
+        return handles[name].get_tensor(name)
+
+    embed = get("model.embed_tokens.weight")
+    dtype = embed.dtype
+
+    def padded_rows(t):
+        out = torch.zeros((padded, hidden), dtype=dtype)
+        out[:vocab] = t
+        return out
+
+    state = {EMBEDDING: padded_rows(embed), FINAL_NORM: get("model.norm.weight")}
+    del embed
+    if not arch["tie_word_embeddings"]:
+        state[OUTPUT] = padded_rows(get("lm_head.weight"))
+    stacked = {role: None for role in LAYER}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        per = {
+            "input_norm": get(p + "input_layernorm.weight"),
+            "qkv": merge_qkv(get(p + "self_attn.q_proj.weight"), get(p + "self_attn.k_proj.weight"),
+                             get(p + "self_attn.v_proj.weight"), heads, groups, head_dim),
+            "proj": get(p + "self_attn.o_proj.weight"),
+            "mlp_norm": get(p + "post_attention_layernorm.weight"),
+            "fc1": torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")], dim=0),
+            "fc2": get(p + "mlp.down_proj.weight"),
+        }
+        for role, t in per.items():
+            if stacked[role] is None:
+                stacked[role] = torch.empty((layers, *t.shape), dtype=t.dtype)
+            stacked[role][i] = t
+    state.update({LAYER[role]: t for role, t in stacked.items()})
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(dst)), no_dist=True)
+    torch.save({ARCH_KEY: arch}, str(dst / COMMON_FILE))
+    (dst / METADATA_FILE).write_text(json.dumps(TORCH_DIST_METADATA))
+    copied = hf.copy_tokenizer(src, dst / "tokenizer")
+    n = sum(t.numel() for t in state.values())
+    return {"parameter_count": n, "dtype": str(dtype).replace("torch.", ""), "vocab_size": vocab,
+            "padded_vocab_size": padded, "architecture": arch, "tokenizer_files": copied, "weights_only": True}

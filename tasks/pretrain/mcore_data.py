@@ -1,0 +1,105 @@
+"""The pretraining data, Megatron's way: the data stage's jsonl corpus tokenized into an indexed dataset (.bin/.idx),
+sampled into fixed-length sequences by GPTDataset. Part of the pretrain worker program (imported by worker.py)."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy
+import torch
+import torch.distributed as dist
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer
+
+SPLITS = ("train", "heldout")
+
+
+class HFTokenizer(MegatronLegacyTokenizer):
+    """The data stage's Hugging Face tokenizer behind Megatron's tokenizer interface. Documents end with eos."""
+
+    def __init__(self, path: Path):
+        super().__init__(str(path))
+        from transformers import AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(str(path))
+
+    def tokenize(self, text: str) -> numpy.ndarray:
+        return numpy.array(self.tok(text, add_special_tokens=False)["input_ids"], dtype=numpy.int64)
+
+    def detokenize(self, ids) -> str:
+        return self.tok.decode(list(ids))
+
+    @property
+    def vocab(self):
+        return self.tok.get_vocab()
+
+    @property
+    def inv_vocab(self):
+        return {v: k for k, v in self.tok.get_vocab().items()}
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tok)
+
+    @property
+    def eod(self) -> int:
+        return self.tok.eos_token_id
+
+    @property
+    def pad(self) -> int:
+        return self.tok.pad_token_id
+
+
+def build_indexed(jsonl: Path, prefix: Path, tokenizer: HFTokenizer) -> None:
+    """Tokenize one jsonl file ({"text"} per line) into prefix.bin/.idx, written under temporary names then renamed."""
+    tmp = prefix.with_name(prefix.name + ".tmp")
+    builder = IndexedDatasetBuilder(str(tmp) + ".bin", dtype=numpy.int32)
+    with open(jsonl) as f:
+        for line in f:
+            if line.strip():
+                ids = tokenizer.tokenize(json.loads(line)["text"]).tolist() + [tokenizer.eod]
+                builder.add_document(torch.tensor(ids), [len(ids)])
+    builder.finalize(str(tmp) + ".idx")
+    os.replace(str(tmp) + ".bin", str(prefix) + ".bin")
+    os.replace(str(tmp) + ".idx", str(prefix) + ".idx")  # last: its presence means the pair is complete
+
+
+def prepare(data_dir: Path, out_dir: Path, tokenizer: HFTokenizer) -> dict[str, Path]:
+    """Rank 0 tokenizes (once per work dir); every rank waits for it."""
+    prefixes = {s: out_dir / f"{s}_text_document" for s in SPLITS}
+    if dist.get_rank() == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for split, prefix in prefixes.items():
+            if not Path(str(prefix) + ".idx").exists():
+                build_indexed(data_dir / "pretrain" / f"{split}.jsonl", prefix, tokenizer)
+    dist.barrier()
+    return prefixes
+
+
+def build_datasets(prefixes: dict[str, Path], tokenizer: HFTokenizer, seq_length: int, seed: int,
+                   train_samples: int, eval_samples: int, cache_dir: Path) -> tuple[GPTDataset, GPTDataset]:
+    config = GPTDatasetConfig(
+        random_seed=seed, sequence_length=seq_length, tokenizer=tokenizer,
+        blend_per_split=[([str(prefixes["train"])], None), ([str(prefixes["heldout"])], None), None],
+        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+        create_attention_mask=False,  # the causal mask is built inside attention
+        path_to_cache=str(cache_dir), mmap_bin_files=True,
+    )
+    train, heldout, _ = BlendedMegatronDatasetBuilder(
+        GPTDataset, [train_samples, eval_samples, None], lambda: True, config).build()
+    return train, heldout
+
+
+def batch(ds: GPTDataset, indices, device) -> dict[str, torch.Tensor]:
+    samples = [ds[int(i)] for i in indices]
+    return {k: torch.stack([s[k] for s in samples]).to(device) for k in ("tokens", "labels", "loss_mask", "position_ids")}
+
+
+def microbatch_indices(step: int, micro: int, mbs: int, dp_size: int, dp_rank: int, gbs: int) -> range:
+    """Samples a DP rank reads for one micro batch. A pure function of the step: resuming at step k reads exactly
+    what the uninterrupted run would have read (the data position is the iteration)."""
+    start = step * gbs + micro * mbs * dp_size + dp_rank * mbs
+    return range(start, start + mbs)

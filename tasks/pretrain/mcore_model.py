@@ -1,0 +1,125 @@
+"""The Llama-style GPTModel, its DDP wrapper, optimizer and LR schedule, built from the pipeline's architecture
+dict and the stage config. Part of the pretrain worker program (imported by worker.py)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer import TransformerConfig
+
+# Peak dense TFLOP/s of one rank, for MFU when the config does not state it. GPU numbers are the vendor's dense
+# tensor-core figures (bf16; tf32 for fp32); the CPU number is nominal for one single-threaded rank
+# (AVX2: 2 FMA units × 8 fp32 lanes × 2 flops × ~3 GHz ≈ 0.1 TFLOP/s).
+PEAK_TFLOPS = {"H200": {"bf16": 989.0, "fp32": 494.0}, "H100": {"bf16": 989.0, "fp32": 494.0},
+               "A100": {"bf16": 312.0, "fp32": 156.0}, "L40S": {"bf16": 362.0, "fp32": 183.0},
+               "cpu": {"bf16": 0.1, "fp32": 0.1}}
+
+
+def layer_spec(impl: str, on_gpu: bool):
+    if impl != "local" and on_gpu:
+        try:
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+            import transformer_engine  # noqa: F401
+
+            return get_gpt_layer_with_transformer_engine_spec(), "transformer_engine"
+        except ImportError:
+            if impl == "transformer_engine":
+                raise
+    return get_gpt_layer_local_spec(normalization="RMSNorm"), "local"
+
+
+def transformer_config(arch: dict, cfg: dict, on_gpu: bool) -> TransformerConfig:
+    bf16 = cfg["precision"] == "bf16"
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    recompute = cfg["recompute_granularity"]
+    return TransformerConfig(
+        num_layers=arch["num_layers"], hidden_size=arch["hidden_size"],
+        num_attention_heads=arch["num_attention_heads"], num_query_groups=arch["num_query_groups"],
+        ffn_hidden_size=arch["ffn_hidden_size"], kv_channels=arch["hidden_size"] // arch["num_attention_heads"],
+        normalization="RMSNorm", layernorm_epsilon=arch["norm_eps"], gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=arch["init_std"],
+        tensor_model_parallel_size=cfg["tensor_parallel"], pipeline_model_parallel_size=cfg["pipeline_parallel"],
+        sequence_parallel=cfg["sequence_parallel"], bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype,
+        use_cpu_initialization=not on_gpu, perform_initialization=True,
+        recompute_granularity=None if recompute == "none" else recompute,
+        recompute_method="uniform" if recompute == "full" else None,
+        recompute_num_layers=1 if recompute == "full" else None,
+        # fusions are CUDA kernels; Megatron falls back to plain torch with them off
+        bias_activation_fusion=on_gpu, masked_softmax_fusion=False, persist_layer_norm=False,
+        bias_dropout_fusion=on_gpu, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+    )
+
+
+def gpt_model(config: TransformerConfig, spec, arch: dict, padded_vocab: int, seq_length: int) -> GPTModel:
+    return GPTModel(
+        config=config, transformer_layer_spec=spec, vocab_size=padded_vocab,
+        max_sequence_length=max(seq_length, arch["seq_length"]),
+        pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=arch["tie_word_embeddings"], parallel_output=True,
+        position_embedding_type="rope", rotary_base=int(arch["rope_theta"]),
+    )
+
+
+def wrap_ddp(model: GPTModel, config: TransformerConfig, cfg: dict) -> DistributedDataParallel:
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=cfg["overlap_grad_reduce"],
+        overlap_param_gather=cfg["overlap_param_gather"], use_distributed_optimizer=cfg["distributed_optimizer"],
+    )
+    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    ddp.broadcast_params()  # identical replicas across DP, whatever each rank initialised
+    return ddp
+
+
+def optimizer_and_scheduler(ddp: DistributedDataParallel, config: TransformerConfig, cfg: dict):
+    opt_config = OptimizerConfig(
+        optimizer="adam", lr=cfg["lr"], min_lr=cfg["min_lr"], weight_decay=cfg["weight_decay"],
+        adam_beta1=cfg["adam_beta1"], adam_beta2=cfg["adam_beta2"], clip_grad=cfg["clip_grad"],
+        bf16=cfg["precision"] == "bf16", params_dtype=config.params_dtype,
+        use_distributed_optimizer=cfg["distributed_optimizer"], overlap_param_gather=cfg["overlap_param_gather"],
+    )
+    optimizer = get_megatron_optimizer(opt_config, [ddp])
+    steps = cfg["steps"]
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=cfg["lr"], min_lr=cfg["min_lr"], lr_warmup_steps=cfg["warmup_steps"],
+        lr_decay_steps=steps, lr_decay_style=cfg["lr_decay_style"], start_wd=cfg["weight_decay"],
+        end_wd=cfg["weight_decay"], wd_incr_steps=steps, wd_incr_style="constant",
+    )
+    # what the schedules call: loss scaling, the grad all-reduce (and tied-embedding / layernorm grads) at the end
+    config.grad_scale_func = optimizer.scale_loss
+    config.finalize_model_grads_func = finalize_model_grads
+    if cfg["overlap_grad_reduce"]:
+        config.no_sync_func = ddp.no_sync
+        config.grad_sync_func = ddp.start_grad_sync
+    if cfg["overlap_param_gather"]:
+        config.param_sync_func = ddp.start_param_sync
+    return optimizer, scheduler
+
+
+def flops_per_token(arch: dict, padded_vocab: int, seq_length: int) -> float:
+    """Training FLOPs per token (forward + backward = 3 × forward): every matmul weight twice per token, plus the
+    attention scores and values (causal masking not subtracted, as MFU is usually quoted)."""
+    h, L = arch["hidden_size"], arch["num_layers"]
+    heads, groups = arch["num_attention_heads"], arch["num_query_groups"]
+    d = h // heads
+    per_layer = h * (heads + 2 * groups) * d + heads * d * h + 3 * h * arch["ffn_hidden_size"]
+    matmul_params = L * per_layer + h * padded_vocab
+    attention = L * 2 * 2 * seq_length * heads * d
+    return 3.0 * (2.0 * matmul_params + attention)
+
+
+def peak_tflops(cfg: dict, on_gpu: bool) -> tuple[float, str]:
+    if cfg.get("peak_tflops_per_rank"):
+        return float(cfg["peak_tflops_per_rank"]), "config"
+    precision = cfg["precision"]
+    if not on_gpu:
+        return PEAK_TFLOPS["cpu"][precision], "default for one CPU rank"
+    name = torch.cuda.get_device_name()
+    for key, table in PEAK_TFLOPS.items():
+        if key in name:
+            return table[precision], f"{key} {precision} dense"
+    return PEAK_TFLOPS["H100"][precision], f"unknown GPU {name!r}: H100 {precision} dense assumed"

@@ -1,0 +1,161 @@
+"""Pretrain stage: check the inputs, launch the Megatron-Core worker under torchrun, then package its final checkpoint
+(tokenizer, probe logits, manifest) and gate it: L0 integrity + L1 exact reload."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from conversions import manifest as mf, probe, verify
+from conversions.megatron import architecture as checkpoint_architecture, padded_vocab_size
+from tasks.pretrain.config import PretrainConfig, resolved_device
+from tasks.stage import StageContext, StageOutput
+
+WORKER = Path(__file__).with_name("worker.py")
+SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+              "tie_word_embeddings")
+
+
+class PretrainInputError(ValueError):
+    pass
+
+
+def tokenizer_vocab(tok_dir: Path) -> int:
+    from transformers import AutoTokenizer
+
+    return len(AutoTokenizer.from_pretrained(str(tok_dir)))
+
+
+def build_spec(ctx: StageContext, cfg: PretrainConfig) -> dict:
+    """Everything the worker needs, resolved and checked here so that bad input fails before anything launches."""
+    if ctx.data_dir is None or not (ctx.data_dir / "tokenizer").exists():
+        raise PretrainInputError(f"pretrain needs the data stage's output (tokenizer/, pretrain/*.jsonl); got {ctx.data_dir}")
+    for split in ("train", "heldout"):
+        if not (ctx.data_dir / "pretrain" / f"{split}.jsonl").exists():
+            raise PretrainInputError(f"{ctx.data_dir}/pretrain/{split}.jsonl: missing")
+    vocab = tokenizer_vocab(ctx.data_dir / "tokenizer")
+    arch = {**ctx.model, "vocab_size": vocab}
+    tp = cfg.tensor_parallel
+    if ctx.input is not None:
+        if ctx.input_format not in (None, "megatron-dist"):
+            raise PretrainInputError(f"pretrain reads megatron-dist checkpoints, not {ctx.input_format}")
+        src = checkpoint_architecture(ctx.input)
+        diff = {k: (src.get(k), arch.get(k)) for k in SHAPE_KEYS if k in src and src.get(k) != arch.get(k)}
+        if diff:
+            raise PretrainInputError(f"input {ctx.input}: architecture differs from model: "
+                                     + ", ".join(f"{k} {a} (input) vs {b} (model)" for k, (a, b) in diff.items()))
+        if src["vocab_size"] != vocab:
+            raise PretrainInputError(f"input {ctx.input}: vocabulary {src['vocab_size']} differs from the tokenizer's "
+                                     f"{vocab}")
+        padded = int(src.get("padded_vocab_size") or src["vocab_size"])
+        if padded % tp:
+            raise PretrainInputError(f"input {ctx.input}: its {padded} embedding rows are not divisible by "
+                                     f"tensor_parallel {tp}")
+    else:
+        rows = cfg.vocab_size or vocab
+        if rows < vocab:
+            raise PretrainInputError(f"pretrain.vocab_size {rows} is smaller than the tokenizer's vocabulary ({vocab})")
+        padded = padded_vocab_size(rows, cfg.make_vocab_size_divisible_by, tp)
+    return {
+        "config": cfg.model_dump(), "architecture": arch, "padded_vocab_size": padded,
+        "seq_length": cfg.seq_length or ctx.model["seq_length"], "seed": ctx.seed, "device": resolved_device(cfg),
+        "data_dir": str(ctx.data_dir), "work_dir": str(ctx.work_dir),
+        "input": str(ctx.input) if ctx.input is not None else None,
+    }
+
+
+def command(ctx: StageContext, cfg: PretrainConfig, spec_path: Path) -> list[str]:
+    cmd = [ctx.python("main"), "-m", "torch.distributed.run", "--nproc-per-node", str(cfg.nproc_per_node)]
+    if cfg.nnodes == 1:
+        cmd += ["--standalone"]  # rendezvous on a free local port
+    else:  # the multi-node runtime (e.g. one srun task per node) provides the rendezvous
+        missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v)]
+        if missing:
+            raise PretrainInputError(f"pretrain.nnodes {cfg.nnodes}: set {', '.join(missing)} (and NODE_RANK) "
+                                     "for torchrun's rendezvous")
+        cmd += ["--nnodes", str(cfg.nnodes), "--node-rank", os.environ.get("NODE_RANK", os.environ.get("SLURM_NODEID", "0")),
+                "--master-addr", os.environ["MASTER_ADDR"], "--master-port", os.environ["MASTER_PORT"]]
+    return cmd + [str(WORKER), "--spec", str(spec_path)]
+
+
+def package(ctx: StageContext, cfg: PretrainConfig, spec: dict, r: dict) -> Path:
+    """checkpoint.partial (dist checkpoint + probe logits, from the worker) + tokenizer + manifest → checkpoint."""
+    partial, out = ctx.work_dir / "checkpoint.partial", ctx.work_dir / "checkpoint"
+    shutil.copytree(ctx.data_dir / "tokenizer", partial / "tokenizer", dirs_exist_ok=True)
+    arch = {**spec["architecture"], "padded_vocab_size": spec["padded_vocab_size"],
+            "kv_channels": spec["architecture"]["hidden_size"] // spec["architecture"]["num_attention_heads"]}
+    data_m = mf.read(ctx.data_dir)
+    m = mf.build(
+        partial, format="megatron-dist", stage=ctx.stage, architecture=arch,
+        engine={"name": "megatron-core", "layer_spec": r.get("layer_spec"), **mf.engine_versions("megatron-core", "torch")},
+        parameter_count=r.get("parameters"), dtype="bfloat16" if cfg.precision == "bf16" else "float32",
+        parent=mf.parent_ref(ctx.input) if ctx.input is not None else None,
+        extra={"layout": r.get("layout"), "iteration": r.get("iteration"), "consumed_samples": r.get("consumed_samples"),
+               "sharded_backend": "torch_dist", "optimizer_state": True,
+               "distributed_optimizer": cfg.distributed_optimizer, "seq_length": spec["seq_length"],
+               "data_digest": mf.digest_of(data_m) if data_m else None},
+        tokenizer_dir=partial / "tokenizer",
+    )
+    mf.write(partial, m)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(partial, out)
+    return out
+
+
+def gate(out: Path, r: dict, dtype: str = "float32") -> dict:
+    checks = verify.integrity(out)
+    p, l = r.get("reload_param_max_abs_diff"), r.get("reload_logits_max_abs_diff")
+    exact = p == 0.0 and l == 0.0
+    checks.append(verify.check("L1.reload", exact, f"fresh model loaded from the dist checkpoint: max |Δparam| {p}, "
+                                                  f"max |Δprobe logit| {l} (must be exactly 0)"))
+    if r.get("input_parity"):  # the input's own probe logits, reproduced by the loaded Megatron model
+        ip = r["input_parity"]
+        lim = probe.THRESHOLDS[dtype]
+        ok = ip["max_abs_diff"] <= lim["max_abs_diff"] and ip["top1_agreement"] >= lim["top1_agreement"]
+        checks.append(verify.check("L2.input_parity", ok, f"input loaded into Megatron vs {ip['reference']}: max "
+                                   f"|Δlogit| {ip['max_abs_diff']:.3g} (≤ {lim['max_abs_diff']:g}), top-1 agreement "
+                                   f"{ip['top1_agreement']:.3f} [{dtype}]"))
+    checks.append(verify.check("probe_logits", (out / "probe_logits.safetensors").exists(),
+                               "engine logits on the probe batch for the conversion's L2 parity"))
+    return verify.report(checks)
+
+
+def _median(values):
+    return statistics.median(values) if values else None
+
+
+@task(name="pretrain", cache_policy=NO_CACHE)
+def run_pretrain(ctx: StageContext, cfg: PretrainConfig) -> StageOutput:
+    spec = build_spec(ctx, cfg)
+    ctx.work_dir.mkdir(parents=True, exist_ok=True)
+    spec_path = ctx.work_dir / "worker_spec.json"
+    spec_path.write_text(json.dumps(spec, indent=2))
+    env = {"OMP_NUM_THREADS": "1"}
+    if spec["device"] == "cpu":
+        env["TORCHDYNAMO_DISABLE"] = "1"
+    res = ctx.launch(command(ctx, cfg, spec_path), name="pretrain", timeout=cfg.timeout_s, env=env)
+    r = res.results()
+    out = package(ctx, cfg, spec, r)
+    metrics = [e for e in res.metrics()]
+    train = [e for e in metrics if "loss" in e]
+    before, after = r.get("heldout_before"), r.get("heldout_after")
+    return StageOutput(
+        output=out, engine="megatron-core",
+        backend=f"TP{cfg.tensor_parallel}×PP{cfg.pipeline_parallel}×DP{cfg.data_parallel()} {spec['device']}",
+        gate=gate(out, r, "bfloat16" if cfg.precision == "bf16" else "float32"),
+        metrics={"loss_first": r.get("loss_first"), "loss_last": train[-1]["loss"] if train else None,
+                 "heldout_loss": after[1] if after else None, "heldout_ppl": after[2] if after else None,
+                 "tokens_per_s": _median([e["tokens_per_s"] for e in train]),
+                 "mfu": _median([e["mfu"] for e in train]), "peak_tflops_per_rank": r.get("peak_tflops_per_rank"),
+                 "train_seconds": r.get("train_seconds"), "iteration": r.get("iteration"),
+                 "resumed_from": r.get("resumed_from")},
+        eval={"metric": "heldout_ppl", "before": before[2] if before else None, "after": after[2] if after else None},
+        extra={"layout": r.get("layout"), "padded_vocab_size": spec["padded_vocab_size"],
+               "peak_tflops_source": r.get("peak_tflops_source")},
+    )

@@ -1,0 +1,365 @@
+"""Megatron-Core GPT pretraining: the program torchrun starts on every rank (`nproc = TP × PP × DP`).
+
+    python -m torch.distributed.run --nproc-per-node N tasks/pretrain/worker.py --spec SPEC.json
+
+Reads top to bottom as the recipe: process groups → data (indexed dataset, GPTDataset) → model (GPTModel, Megatron
+DDP, optimizer, LR schedule) → resume from the newest checkpoint in the work dir, or start from an input checkpoint,
+or from scratch → train with get_forward_backward_func() (1F1B when PP > 1), evaluating on held-out data and saving
+every N steps → final checkpoint, probe logits, and the L1 check (reload into a fresh model is exact).
+Only rank 0 prints events. The spec (JSON) is written by tasks/pretrain/task.py.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import time
+import warnings
+from functools import partial
+from pathlib import Path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--spec", type=Path, required=True)
+    spec = json.loads(ap.parse_args().spec.read_text())
+    # megatron's notices, repeated by every rank: deprecations, Apex/TE absent (expected here), cuda-graph defaults
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*(not installed|Falling back).*")
+    warnings.filterwarnings("ignore", message=r"full scope is deprecated.*")
+    on_gpu = spec["device"] == "cuda"
+    if not on_gpu:
+        import megatron_cpu  # beside this file; must patch torch before megatron.core is imported
+
+        megatron_cpu.apply()
+    Run(spec, on_gpu).main()
+
+
+class Run:
+    def __init__(self, spec: dict, on_gpu: bool):
+        import torch
+        import torch.distributed as dist
+
+        self.spec, self.cfg, self.arch = spec, spec["config"], spec["architecture"]
+        self.on_gpu = on_gpu
+        self.work = Path(spec["work_dir"])
+        self.ckpt_root = self.work / "checkpoints"
+        if on_gpu:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device("cpu")
+        dist.init_process_group("nccl" if on_gpu else "gloo")
+        self.rank = dist.get_rank()
+
+    # ---- small helpers ---------------------------------------------------------------------------------------
+    def log(self, msg: str) -> None:
+        if self.rank == 0:
+            print(msg, flush=True)
+
+    def events(self):
+        from conversions import events
+
+        return events
+
+    def to_rank0(self, values: list[float], owner: bool):
+        """Sum a few numbers held by the `owner` ranks over the whole world (they reach rank 0 that way)."""
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor(values if owner else [0.0] * len(values), dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return t.tolist()
+
+    # ---- the recipe ------------------------------------------------------------------------------------------
+    def main(self) -> None:
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        import mcore_checkpoint as ckpt
+        import mcore_data as data
+        import mcore_model as mm
+
+        cfg, arch, spec = self.cfg, self.arch, self.spec
+        tp, pp = cfg["tensor_parallel"], cfg["pipeline_parallel"]
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        self.is_last = ps.is_pipeline_last_stage()
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        seed = spec["seed"]
+        torch.manual_seed(seed)
+        model_parallel_cuda_manual_seed(seed)
+        self.log(f"world {dist.get_world_size()}: TP={tp} PP={pp} DP={self.dp}, device "
+                 f"{self.device.type}, {cfg['precision']}, seq {spec['seq_length']}, micro {cfg['micro_batch_size']}, "
+                 f"global {cfg['global_batch_size']}, {cfg['steps']} steps")
+
+        # data
+        self.tokenizer = data.HFTokenizer(Path(spec["data_dir"]) / "tokenizer")
+        prefixes = data.prepare(Path(spec["data_dir"]), self.work / "data", self.tokenizer)
+        gbs, mbs, steps = cfg["global_batch_size"], cfg["micro_batch_size"], cfg["steps"]
+        self.num_micro = gbs // (mbs * self.dp)
+        self.train_ds, self.heldout_ds = data.build_datasets(
+            prefixes, self.tokenizer, spec["seq_length"], seed, train_samples=steps * gbs,
+            eval_samples=cfg["eval_iters"] * gbs, cache_dir=self.work / "data" / "cache")
+
+        # model, optimizer, schedule
+        self.spec_layers, impl = mm.layer_spec(cfg["transformer_impl"], self.on_gpu)
+        self.tconfig = mm.transformer_config(arch, cfg, self.on_gpu)
+        self.padded_vocab = spec["padded_vocab_size"]
+        self.model = self.new_model()
+        self.ddp = mm.wrap_ddp(self.model, self.tconfig, cfg)
+        self.optimizer, self.scheduler = mm.optimizer_and_scheduler(self.ddp, self.tconfig, cfg)
+        self.fb = get_forward_backward_func()
+        n_params = self.to_rank0([float(sum(p.numel() for p in self.model.parameters()))], owner=self.dp_rank == 0)[0]
+        self.log(f"GPTModel ({impl} layer spec): {int(n_params):,} parameters over TP×PP, "
+                 f"vocab {arch['vocab_size']} padded to {self.padded_vocab}")
+
+        # where to start: our own newest checkpoint, else the input's weights, else the random init
+        ckpt.clean_partials(self.ckpt_root)
+        state = {"loss_first": None, "heldout": [], "train_seconds": 0.0}
+        start = 0
+        last = ckpt.latest(self.ckpt_root)
+        if last is not None:
+            info = ckpt.resume(last, self.model, self.optimizer, self.scheduler, arch)
+            start = info["iteration"]
+            state.update({k: info[k] for k in state if k in info})
+            self.log(f"resumed from {last.name} (iteration {start}, layout {info.get('layout')})")
+        elif spec.get("input"):
+            ckpt.load_weights(Path(spec["input"]), self.model)
+            self.optimizer.reload_model_params()
+            self.log(f"initialised from the weights of {spec['input']}")
+            self.check_input_parity(Path(spec["input"]))
+        self.events().emit("result", resumed_from=start, parameters=int(n_params), layer_spec=impl)
+
+        peak, peak_src = mm.peak_tflops(cfg, self.on_gpu)
+        world = dist.get_world_size()
+        fpt = mm.flops_per_token(arch, self.padded_vocab, spec["seq_length"])
+        tokens_per_step = gbs * spec["seq_length"]
+        self.log(f"MFU against {peak} TFLOP/s per rank ({peak_src}) × {world} ranks; "
+                 f"{fpt / 1e6:.2f} MFLOP per token")
+        if start == 0:
+            self.evaluate(0, state)
+
+        for it in range(start, steps):  # a re-run after the last step skips straight to finish()
+            t0 = time.time()
+            loss, grad_norm = self.train_step(it)
+            step_time = time.time() - t0
+            state["train_seconds"] += step_time
+            step = it + 1
+            if state["loss_first"] is None:
+                state["loss_first"] = loss
+            lr = self.optimizer.param_groups[0]["lr"]
+            tps = tokens_per_step / step_time
+            mfu = fpt * tps / (peak * 1e12 * world)
+            if self.rank == 0:
+                self.events().metric(step, loss=loss, lr=lr, grad_norm=grad_norm, tokens_per_s=tps,
+                                     step_time_s=step_time, mfu=mfu)
+                self.events().progress(step, steps)
+            if step % cfg["eval_interval"] == 0 or step == steps:
+                self.evaluate(step, state)
+            if step % cfg["save_interval"] == 0 or step == steps:
+                self.save(step, state)
+        self.finish(steps, state, peak, peak_src)
+
+    def new_model(self):
+        import mcore_model as mm
+
+        m = mm.gpt_model(self.tconfig, self.spec_layers, self.arch, self.padded_vocab, self.spec["seq_length"])
+        return m.to(self.device)
+
+    # ---- one step ----------------------------------------------------------------------------------------------
+    def forward_step(self, data_iterator, model):
+        batch = next(data_iterator)
+        output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        return output, partial(self.loss_func, batch["loss_mask"])
+
+    @staticmethod
+    def loss_func(loss_mask, per_token_loss):
+        import torch
+
+        mask = loss_mask.reshape(-1).float()
+        total = torch.sum(per_token_loss.float().reshape(-1) * mask)
+        tokens = mask.sum().to(torch.int)
+        # the schedule divides `total` in place by tokens and micro batches: report copies
+        return total, tokens, {"lm loss": torch.stack([total.detach().clone(), tokens.detach().float()])}
+
+    def batches(self, ds, step: int):
+        import mcore_data as data
+
+        cfg = self.cfg
+        for m in range(self.num_micro):
+            idx = data.microbatch_indices(step, m, cfg["micro_batch_size"], self.dp, self.dp_rank,
+                                          cfg["global_batch_size"])
+            yield data.batch(ds, idx, self.device)
+
+    def reduce_loss(self, reduced: list[dict]) -> float:
+        owner = self.is_last and self.tp_rank == 0
+        total, tokens = 0.0, 0.0
+        if owner:
+            for r in reduced:
+                total += float(r["lm loss"][0])
+                tokens += float(r["lm loss"][1])
+        total, tokens = self.to_rank0([total, tokens], owner)
+        return total / max(tokens, 1.0)
+
+    def train_step(self, it: int) -> tuple[float, float]:
+        self.ddp.train()
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        reduced = self.fb(forward_step_func=self.forward_step, data_iterator=self.batches(self.train_ds, it),
+                          model=[self.ddp], num_microbatches=self.num_micro, seq_length=self.spec["seq_length"],
+                          micro_batch_size=self.cfg["micro_batch_size"], forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            raise RuntimeError(f"optimizer step {it + 1} failed (non-finite gradients)")
+        self.scheduler.step(increment=1)
+        return self.reduce_loss(reduced), float(grad_norm or 0.0)
+
+    def evaluate(self, step: int, state: dict) -> None:
+        import torch
+
+        self.ddp.eval()
+        total = []
+        with torch.no_grad():
+            for i in range(self.cfg["eval_iters"]):
+                total += self.fb(forward_step_func=self.forward_step, data_iterator=self.batches(self.heldout_ds, i),
+                                 model=[self.ddp], num_microbatches=self.num_micro,
+                                 seq_length=self.spec["seq_length"], micro_batch_size=self.cfg["micro_batch_size"],
+                                 forward_only=True)
+        loss = self.reduce_loss(total)
+        ppl = math.exp(min(loss, 50.0))
+        state["heldout"].append([step, loss, ppl])
+        if self.rank == 0:
+            self.events().metric(step, heldout_loss=loss, heldout_ppl=ppl)
+        self.log(f"step {step}: held-out loss {loss:.4f}, perplexity {ppl:.2f}")
+
+    # ---- checkpoints -------------------------------------------------------------------------------------------
+    def save(self, step: int, state: dict) -> None:
+        import mcore_checkpoint as ckpt
+
+        t0 = time.time()
+        extra = {"layout": ckpt.layout(), "consumed_samples": step * self.cfg["global_batch_size"]}
+        sd = ckpt.full_state(self.model, self.optimizer, self.scheduler, step, self.arch_for_checkpoint(),
+                             extra, loading=False)
+        path = ckpt.save(self.ckpt_root, step, sd, {**extra, **state}, self.cfg["keep_checkpoints"])
+        self.log(f"saved {path.name} in {time.time() - t0:.1f}s")
+
+    def arch_for_checkpoint(self) -> dict:
+        return {**self.arch, "padded_vocab_size": self.padded_vocab,
+                "kv_channels": self.arch["hidden_size"] // self.arch["num_attention_heads"]}
+
+    # ---- the end: output folder, probe logits, L1 -----------------------------------------------------------------
+    def probe_logits(self, model):
+        """Logits of `model` on the fixed probe batch, gathered over TP, padded vocab rows dropped (last stage)."""
+        import torch
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        from conversions import probe
+
+        ids = probe.probe_input_ids(self.arch["vocab_size"]).to(self.device)
+        positions = torch.arange(ids.shape[1], device=self.device).unsqueeze(0).expand_as(ids)
+
+        def step(data_iterator, m):
+            next(data_iterator)
+            return m(ids, positions, None), None  # no loss function: the schedule hands back the logits
+
+        model.eval()
+        with torch.no_grad():
+            out = self.fb(forward_step_func=step, data_iterator=iter([None]), model=[model], num_microbatches=1,
+                          seq_length=ids.shape[1], micro_batch_size=ids.shape[0], forward_only=True)
+        if not self.is_last:
+            return ids, None
+        logits = gather_from_tensor_model_parallel_region(out[0])
+        return ids, logits[..., : self.arch["vocab_size"]].float().cpu()
+
+    def check_input_parity(self, src: Path) -> None:
+        """L2 for the input: when it carries probe logits (its engine's, or the HF model's for an HF import), the
+        loaded Megatron model must reproduce them."""
+        from conversions import probe
+
+        ref = src / probe.PROBE_FILE
+        if not ref.exists():
+            return
+        ref_ids, ref_logits = probe.load_reference(ref)
+        ids, logits = self.probe_logits(self.ddp)
+        owner = logits is not None and self.tp_rank == 0 and self.dp_rank == 0
+        diff, agree = 0.0, 0.0
+        if owner:
+            if not (ids.cpu().equal(ref_ids) and logits.shape == ref_logits.shape):
+                raise RuntimeError(f"{ref}: probe inputs or vocabulary differ from this model's")
+            res = probe.compare_logits(logits, ref_logits, "bfloat16" if self.cfg["precision"] == "bf16" else "float32")
+            diff, agree = res["max_abs_diff"], res["top1_agreement"]
+        diff, agree = self.to_rank0([diff, agree], owner)
+        self.log(f"input parity vs {ref}: max |Δlogit| {diff:.3g}, top-1 agreement {agree:.3f}")
+        if self.rank == 0:
+            self.events().emit("result", input_parity={"max_abs_diff": diff, "top1_agreement": agree,
+                                                       "reference": str(ref)})
+
+    def finish(self, steps: int, state: dict, peak: float, peak_src: str) -> None:
+        import torch
+        import torch.distributed as dist
+
+        import mcore_checkpoint as ckpt
+        from conversions import probe
+
+        final = ckpt.latest(self.ckpt_root)
+        out = self.work / "checkpoint.partial"
+        if self.rank == 0:
+            shutil.rmtree(out, ignore_errors=True)
+            for f in final.rglob("*"):
+                if f.is_file() and f.name != ckpt.STATE_FILE:
+                    dest = out / f.relative_to(final)
+                    dest.parent.mkdir(parents=True, exist_ok=True)
+                    try:
+                        os.link(f, dest)  # same file system: no copy of the weights
+                    except OSError:
+                        shutil.copy2(f, dest)
+        dist.barrier()
+
+        ids, logits = self.probe_logits(self.ddp)
+        writer = self.is_last and self.tp_rank == 0 and self.dp_rank == 0
+        if writer:
+            probe.save_reference(out, ids.cpu(), logits, source=f"megatron-core GPTModel, iteration {steps}")
+
+        # L1: a fresh model loaded from the checkpoint must equal the trained one, weights and logits
+        fresh = self.new_model()
+        ckpt.load_weights(final, fresh)
+        trained = dict(self.model.named_parameters())
+        param_diff = 0.0
+        for name, p in fresh.named_parameters():
+            param_diff = max(param_diff, (p.detach().float() - trained[name].detach().float()).abs().max().item())
+        _, fresh_logits = self.probe_logits(fresh)
+        logit_diff = (fresh_logits - logits).abs().max().item() if writer else 0.0
+        param_diff = self.max_all(param_diff)
+        logit_diff = self.max_all(logit_diff)
+        dist.barrier()
+        heldout = state["heldout"]
+        self.log(f"L1 reload of {final.name}: max |Δparam| {param_diff:g}, max |Δlogit| {logit_diff:g}")
+        if self.rank == 0:
+            self.events().emit(
+                "result", iteration=steps, checkpoint=str(final), output=str(out),
+                padded_vocab_size=self.padded_vocab, layout=ckpt.layout(), reload_param_max_abs_diff=param_diff,
+                reload_logits_max_abs_diff=logit_diff, loss_first=state["loss_first"],
+                heldout_before=heldout[0] if heldout else None, heldout_after=heldout[-1] if heldout else None,
+                train_seconds=state["train_seconds"], peak_tflops_per_rank=peak, peak_tflops_source=peak_src,
+                consumed_samples=steps * self.cfg["global_batch_size"])
+        dist.barrier()
+        dist.destroy_process_group()
+
+    def max_all(self, value: float) -> float:
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

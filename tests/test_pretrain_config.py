@@ -1,0 +1,156 @@
+"""Pretrain stage checks that need no engine: config validation (tiny and GPU recipes), Megatron vocab padding, the
+qkv layout, and the HF ⇄ Megatron conversion round trip on a real random-init HF checkpoint."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, TINY, baton, make_hf_checkpoint
+
+RECIPES = sorted((REPO / "configs" / "recipes").glob("*.yaml"))
+
+
+def _errors(*overrides: str) -> str:
+    from flows.config import ConfigError, load
+
+    with pytest.raises(ConfigError) as e:
+        load(TINY, list(overrides), stages=["data", "pretrain"])
+    return str(e.value)
+
+
+def test_tiny_pretrain_config_is_valid():
+    from flows.config import load
+
+    cfg = load(TINY, stages=["data", "pretrain"])
+    assert cfg.pretrain.data_parallel() == 1 and cfg.pretrain.world_size() == 1
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["pretrain.tensor_parallel=3"], "num_attention_heads 4 is not divisible"),
+    (["model.num_query_groups=1", "pretrain.tensor_parallel=2", "pretrain.nproc_per_node=2"],
+     "num_query_groups 1 is not divisible"),
+    (["pretrain.pipeline_parallel=3", "pretrain.nproc_per_node=1"], "num_layers 4 is not divisible"),
+    (["pretrain.global_batch_size=12", "pretrain.micro_batch_size=8"], "global_batch_size 12 is not divisible by"),
+    (["pretrain.nproc_per_node=2", "pretrain.global_batch_size=8", "pretrain.micro_batch_size=8"],
+     "global_batch_size 8 is not divisible by micro_batch_size 8 × data parallel 2"),
+    (["pretrain.nproc_per_node=64", "pretrain.global_batch_size=512"], "more ranks than it can host"),
+    (["pretrain.tensor_parallel=2", "pretrain.pipeline_parallel=2", "pretrain.nproc_per_node=2"],
+     "not a multiple of tensor_parallel × pipeline_parallel = 4"),
+    (["pretrain.vocab_size=300"], "smaller than the tokenizer's vocabulary"),
+    (["pretrain.seq_length=256"], "exceeds model.seq_length 128"),
+    (["pretrain.sequence_parallel=true"], "sequence_parallel needs tensor_parallel > 1"),
+    (["pretrain.warmup_steps=100", "pretrain.steps=50"], "warmup_steps 100 must be below steps 50"),
+    (["pretrain.micro_batch_size=0"], "pretrain.micro_batch_size"),
+    (["pretrain.unknown_knob=1"], "pretrain.unknown_knob: unknown key"),
+])
+def test_bad_layouts_are_named_before_launch(overrides, message):
+    assert message in _errors(*overrides)
+
+
+def test_cli_rejects_a_bad_layout_in_about_a_second(baton_home):
+    t0 = time.time()
+    r = baton("run", str(TINY), "--stages", "data,pretrain", "--set", "pretrain.tensor_parallel=3",
+              home=baton_home, timeout=120)
+    seconds = time.time() - t0
+    assert r.returncode == 2, r.stderr
+    assert "pretrain.tensor_parallel 3: model.num_attention_heads 4 is not divisible by it" in r.stderr
+    assert not (baton_home / "runs").exists()  # nothing was launched
+    assert seconds < 60, seconds  # no Prefect, MLflow or engine started (≈1-5 s; generous for a busy machine)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=[p.stem for p in RECIPES])
+def test_gpu_recipes_validate_on_their_target_hardware(recipe, monkeypatch):
+    """The recipes are consistent layouts: on a host with 8 visible GPUs every check passes; here (no GPU) the only
+    complaint is that the machine cannot host the ranks."""
+    from flows.config import ConfigError, PipelineConfig, load
+    from tasks.pretrain.config import validate
+
+    raw = yaml.safe_load(recipe.read_text())
+    cfg = PipelineConfig.model_validate(raw)
+    p, m = cfg.pretrain, cfg.model
+    assert p.device == "cuda" and p.precision == "bf16" and p.distributed_optimizer
+    assert p.overlap_grad_reduce and p.overlap_param_gather and p.recompute_granularity == "selective"
+    assert p.data_parallel() * p.tensor_parallel * p.pipeline_parallel == p.world_size()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(p.nproc_per_node)))
+    assert validate(p, cfg) == []
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(ConfigError) as e:
+        load(recipe)
+    lines = [line.strip() for line in str(e.value).splitlines()[1:]]
+    assert lines and all("GPU(s); more ranks than it can host" in line for line in lines), lines
+    assert m.num_layers % p.pipeline_parallel == 0 and m.num_attention_heads % p.tensor_parallel == 0
+
+
+def test_recipe_layouts():
+    shapes = {p.stem: yaml.safe_load(p.read_text())["pretrain"] for p in RECIPES}
+    eight_b = shapes["llama3-8b-8xh100"]
+    assert (eight_b["tensor_parallel"], eight_b["pipeline_parallel"], eight_b["nproc_per_node"], eight_b["nnodes"]) == (2, 1, 8, 1)
+    seventy_b = shapes["llama3-70b-8x8xh100"]
+    assert (seventy_b["tensor_parallel"], seventy_b["pipeline_parallel"], seventy_b["nnodes"]) == (8, 4, 8)
+
+
+def test_megatron_vocab_padding_rule():
+    from conversions.megatron import padded_vocab_size
+
+    assert padded_vocab_size(502) == 512
+    assert padded_vocab_size(503, 128, 2) == 512
+    assert padded_vocab_size(128256) == 128256 and padded_vocab_size(128256, 128, 8) == 129024
+    assert padded_vocab_size(50257, 128, 8) == 51200
+
+
+def test_qkv_split_is_per_query_group_and_inverts_merge():
+    import torch
+
+    from conversions.megatron import merge_qkv, split_qkv
+
+    heads, groups, d, h = 8, 2, 4, 16
+    q, k, v = torch.randn(heads * d, h), torch.randn(groups * d, h), torch.randn(groups * d, h)
+    fused = merge_qkv(q, k, v, heads, groups, d)
+    # Megatron's layout: for each group, its 4 query heads, then its key head, then its value head
+    assert torch.equal(fused[: 4 * d], q[: 4 * d]) and torch.equal(fused[4 * d: 5 * d], k[:d])
+    assert torch.equal(fused[5 * d: 6 * d], v[:d]) and torch.equal(fused[6 * d: 10 * d], q[4 * d: 8 * d])
+    q2, k2, v2 = split_qkv(fused, heads, groups, d)
+    assert torch.equal(q, q2) and torch.equal(k, k2) and torch.equal(v, v2)
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_hf_to_megatron_to_hf_is_exact(tmp_path, tiny_config, data_dir, tie):
+    """HF → Megatron dist checkpoint (padded vocab, fused qkv, [gate; up]) → HF gives back every tensor bit for bit,
+    tied or not, with the tokenizer's vocabulary and the chat template."""
+    import torch
+
+    from conversions import hf, megatron, probe
+
+    src = make_hf_checkpoint(tmp_path / "hf", tiny_config.model.model_dump(), data_dir / "tokenizer", seed=3, tie=tie)
+    mid, back = tmp_path / "megatron", tmp_path / "back"
+    info = megatron.from_hf(src, mid, max_shard_bytes=1 << 20)
+    vocab = info["vocab_size"]
+    assert info["padded_vocab_size"] == megatron.padded_vocab_size(vocab) > vocab
+    assert megatron.is_dist_checkpoint(mid) and (mid / "tokenizer" / "chat_template.jinja").exists()
+    assert (mid / probe.PROBE_FILE).exists()  # the HF model's logits, for whoever loads this into Megatron
+    reader = megatron.DistReader(mid)
+    assert reader.shape(megatron.EMBEDDING) == (info["padded_vocab_size"], 128)
+    assert (reader.shape(megatron.OUTPUT) is None) == tie
+    assert reader.shape(megatron.LAYER["qkv"]) == (4, (4 + 2 * 2) * 32, 128)
+
+    out = megatron.to_hf(mid, back, max_shard_bytes=1 << 20)
+    assert out["padding_rows_removed"] == info["padded_vocab_size"] - vocab
+    original, converted = hf.load_state_dict(src), hf.load_state_dict(back)
+    if tie:
+        original.pop("lm_head.weight", None)
+    assert set(original) == set(converted)
+    for name, t in original.items():
+        assert torch.equal(t, converted[name]), name
+    cfg = (back / "config.json").read_text()
+    assert f'"vocab_size": {vocab}' in cfg and f'"tie_word_embeddings": {str(tie).lower()}' in cfg
+    assert (back / "chat_template.jinja").exists()
+
+
+def test_to_hf_refuses_a_folder_that_is_not_a_dist_checkpoint(tmp_path, hf_checkpoint):
+    from conversions import megatron
+
+    with pytest.raises(megatron.MegatronCheckpointError, match="not a Megatron torch_dist checkpoint"):
+        megatron.to_hf(hf_checkpoint, tmp_path / "out")
