@@ -150,8 +150,14 @@ def test_resume_after_sigkill_is_bit_exact_with_the_plain_optimizer(tmp_path, da
     killed, error = run_and_kill(work, data_dir, after_iteration=4)
     assert killed and error is not None and "failed with exit code" in str(error)
     assert not (work / "checkpoint").exists()
+    done = sorted((work / "checkpoints").glob("iter_???????"))[-1]
+    # a newer checkpoint that lost bytes (say, a full disk) is not "valid": the resume skips it
+    torn = work / "checkpoints" / "iter_0000010"
+    shutil.copytree(done, torn)
+    shard = max(torn.glob("*.distcp"), key=lambda f: f.stat().st_size)
+    shard.write_bytes(shard.read_bytes()[:-100])
     resumed = run_stage(work, data_dir)
-    assert 4 <= resumed.metrics["resumed_from"] < 12
+    assert resumed.metrics["resumed_from"] == int(done.name[len("iter_"):]) >= 4
     assert_trained(resumed)
     assert resumed.metrics["loss_first"] == base.metrics["loss_first"]  # carried over from the first attempt
     assert losses(work) == losses(base_work)  # the whole trajectory, step by step

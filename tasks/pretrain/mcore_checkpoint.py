@@ -111,12 +111,27 @@ def full_state(model, optimizer, scheduler, iteration: int, arch: dict, extra: d
     return sd
 
 
+def _file_sizes(ckpt: Path) -> dict[str, int]:
+    return {f.name: f.stat().st_size for f in sorted(ckpt.iterdir()) if f.is_file() and f.name != STATE_FILE}
+
+
+def is_complete(ckpt: Path) -> bool:
+    """Renamed from .partial, and every file it listed at save time is there with its size (a cheap check that
+    scales to large checkpoints; the packaged output gets sha256 in its manifest)."""
+    try:
+        info = json.loads((ckpt / STATE_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    sizes = info.get("files") or {}
+    return bool(sizes) and all((ckpt / n).is_file() and (ckpt / n).stat().st_size == s for n, s in sizes.items())
+
+
 def iteration_dirs(root: Path) -> list[Path]:
     """Complete checkpoints, oldest first."""
     if not root.exists():
         return []
     dirs = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit()
-            and (p / STATE_FILE).exists() and (p / "metadata.json").exists()]
+            and is_complete(p)]
     return sorted(dirs, key=lambda p: int(p.name[len(PREFIX):]))
 
 
@@ -145,7 +160,7 @@ def save(root: Path, iteration: int, state: dict, info: dict, keep: int) -> Path
     dist_checkpointing.save(state, str(tmp))
     dist.barrier()
     if dist.get_rank() == 0:
-        (tmp / STATE_FILE).write_text(json.dumps({"iteration": iteration, **info}, indent=2))
+        (tmp / STATE_FILE).write_text(json.dumps({"iteration": iteration, **info, "files": _file_sizes(tmp)}, indent=2))
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)

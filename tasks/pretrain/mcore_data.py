@@ -18,39 +18,52 @@ SPLITS = ("train", "heldout")
 
 
 class HFTokenizer(MegatronLegacyTokenizer):
-    """The data stage's Hugging Face tokenizer behind Megatron's tokenizer interface. Documents end with eos."""
+    """The data stage's Hugging Face tokenizer (tokenizer.json + tokenizer_config.json) behind Megatron's tokenizer
+    interface, through the `tokenizers` library (same ids as transformers, without importing it on every rank).
+    Documents end with eos."""
 
     def __init__(self, path: Path):
         super().__init__(str(path))
-        from transformers import AutoTokenizer
+        from tokenizers import Tokenizer
 
-        self.tok = AutoTokenizer.from_pretrained(str(path))
+        self.tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+        special = json.loads((path / "tokenizer_config.json").read_text())
+        self._eod = self._special_id(special, "eos_token")
+        self._pad = self._special_id(special, "pad_token", default=self._eod)
+
+    def _special_id(self, config: dict, name: str, default: int | None = None) -> int:
+        token = config.get(name)
+        token = token.get("content") if isinstance(token, dict) else token
+        tid = self.tok.token_to_id(token) if token else None
+        if tid is None and default is None:
+            raise ValueError(f"tokenizer: no {name} in tokenizer_config.json")
+        return default if tid is None else tid
 
     def tokenize(self, text: str) -> numpy.ndarray:
-        return numpy.array(self.tok(text, add_special_tokens=False)["input_ids"], dtype=numpy.int64)
+        return numpy.array(self.tok.encode(text, add_special_tokens=False).ids, dtype=numpy.int64)
 
     def detokenize(self, ids) -> str:
         return self.tok.decode(list(ids))
 
     @property
     def vocab(self):
-        return self.tok.get_vocab()
+        return self.tok.get_vocab(with_added_tokens=True)
 
     @property
     def inv_vocab(self):
-        return {v: k for k, v in self.tok.get_vocab().items()}
+        return {v: k for k, v in self.vocab.items()}
 
     @property
     def vocab_size(self) -> int:
-        return len(self.tok)
+        return self.tok.get_vocab_size(with_added_tokens=True)
 
     @property
     def eod(self) -> int:
-        return self.tok.eos_token_id
+        return self._eod
 
     @property
     def pad(self) -> int:
-        return self.tok.pad_token_id
+        return self._pad
 
 
 def build_indexed(jsonl: Path, prefix: Path, tokenizer: HFTokenizer) -> None:

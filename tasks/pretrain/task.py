@@ -26,9 +26,12 @@ class PretrainInputError(ValueError):
 
 
 def tokenizer_vocab(tok_dir: Path) -> int:
-    from transformers import AutoTokenizer
+    """len(tokenizer) as transformers counts it (added tokens included), read with `tokenizers` alone."""
+    from tokenizers import Tokenizer
 
-    return len(AutoTokenizer.from_pretrained(str(tok_dir)))
+    if not (tok_dir / "tokenizer.json").exists():
+        raise PretrainInputError(f"{tok_dir}: no tokenizer.json (the data stage writes one)")
+    return Tokenizer.from_file(str(tok_dir / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
 
 
 def build_spec(ctx: StageContext, cfg: PretrainConfig) -> dict:
