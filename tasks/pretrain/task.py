@@ -14,6 +14,7 @@ from prefect.cache_policies import NO_CACHE
 from conversions import manifest as mf, probe, verify
 from conversions.megatron import architecture as checkpoint_architecture, padded_vocab_size
 from tasks.pretrain.config import PretrainConfig, resolved_device
+from tasks.distributed import torchrun_command
 from tasks.stage import StageContext, StageOutput
 
 WORKER = Path(__file__).with_name("worker.py")
@@ -73,6 +74,10 @@ def build_spec(ctx: StageContext, cfg: PretrainConfig) -> dict:
 
 
 def command(ctx: StageContext, cfg: PretrainConfig, spec_path: Path) -> list[str]:
+    runtime = ctx.runtimes.get("main") or {}
+    if runtime.get("kind") == "slurm":  # one torchrun per node through srun, static rendezvous on the first node
+        return torchrun_command(ctx.python("main"), str(WORKER), ["--spec", str(spec_path)],
+                                nproc_per_node=cfg.nproc_per_node, runtime={**runtime, "nodes": cfg.nnodes})
     cmd = [ctx.python("main"), "-m", "torch.distributed.run", "--nproc-per-node", str(cfg.nproc_per_node)]
     if cfg.nnodes == 1:
         cmd += ["--standalone"]  # rendezvous on a free local port
