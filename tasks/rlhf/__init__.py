@@ -1,3 +1,4 @@
+from tasks.rlhf.checks import validate
 from tasks.rlhf.config import RlhfConfig
 from tasks.stage import StageSpec
 
@@ -7,5 +8,6 @@ STAGE = StageSpec(
     task="tasks.rlhf.task:run_rlhf",
     consumes=lambda cfg: "hf-safetensors",
     produces=lambda cfg: "hf-safetensors",
+    validate=validate,
     description="preference optimisation: NeMo-RL on GPU clusters, TRL on CPU",
 )

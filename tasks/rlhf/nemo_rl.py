@@ -1,0 +1,243 @@
+"""The nemo_rl backend: the YAML NeMo-RL reads, the command that runs it, and the HF folder made from what it writes.
+
+NeMo-RL (GPU only, Python 3.13, a uv project) is never imported. It runs as its own program from a checkout
+(`runtimes.nemo_rl: {kind: venv, path: ...}`), its NGC container (`kind: container, image: ...`; the checkout is
+/opt/nemo-rl inside), or on Slurm through the checkout's `ray.sub` (`kind: slurm`, multi-node with `nodes`).
+Our YAML inherits NeMo-RL's own recipe through `defaults:` and overrides only what baton decides.
+Key names follow NVIDIA-NeMo/RL at 7ea279ab (2026-08-22); DPO_KEYS lists what its DPO reads.
+"""
+from __future__ import annotations
+
+import glob
+import re
+import shlex
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+CONTAINER_PATH = "/opt/nemo-rl"         # WORKDIR of the nvcr.io/nvidia/nemo-rl images
+RECIPES = {                              # algorithm -> (base config, entry script, its top-level section)
+    "dpo": ("examples/configs/dpo.yaml", "examples/run_dpo.py", "dpo"),
+    "rm": ("examples/configs/rm.yaml", "examples/run_rm.py", "rm"),
+}
+CONVERTER = "examples/converters/convert_dcp_to_hf.py"
+
+# Every key NeMo-RL's DPO path reads (run_dpo.py, algorithms/dpo.py and its loss, data/utils.py, utils/checkpoint.py,
+# utils/logger.py, models/policy), as dotted paths. The merged config must define each one.
+DPO_KEYS = (
+    "dpo.max_num_epochs", "dpo.max_num_steps", "dpo.val_period", "dpo.val_batches", "dpo.val_global_batch_size",
+    "dpo.val_micro_batch_size", "dpo.val_at_start", "dpo.val_at_end", "dpo.seed", "dpo.reference_policy_kl_penalty",
+    "dpo.preference_average_log_probs", "dpo.sft_average_log_probs", "dpo.preference_loss_weight",
+    "dpo.sft_loss_weight",
+    "checkpointing.enabled", "checkpointing.checkpoint_dir", "checkpointing.metric_name",
+    "checkpointing.higher_is_better", "checkpointing.keep_top_k", "checkpointing.save_period",
+    "checkpointing.checkpoint_must_save_by", "checkpointing.save_optimizer", "checkpointing.model_save_format",
+    "checkpointing.save_consolidated",
+    "policy.model_name", "policy.tokenizer.name", "policy.train_global_batch_size", "policy.train_micro_batch_size",
+    "policy.max_total_sequence_length", "policy.precision", "policy.dtensor_cfg.enabled",
+    "policy.dtensor_cfg.tensor_parallel_size", "policy.dtensor_cfg.context_parallel_size",
+    "policy.dtensor_cfg.sequence_parallel", "policy.dtensor_cfg.activation_checkpointing",
+    "policy.dtensor_cfg.cpu_offload", "policy.dynamic_batching.enabled", "policy.sequence_packing.enabled",
+    "policy.make_sequence_length_divisible_by", "policy.max_grad_norm", "policy.optimizer.name",
+    "policy.optimizer.kwargs.lr", "policy.scheduler", "policy.megatron_cfg.enabled",
+    "policy.megatron_cfg.use_fused_linear_logprobs",
+    "data.max_input_seq_length", "data.shuffle", "data.num_workers", "data.train.dataset_name",
+    "data.train.data_path", "data.validation.dataset_name", "data.validation.data_path",
+    "logger.log_dir", "logger.wandb_enabled", "logger.tensorboard_enabled", "logger.mlflow_enabled",
+    "logger.swanlab_enabled", "logger.monitor_gpus", "logger.wandb", "logger.gpu_monitoring.collection_interval",
+    "logger.gpu_monitoring.flush_interval", "logger.mlflow.experiment_name", "logger.mlflow.run_name",
+    "logger.mlflow.tracking_uri", "logger.mlflow.run_id",
+    "cluster.gpus_per_node", "cluster.num_nodes",
+)
+
+
+def recipe_root(runtime: dict) -> str:
+    """Where the NeMo-RL checkout is, as seen by the process that runs it."""
+    if runtime.get("path"):
+        return str(runtime["path"])
+    return CONTAINER_PATH
+
+
+def _preference_file(path: Path) -> dict:
+    # split: null, because a local jsonl has only a `train` split (the base recipe asks for `validation`)
+    return {"dataset_name": "BinaryPreferenceDataset", "data_path": str(path), "prompt_key": "prompt",
+            "chosen_key": "chosen", "rejected_key": "rejected", "split": None}
+
+
+def build_config(*, algorithm: str, runtime: dict, input_dir: Path, data_dir: Path, out_dir: Path, cfg, seed: int,
+                 max_length: int, tracking_uri: str, experiment: str, mlflow_run_id: str | None) -> dict:
+    """The YAML content: NeMo-RL's recipe via `defaults:`, then baton's choices."""
+    base, _, section = RECIPES[algorithm]
+    nr = cfg.nemo_rl
+    steps = cfg.steps
+    return {
+        "defaults": f"{recipe_root(runtime)}/{base}",
+        section: {
+            "max_num_steps": steps, "max_num_epochs": 1000,  # steps decide; epochs only bound them
+            "val_period": steps, "val_at_start": True, "val_at_end": True, "val_batches": 0,
+            "val_global_batch_size": nr.gpus_per_node * nr.micro_batch_size, "val_micro_batch_size": nr.micro_batch_size,
+            "seed": seed,
+            **({"reference_policy_kl_penalty": cfg.beta} if algorithm == "dpo" else {}),
+        },
+        "checkpointing": {
+            "enabled": True, "checkpoint_dir": str(out_dir / "results"), "save_period": steps, "keep_top_k": 1,
+            "metric_name": "val:validation-default_loss", "higher_is_better": False, "save_optimizer": False,
+            "model_save_format": "safetensors", "save_consolidated": True,
+        },
+        "policy": {
+            "model_name": str(input_dir),
+            "tokenizer": {"name": str(input_dir), "chat_template": "default"},  # the checkpoint's own template
+            "train_global_batch_size": cfg.batch_size * cfg.grad_accum,
+            "train_micro_batch_size": nr.micro_batch_size,
+            "max_total_sequence_length": max_length,
+            "precision": nr.precision,
+            "dtensor_cfg": {"enabled": True, "_v2": True},
+            "optimizer": {"kwargs": {"lr": cfg.learning_rate}},
+        },
+        "data": {
+            "max_input_seq_length": max_length,
+            "train": _preference_file(data_dir / "preference" / "train.jsonl"),
+            "validation": _preference_file(data_dir / "preference" / "heldout.jsonl"),
+        },
+        "logger": {
+            "log_dir": str(out_dir / "logs"), "mlflow_enabled": True, "wandb_enabled": False,
+            "tensorboard_enabled": False, "swanlab_enabled": False,
+            "mlflow": {"experiment_name": experiment, "run_name": "rlhf", "tracking_uri": tracking_uri,
+                       "run_id": mlflow_run_id},
+        },
+        "cluster": {"gpus_per_node": nr.gpus_per_node, "num_nodes": int(runtime.get("nodes") or 1)},
+    }
+
+
+def write_config(path: Path, config: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("# written by baton's rlhf stage for NeMo-RL; inherits its recipe through `defaults:`\n"
+                    + yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def overrides(cfg, runtime: dict) -> list[str]:
+    """key=value overrides on the command line: cluster shape, then the user's own (last, so they win)."""
+    return [f"cluster.gpus_per_node={cfg.nemo_rl.gpus_per_node}",
+            f"cluster.num_nodes={int(runtime.get('nodes') or 1)}", *cfg.nemo_rl.overrides]
+
+
+# ---- the config as NeMo-RL will see it (checked before launch wherever its recipes are on this machine) ------------
+def load_with_defaults(path: Path):
+    """OmegaConf config with `defaults:` parents merged under it, depth first, later parents winning (as NeMo-RL)."""
+    from omegaconf import OmegaConf
+
+    path = Path(path)
+    cfg = OmegaConf.load(path)
+    defaults = cfg.pop("defaults", None)
+    if defaults is None:
+        return cfg
+    base = OmegaConf.create({})
+    for parent in [defaults] if isinstance(defaults, str) else list(defaults):
+        p = Path(str(parent))
+        base = OmegaConf.merge(base, load_with_defaults(p if p.is_absolute() else path.parent / p))
+    return OmegaConf.merge(base, cfg)
+
+
+def apply_overrides(cfg, items: list[str]):
+    """key=value overrides with Hydra's grammar. Like NeMo-RL (struct mode) an unknown key is an error; +key adds."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    for o in OverridesParser.create().parse_overrides(items):
+        key = o.key_or_group
+        if not o.is_add() and OmegaConf.select(cfg, key, default=KeyError) is KeyError:
+            raise KeyError(f"override {key}: no such key in the NeMo-RL config (to add a new key write +{key}=...)")
+        OmegaConf.update(cfg, key, o.value(), force_add=o.is_add())
+    return cfg
+
+
+def resolve(config_path: Path, items: list[str]) -> dict:
+    """The final config run_dpo.py would build: inheritance, overrides, interpolations resolved."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(apply_overrides(load_with_defaults(config_path), items), resolve=True)
+
+
+def missing_keys(config: dict, keys=DPO_KEYS) -> list[str]:
+    def has(node, parts):
+        for p in parts:
+            if not isinstance(node, dict) or p not in node:
+                return False
+            node = node[p]
+        return True
+
+    return [k for k in keys if not has(config, k.split("."))]
+
+
+@dataclass
+class Launch:
+    cmd: list[str]
+    cwd: Path | None = None
+    env: dict = field(default_factory=dict)
+
+
+def in_runtime(run: list[str], *, cfg, runtime: dict, mounts: list[Path], nodes: int | None = None) -> Launch:
+    """Wrap a command meant for a NeMo-RL checkout: there (venv), in its container, or on Slurm through ray.sub."""
+    kind = runtime.get("kind", "venv")
+    if kind == "venv":
+        return Launch(run, cwd=Path(runtime["path"]))
+    binds = sorted({str(Path(m)) for m in mounts})
+    if kind == "container":
+        vols = [a for m in binds for a in ("-v", f"{m}:{m}")]
+        return Launch(["docker", "run", "--rm", "--gpus", "all", "--ipc=host", "--ulimit", "memlock=-1",
+                       "--ulimit", "stack=67108864", *vols, "-w", recipe_root(runtime), runtime["image"], *run])
+    if kind == "slurm":
+        nr = cfg.nemo_rl
+        nodes = nodes or int(runtime.get("nodes") or 1)
+        sbatch = ["sbatch", "--wait", f"--nodes={nodes}", f"--gres=gpu:{nr.gpus_per_node}", "--job-name=baton-rlhf",
+                  f"--time={nr.slurm_time}"]
+        sbatch += [f"--account={nr.slurm_account}"] if nr.slurm_account else []
+        sbatch += [f"--partition={nr.slurm_partition}"] if nr.slurm_partition else []
+        env = {"COMMAND": shlex.join(run), "CONTAINER": runtime["image"], "MOUNTS": ",".join(f"{m}:{m}" for m in binds),
+               "GPUS_PER_NODE": str(nr.gpus_per_node)}
+        return Launch([*sbatch, "ray.sub"], cwd=Path(runtime["path"]), env=env)
+    raise ValueError(f"runtimes.nemo_rl.kind={kind!r}: supported kinds are venv (a checkout), container, slurm")
+
+
+def launch_command(*, algorithm: str, cfg, runtime: dict, config_path: Path, mounts: list[Path]) -> Launch:
+    """`uv run python examples/run_<algo>.py --config <ours> key=value...` in the runtime."""
+    _, script, _ = RECIPES[algorithm]
+    run = ["uv", "run", "python", script, "--config", str(config_path), *overrides(cfg, runtime)]
+    return in_runtime(run, cfg=cfg, runtime=runtime, mounts=mounts)
+
+
+def converter_command(*, cfg, runtime: dict, step_dir: Path, hf_dir: Path, mounts: list[Path]) -> Launch:
+    """NeMo-RL's own DCP → HF converter, for checkpoints saved without consolidated safetensors (one node)."""
+    run = ["uv", "run", "python", CONVERTER, "--config", str(step_dir / "config.yaml"),
+           "--dcp-ckpt-path", str(step_dir / "policy" / "weights"), "--hf-ckpt-path", str(hf_dir)]
+    return in_runtime(run, cfg=cfg, runtime=runtime, mounts=mounts, nodes=1)
+
+
+# ---- reading what NeMo-RL wrote ---------------------------------------------------------------------------------------
+def latest_step(results: Path) -> Path | None:
+    steps = [Path(p) for p in glob.glob(str(results / "step_*")) if re.fullmatch(r"step_\d+", Path(p).name)]
+    return max(steps, key=lambda p: int(p.name.split("_")[1])) if steps else None
+
+
+def consolidated_dir(step_dir: Path) -> Path | None:
+    """The HF folder (config.json + *.safetensors) inside a step's policy weights, if it was saved consolidated."""
+    weights = step_dir / "policy" / "weights"
+    for cand in (weights / "model" / "consolidated", weights / "consolidated", weights / "model", weights):
+        if (cand / "config.json").exists() and any(cand.glob("*.safetensors")):
+            return cand
+    return None
+
+
+def collect_hf(src: Path, out: Path, tokenizer_src: Path) -> Path:
+    """Copy NeMo-RL's HF weights and config, then the input's tokenizer and chat template (NeMo-RL does not)."""
+    from conversions import hf
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in [*src.glob("*.safetensors"), src / hf.INDEX_NAME, src / "config.json", src / "generation_config.json"]:
+        if f.exists():
+            shutil.copy2(f, out / f.name)
+    hf.copy_tokenizer(tokenizer_src, out)
+    return out

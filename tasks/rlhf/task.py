@@ -1,0 +1,225 @@
+"""RLHF stage: preference optimisation of the input HF checkpoint with TRL (CPU, CI) or NeMo-RL (GPU clusters).
+
+Both backends read the same preference pairs and write the same thing: an HF safetensors folder with the input's
+tokenizer and chat template and a manifest naming the backend and algorithm. The gate: L0, serving preflight, L1
+round trip, L3 generation, and held-out preference accuracy after >= before.
+
+Reward models (algorithm rm) are not causal LMs, so they cannot continue the chain: the reward model is written beside
+(`<work_dir>/reward_model`, its own manifest) and the chain's output is the input policy, passed through unchanged.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from conversions import hf, manifest as mf, verify
+from tasks.rlhf import checks, nemo_rl
+from tasks.rlhf.config import RlhfConfig
+from tasks.stage import StageContext, StageOutput
+
+WORKER = Path(__file__).with_name("worker.py")
+POLICY_LEVELS = ("L0", "preflight", "L1", "L3")
+
+
+class RlhfInputError(ValueError):
+    pass
+
+
+def check_inputs(ctx: StageContext) -> None:
+    problems = []
+    if ctx.input is None or not (Path(ctx.input) / "config.json").exists():
+        problems.append(f"rlhf: input {ctx.input} is not an HF checkpoint (no config.json)")
+    elif not mf.chat_template_present(Path(ctx.input)):
+        problems.append(f"rlhf: input {ctx.input} has no chat template to format the preference prompts")
+    for split in ("train", "heldout"):
+        if ctx.data_dir is None or not (Path(ctx.data_dir) / "preference" / f"{split}.jsonl").exists():
+            problems.append(f"rlhf: data {ctx.data_dir} lacks preference/{split}.jsonl (run the data stage)")
+    if problems:
+        raise RlhfInputError("; ".join(problems))
+
+
+def _fresh(path: Path) -> Path:
+    shutil.rmtree(path, ignore_errors=True)
+    return path
+
+
+def _tag_backend(ctx: StageContext, backend: str, algorithm: str) -> None:
+    if not ctx.mlflow_run_id:
+        return
+    from tasks import tracking
+
+    c = tracking.client()
+    c.set_tag(ctx.mlflow_run_id, "baton.backend", backend)
+    c.set_tag(ctx.mlflow_run_id, "baton.algorithm", algorithm)
+
+
+def _series(res, name: str) -> list[float]:
+    return [e[name] for e in res.metrics() if isinstance(e.get(name), (int, float))]
+
+
+def accuracy_check(facts: dict) -> dict:
+    before, after = facts.get("before"), facts.get("after")
+    ok = isinstance(before, (int, float)) and isinstance(after, (int, float)) and after >= before
+    return verify.check(f"eval.{facts.get('metric', 'heldout_pref_accuracy')}", ok,
+                        f"held-out {facts.get('metric')}: {before} before, {after} after" + ("" if ok else
+                        " (fell: the stage made the model worse at its own preference task)"))
+
+
+def reward_model_roundtrip(root: Path) -> dict:
+    """L1 for a sequence-classification folder: load, save again, every tensor identical."""
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    model, info = AutoModelForSequenceClassification.from_pretrained(str(root), output_loading_info=True)
+    problems = [f"{k}: {sorted(map(str, info[k]))[:3]}" for k in ("missing_keys", "unexpected_keys") if info.get(k)]
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        saved = hf.load_state_dict(Path(tmp))
+    for name, t in hf.iter_tensors(root):
+        if name not in saved or not torch.equal(t, saved[name]):
+            problems.append(f"{name}: differs after save/load")
+    return verify.check("L1.reward_model_roundtrip", not problems, "; ".join(problems[:5]) or
+                        f"{len(saved)} reward-model tensors identical after load → save → load")
+
+
+def pass_through_policy(src: Path, out: Path, reward_model: Path, stage: str, backend: str) -> None:
+    """The chain's output for algorithm rm: the input policy's files, unchanged, with a manifest pointing at the RM."""
+    shutil.copytree(src, out, ignore=shutil.ignore_patterns(mf.MANIFEST_NAME, "*.trl"))
+    src_m = mf.read(src) or {}
+    m = mf.build(out, format="hf-safetensors", stage=stage, engine={"name": "baton", "note": "policy passed through"},
+                 architecture=dict(src_m.get("architecture") or {}), parameter_count=hf.parameter_count(out),
+                 dtype=hf.dominant_dtype(out), parent=mf.parent_ref(src),
+                 extra={"backend": backend, "algorithm": "rm", "role": "policy",
+                        "reward_model": {"path": str(reward_model), "digest": mf.digest_of(mf.read(reward_model))}})
+    mf.write(out, m)
+
+
+def _weights_unchanged(src: Path, out: Path) -> dict:
+    same = all(mf.sha256_file(f) == mf.sha256_file(out / f.name) for f in hf.safetensors_files(src))
+    return verify.check("policy.unchanged", same, "policy weights byte-identical to the input" if same else
+                        "policy weights differ from the input")
+
+
+def gate(algorithm: str, out: Path, trained: Path, src: Path, facts: dict) -> dict:
+    """The chained policy: L0, preflight, L1, L3, and held-out accuracy not below the input's. For rm the policy must
+    be the input byte for byte, and the reward model beside it gets L0 and its own round trip."""
+    checks_ = verify.verify(out, levels=POLICY_LEVELS)["checks"]
+    if algorithm != "rm":
+        return verify.report(checks_ + [accuracy_check(facts)])
+    rm_checks = verify.integrity(trained) + [reward_model_roundtrip(trained)]
+    return verify.report(checks_ + [_weights_unchanged(src, out)] +
+                         [{**c, "name": f"reward_model.{c['name']}"} for c in rm_checks])
+
+
+def worker_command(ctx: StageContext, cfg: RlhfConfig, out: Path) -> list[str]:
+    args = ["--input", str(ctx.input), "--data", str(ctx.data_dir), "--output", str(out),
+            "--algorithm", cfg.algorithm, "--steps", str(cfg.steps), "--batch-size", str(cfg.batch_size),
+            "--grad-accum", str(cfg.grad_accum), "--lr", str(cfg.learning_rate), "--beta", str(cfg.beta),
+            "--max-length", str(cfg.max_length or ctx.model.get("seq_length", 128)), "--reference", cfg.reference,
+            "--num-generations", str(cfg.num_generations), "--max-completion-length", str(cfg.max_completion_length),
+            "--seed", str(ctx.seed), "--stage", ctx.stage]
+    if cfg.reference_model:
+        args += ["--reference-model", str(cfg.reference_model)]
+    py = ctx.python("main")
+    if cfg.nproc > 1:
+        return [py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg.nproc}", str(WORKER), *args]
+    return [py, str(WORKER), *args]
+
+
+def run_trl(ctx: StageContext, cfg: RlhfConfig) -> StageOutput:
+    work = Path(ctx.work_dir)
+    out = work / "checkpoint"
+    trained = work / ("reward_model" if cfg.algorithm == "rm" else "checkpoint")
+    partial = _fresh(work / f"{trained.name}.partial")
+    _fresh(out)
+    _fresh(trained)
+    res = ctx.launch(worker_command(ctx, cfg, partial), name=f"rlhf-trl-{cfg.algorithm}", timeout=cfg.timeout_s,
+                     env={"OMP_NUM_THREADS": "1"} if cfg.nproc > 1 else None)
+    shutil.rmtree(work / f"{partial.name}.trl", ignore_errors=True)  # trainer scratch (no checkpoints are saved)
+    partial.rename(trained)
+    facts = res.results()
+    if cfg.algorithm == "rm":
+        pass_through_policy(Path(ctx.input), out, trained, ctx.stage, backend="trl")
+    margins = _series(res, "rewards/margins") or _series(res, "margin") or _series(res, "reward")
+    metrics = {"seconds": facts.get("seconds"), "heldout_kl_to_reference": facts.get("heldout_kl_to_reference"),
+               "train_pairs": facts.get("train_pairs"), "heldout_pairs": facts.get("heldout_pairs")}
+    if margins:
+        metrics.update(margin_first=margins[0], margin_last=margins[-1])
+    return StageOutput(
+        output=out, engine="trl", backend="trl", gate=gate(cfg.algorithm, out, trained, Path(ctx.input), facts),
+        metrics=metrics,
+        eval={"metric": facts.get("metric"), "before": facts.get("before"), "after": facts.get("after")},
+        extra={"algorithm": cfg.algorithm, **({"reward_model": str(trained)} if cfg.algorithm == "rm" else {})})
+
+
+def run_nemo_rl(ctx: StageContext, cfg: RlhfConfig) -> StageOutput:
+    """NeMo-RL on GPUs: our YAML over its recipe, its launcher, its consolidated HF weights + our tokenizer, our gate."""
+    runtime = checks.nemo_rl_runtime(ctx.runtimes)
+    errors = checks.nemo_rl_errors(cfg, runtime)
+    if errors:
+        raise RlhfInputError("; ".join(errors))
+    from tasks import tracking
+
+    work = Path(ctx.work_dir)
+    nr_dir = work / "nemo_rl"
+    config = nemo_rl.build_config(
+        algorithm=cfg.algorithm, runtime=runtime, input_dir=Path(ctx.input), data_dir=Path(ctx.data_dir),
+        out_dir=nr_dir, cfg=cfg, seed=ctx.seed, max_length=cfg.max_length or ctx.model.get("seq_length", 128),
+        tracking_uri=tracking.tracking_uri(), experiment=ctx.tracking.get("experiment", "baton"),
+        mlflow_run_id=ctx.mlflow_run_id)
+    path = nemo_rl.write_config(nr_dir / f"nemo_rl_{cfg.algorithm}.yaml", config)
+    if Path(config["defaults"]).exists():  # the recipes are on this machine: check what NeMo-RL will read first
+        resolved = nemo_rl.resolve(path, nemo_rl.overrides(cfg, runtime))
+        missing = nemo_rl.missing_keys(resolved) if cfg.algorithm == "dpo" else []
+        if missing:
+            raise RlhfInputError(f"{path}: NeMo-RL's DPO reads keys the config lacks: {', '.join(missing)}")
+    mounts = [work, Path(ctx.input), Path(ctx.data_dir), *([Path(runtime["path"])] if runtime.get("path") else [])]
+    if config["logger"]["mlflow"]["tracking_uri"].startswith("sqlite:///"):  # a file store must be visible inside too
+        mounts.append(Path(config["logger"]["mlflow"]["tracking_uri"][len("sqlite:///"):]).parent)
+    launch = nemo_rl.launch_command(algorithm=cfg.algorithm, cfg=cfg, runtime=runtime, config_path=path, mounts=mounts)
+    ctx.launch(launch.cmd, name=f"rlhf-nemo-rl-{cfg.algorithm}", env=launch.env, timeout=cfg.timeout_s, cwd=launch.cwd)
+
+    step = nemo_rl.latest_step(nr_dir / "results")
+    if step is None:
+        raise RlhfInputError(f"NeMo-RL finished but wrote no step_* checkpoint under {nr_dir / 'results'}")
+    hf_src = nemo_rl.consolidated_dir(step)
+    if hf_src is None:  # saved as torch DCP: NeMo-RL's own converter makes the HF folder
+        hf_src = nr_dir / "hf"
+        conv = nemo_rl.converter_command(cfg=cfg, runtime=runtime, step_dir=step, hf_dir=hf_src, mounts=mounts)
+        ctx.launch(conv.cmd, name="rlhf-nemo-rl-convert", env=conv.env, cwd=conv.cwd, timeout=cfg.timeout_s)
+    trained = work / ("reward_model" if cfg.algorithm == "rm" else "checkpoint")
+    _fresh(trained)
+    nemo_rl.collect_hf(hf_src, trained, Path(ctx.input))
+    src_m = mf.read(Path(ctx.input)) or {}
+    mf.write(trained, mf.build(
+        trained, format="hf-safetensors", stage=ctx.stage, engine={"name": "nemo-rl", "recipe": config["defaults"]},
+        architecture=dict(src_m.get("architecture") or {}), parameter_count=hf.parameter_count(trained),
+        dtype=hf.dominant_dtype(trained), parent=mf.parent_ref(Path(ctx.input)),
+        extra={"backend": "nemo_rl", "algorithm": cfg.algorithm, "step_dir": str(step),
+               "role": "reward-model" if cfg.algorithm == "rm" else "policy"}))
+    out = work / "checkpoint"
+    if cfg.algorithm == "rm":
+        pass_through_policy(Path(ctx.input), out, trained, ctx.stage, backend="nemo_rl")
+    # held-out accuracy of input and output, measured the same way as for TRL (the worker's evaluation only)
+    res = ctx.launch([ctx.python("main"), str(WORKER), "--evaluate", "--input", str(ctx.input), "--output",
+                      str(trained), "--data", str(ctx.data_dir), "--algorithm", cfg.algorithm],
+                     name="rlhf-eval", timeout=cfg.timeout_s)
+    facts = res.results()
+    return StageOutput(output=out, engine="nemo-rl", backend="nemo_rl",
+                       gate=gate(cfg.algorithm, out, trained, Path(ctx.input), facts),
+                       metrics={"heldout_kl_to_reference": facts.get("heldout_kl_to_reference")},
+                       eval={"metric": facts.get("metric"), "before": facts.get("before"), "after": facts.get("after")},
+                       extra={"algorithm": cfg.algorithm, "nemo_rl_config": str(path), "command": launch.cmd})
+
+
+@task(name="rlhf", cache_policy=NO_CACHE)
+def run_rlhf(ctx: StageContext, cfg: RlhfConfig) -> StageOutput:
+    check_inputs(ctx)
+    backend = checks.resolve_backend(cfg, ctx.runtimes)
+    _tag_backend(ctx, backend, cfg.algorithm)
+    return run_nemo_rl(ctx, cfg) if backend == "nemo_rl" else run_trl(ctx, cfg)

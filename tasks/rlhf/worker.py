@@ -1,0 +1,293 @@
+"""TRL preference optimisation of an HF checkpoint: DPO, a reward model, or GRPO. Launched by tasks/rlhf/task.py:
+
+    python worker.py --input HF_DIR --data DATA_DIR --output OUT_DIR --algorithm dpo --steps 30 ...
+    python -m torch.distributed.run --nproc_per_node 2 worker.py ...      (2 CPU processes, gloo)
+
+The recipe, top to bottom: read the preference pairs and chat-format them with the checkpoint's own template; measure
+held-out preference accuracy of the input model; train with TRL (metrics streamed as events); save an HF folder with
+the input's tokenizer and chat template; measure the same accuracy on the saved model; write the manifest.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from conversions import events, hf, manifest as mf
+
+RANK = int(os.environ.get("RANK", "0"))
+WORLD_SIZE = int(os.environ.get("WORLD_SIZE", "1"))
+SKIP_LOGS = {"epoch", "total_flos", "train_runtime", "train_samples_per_second", "train_steps_per_second",
+             "train_loss", "step_time"}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--input", type=Path, required=True)
+    ap.add_argument("--data", type=Path, required=True, help="the data stage's folder (preference/*.jsonl)")
+    ap.add_argument("--output", type=Path, required=True)
+    ap.add_argument("--algorithm", choices=["dpo", "rm", "grpo"], default="dpo")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--grad-accum", type=int, default=1)
+    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--beta", type=float, default=0.1)
+    ap.add_argument("--max-length", type=int, default=128)
+    ap.add_argument("--reference", choices=["copy", "precomputed"], default="copy")
+    ap.add_argument("--reference-model", type=Path, default=None)
+    ap.add_argument("--num-generations", type=int, default=4)
+    ap.add_argument("--max-completion-length", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--stage", default="rlhf")
+    ap.add_argument("--evaluate", action="store_true", help="only measure --output against --input (no training)")
+    return ap.parse_args(argv)
+
+
+# ---- data: the checkpoint's chat template around each prompt; completions end with its EOS ------------------------
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def chat_prompt(tok, prompt: str) -> str:
+    return tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+
+
+def format_pairs(tok, rows: list[dict]) -> list[dict]:
+    eos = tok.eos_token
+    return [{"prompt": chat_prompt(tok, r["prompt"]), "chosen": r["chosen"] + eos, "rejected": r["rejected"] + eos}
+            for r in rows]
+
+
+# ---- held-out evaluation, defined on the model itself -------------------------------------------------------------
+def _split_ids(tok, prompt: str, completion: str) -> tuple[list[int], list[int]]:
+    """Token ids of prompt and completion, split where prompt and prompt+completion tokenizations diverge."""
+    p = tok(prompt, add_special_tokens=False)["input_ids"]
+    full = tok(prompt + completion, add_special_tokens=False)["input_ids"]
+    n = 0
+    while n < min(len(p), len(full)) and p[n] == full[n]:
+        n += 1
+    return full[:n], full[n:]
+
+
+@torch.no_grad()
+def completion_logprob(model, tok, prompt: str, completion: str) -> float:
+    """Sum of log p(completion tokens | prompt) under a causal LM."""
+    p, c = _split_ids(tok, prompt, completion)
+    ids = torch.tensor([p + c])
+    logps = torch.log_softmax(model(ids).logits[0, :-1].float(), dim=-1)
+    targets = ids[0, 1:]
+    return logps[len(p) - 1:].gather(-1, targets[len(p) - 1:, None]).sum().item()
+
+
+@torch.no_grad()
+def reward_score(model, tok, prompt: str, completion: str) -> float:
+    ids = tok(prompt + completion, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    return model(ids).logits[0, 0].item()
+
+
+def preference_accuracy(model, tok, pairs: list[dict], score) -> float:
+    """Fraction of pairs whose chosen completion scores above the rejected one."""
+    model.eval()
+    wins = sum(score(model, tok, p["prompt"], p["chosen"]) > score(model, tok, p["prompt"], p["rejected"]) for p in pairs)
+    return wins / max(len(pairs), 1)
+
+
+@torch.no_grad()
+def kl_to_reference(policy, ref, tok, pairs: list[dict]) -> float:
+    """Mean per-token KL(policy || reference) of next-token distributions over held-out chosen completions."""
+    total, count = 0.0, 0
+    for pair in pairs:
+        p, c = _split_ids(tok, pair["prompt"], pair["chosen"])
+        ids = torch.tensor([p + c])
+        lp = torch.log_softmax(policy(ids).logits[0, len(p) - 1:-1].float(), dim=-1)
+        lq = torch.log_softmax(ref(ids).logits[0, len(p) - 1:-1].float(), dim=-1)
+        total += (lp.exp() * (lp - lq)).sum().item()
+        count += lp.shape[0]
+    return total / max(count, 1)
+
+
+# ---- metrics: TRL's logs become baton events (rank 0 only) ---------------------------------------------------------
+def stream_callback():
+    from transformers import TrainerCallback
+
+    class StreamEvents(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if not state.is_world_process_zero or not logs:
+                return
+            values = {("lr" if k == "learning_rate" else k): v for k, v in logs.items()
+                      if k not in SKIP_LOGS and isinstance(v, (int, float)) and not isinstance(v, bool)}
+            if values:
+                events.metric(state.global_step, **values)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.is_world_process_zero:
+                events.progress(state.global_step, state.max_steps)
+
+    return StreamEvents()
+
+
+def common_args(a: argparse.Namespace, work: Path) -> dict:
+    cpu = not torch.cuda.is_available()
+    return dict(output_dir=str(work), max_steps=a.steps, per_device_train_batch_size=a.batch_size,
+                gradient_accumulation_steps=a.grad_accum, learning_rate=a.lr, lr_scheduler_type="constant",
+                warmup_steps=0, logging_steps=1, save_strategy="no", report_to=[], seed=a.seed, data_seed=a.seed,
+                disable_tqdm=True, dataloader_num_workers=0, use_cpu=cpu,
+                # TRL defaults to bf16 autocast and activation checkpointing: on CPU that is ~10x slower and inexact
+                bf16=False, gradient_checkpointing=False,
+                ddp_backend="gloo" if WORLD_SIZE > 1 and cpu else None,
+                ddp_find_unused_parameters=False if WORLD_SIZE > 1 else None)
+
+
+# ---- the three recipes -----------------------------------------------------------------------------------------------
+def train_dpo(a, tok, train_pairs: list[dict], work: Path):
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import DPOConfig, DPOTrainer
+
+    model = AutoModelForCausalLM.from_pretrained(str(a.input), dtype=torch.float32)
+    ref = AutoModelForCausalLM.from_pretrained(str(a.reference_model), dtype=torch.float32) if a.reference_model else None
+    args = DPOConfig(**common_args(a, work), beta=a.beta, max_length=a.max_length,
+                     precompute_ref_log_probs=a.reference == "precomputed")
+    return DPOTrainer(model=model, ref_model=ref, args=args, train_dataset=Dataset.from_list(train_pairs), processing_class=tok,
+                      callbacks=[stream_callback()])
+
+
+def train_rm(a, tok, train_pairs: list[dict], work: Path):
+    from datasets import Dataset
+    from transformers import AutoModelForSequenceClassification
+    from trl import RewardConfig, RewardTrainer
+
+    model = AutoModelForSequenceClassification.from_pretrained(str(a.input), num_labels=1, dtype=torch.float32)
+    model.config.pad_token_id = tok.pad_token_id
+    args = RewardConfig(**common_args(a, work), max_length=a.max_length)
+    return RewardTrainer(model=model, args=args, train_dataset=Dataset.from_list(train_pairs), processing_class=tok,
+                         callbacks=[stream_callback()])
+
+
+def preference_reward(train_pairs: list[dict], eos: str):
+    """A programmatic reward from the preference data: +1 for a completion whose first word is a chosen answer of
+    that prompt, -1 for a rejected one, 0 otherwise."""
+    chosen: dict[str, set] = {}
+    rejected: dict[str, set] = {}
+    for p in train_pairs:
+        chosen.setdefault(p["prompt"], set()).add(p["chosen"].removesuffix(eos).strip())
+        rejected.setdefault(p["prompt"], set()).add(p["rejected"].removesuffix(eos).strip())
+
+    def reward(prompts, completions, **kwargs) -> list[float]:
+        out = []
+        for prompt, text in zip(prompts, completions):
+            words = text.replace(eos, " ").split()
+            first = words[0] if words else ""
+            out.append(1.0 if first in chosen.get(prompt, ()) else -1.0 if first in rejected.get(prompt, ()) else 0.0)
+        return out
+
+    reward.__name__ = "preference_match"
+    return reward
+
+
+def train_grpo(a, tok, train_pairs: list[dict], work: Path):
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOConfig, GRPOTrainer
+
+    model = AutoModelForCausalLM.from_pretrained(str(a.input), dtype=torch.float32)
+    prompts = Dataset.from_list([{"prompt": p["prompt"]} for p in train_pairs])
+    args = GRPOConfig(**common_args(a, work), beta=a.beta, num_generations=a.num_generations,
+                      max_completion_length=a.max_completion_length, temperature=1.0, use_vllm=False,
+                      log_completions=False)
+    return GRPOTrainer(model=model, reward_funcs=[preference_reward(train_pairs, tok.eos_token)], args=args,
+                       train_dataset=prompts, processing_class=tok, callbacks=[stream_callback()])
+
+
+TRAINERS = {"dpo": train_dpo, "rm": train_rm, "grpo": train_grpo}
+
+
+def load_eval_model(path: Path, algorithm: str):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    if algorithm == "rm":
+        return AutoModelForSequenceClassification.from_pretrained(str(path), num_labels=1, dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+
+
+def write_manifest(a, out: Path, metrics: dict) -> None:
+    src = mf.read(a.input) or {}
+    role = "reward-model" if a.algorithm == "rm" else "policy"
+    m = mf.build(
+        out, format="hf-safetensors", stage=a.stage,
+        engine={"name": "trl", **mf.engine_versions("trl", "transformers", "torch", "accelerate")},
+        architecture=dict(src.get("architecture") or {}), parameter_count=hf.parameter_count(out),
+        dtype=hf.dominant_dtype(out), parent=mf.parent_ref(a.input),
+        extra={"backend": "trl", "algorithm": a.algorithm, "role": role, "steps": a.steps, "beta": a.beta,
+               "learning_rate": a.lr, "reference": str(a.reference_model) if a.reference_model else a.reference,
+               **metrics},
+        tokenizer_dir=out)
+    mf.write(out, m)
+
+
+def evaluate(a, tok, held_pairs: list[dict], before: float | None = None) -> dict:
+    """Held-out accuracy of the input (unless given) and of the saved output; KL to the reference for policies."""
+    score = reward_score if a.algorithm == "rm" else completion_logprob
+    metric = "heldout_reward_accuracy" if a.algorithm == "rm" else "heldout_pref_accuracy"
+    if before is None:
+        before = preference_accuracy(load_eval_model(a.input, a.algorithm), tok, held_pairs, score)
+    saved = load_eval_model(a.output, a.algorithm)
+    facts = {"metric": metric, "before": before, "after": preference_accuracy(saved, tok, held_pairs, score),
+             "heldout_pairs": len(held_pairs)}
+    if a.algorithm != "rm":
+        ref = load_eval_model(a.reference_model or a.input, a.algorithm).eval()
+        facts["heldout_kl_to_reference"] = kl_to_reference(saved.eval(), ref, tok, held_pairs)
+    print(f"{metric}: {facts['before']:.4f} before, {facts['after']:.4f} after ({len(held_pairs)} held-out pairs)",
+          flush=True)
+    return facts
+
+
+def main(argv=None) -> None:
+    a = parse_args(argv)
+    from transformers import AutoTokenizer, PrinterCallback, set_seed
+
+    set_seed(a.seed)
+    t0 = time.time()
+    tok = AutoTokenizer.from_pretrained(str(a.input))
+    if not tok.chat_template:
+        raise SystemExit(f"{a.input}: the tokenizer has no chat template; preference prompts cannot be formatted")
+    held_pairs = format_pairs(tok, read_jsonl(a.data / "preference" / "heldout.jsonl"))
+    if a.evaluate:  # an output another engine wrote (NeMo-RL): measure it the same way
+        facts = evaluate(a, tok, held_pairs)
+        events.emit("result", **facts, algorithm=a.algorithm)
+        return
+    train_pairs = format_pairs(tok, read_jsonl(a.data / "preference" / "train.jsonl"))
+
+    before = None
+    if RANK == 0:
+        score = reward_score if a.algorithm == "rm" else completion_logprob
+        before = preference_accuracy(load_eval_model(a.input, a.algorithm), tok, held_pairs, score)
+        events.metric(0, **{("heldout_reward_accuracy" if a.algorithm == "rm" else "heldout_pref_accuracy"): before})
+
+    trainer = TRAINERS[a.algorithm](a, tok, train_pairs, a.output.parent / (a.output.name + ".trl"))
+    trainer.remove_callback(PrinterCallback)  # our callback streams the same logs as events
+    trainer.train()
+    trainer.accelerator.wait_for_everyone()
+
+    if RANK == 0:
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        a.output.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(str(a.output), safe_serialization=True)
+        hf.copy_tokenizer(a.input, a.output)
+        seconds = round(time.time() - t0, 2)
+        facts = {**evaluate(a, tok, held_pairs, before), "train_pairs": len(train_pairs), "seconds": seconds}
+        final = {facts["metric"]: facts["after"]}
+        if "heldout_kl_to_reference" in facts:
+            final["heldout_kl_to_reference"] = facts["heldout_kl_to_reference"]
+        events.metric(trainer.state.global_step, **final)
+        write_manifest(a, a.output, {"eval": facts})
+        events.emit("result", **facts, algorithm=a.algorithm, backend="trl", steps=trainer.state.global_step)
+    trainer.accelerator.wait_for_everyone()
+
+
+if __name__ == "__main__":
+    main()

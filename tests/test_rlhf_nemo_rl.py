@@ -1,0 +1,206 @@
+"""The nemo_rl backend without a GPU: the YAML baton writes (loads with OmegaConf, inherits NeMo-RL's recipe through
+`defaults:`, defines every key NeMo-RL's DPO reads), the exact launch commands, and the clear refusal on a CPU machine.
+
+NeMo-RL itself cannot run here (GPU only). Its recipe is stood in by a YAML of the same shape built from the key list;
+set BATON_NEMO_RL_PATH to a NeMo-RL checkout to check against its real examples/configs/dpo.yaml too.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from omegaconf import OmegaConf
+
+from conftest import TINY, baton
+from flows.config import ConfigError, load
+from tasks.rlhf import checks, nemo_rl
+from tasks.rlhf.config import RlhfConfig
+
+INPUT, DATA, OUT = Path("/ckpt/policy"), Path("/runs/data"), Path("/runs/r1/01-rlhf/nemo_rl")
+no_gpu = pytest.mark.skipif(checks.has_nvidia_gpu(), reason="this machine has a GPU")
+
+
+def nest(dotted: dict) -> dict:
+    out: dict = {}
+    for key, value in dotted.items():
+        node = out
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out
+
+
+def stand_in_checkout(root: Path) -> Path:
+    """A directory shaped like a NeMo-RL checkout whose dpo.yaml defines every key DPO reads, with the upstream
+    defaults that matter here (HelpSteer3 `validation` split, MLflow off, an interpolated sequence length)."""
+    recipe = {k: f"recipe:{k}" for k in nemo_rl.DPO_KEYS}
+    recipe.update({"data.validation.split": "validation", "data.train.split": "train", "logger.mlflow_enabled": False,
+                   "policy.max_total_sequence_length": 1024,
+                   "data.max_input_seq_length": "${policy.max_total_sequence_length}",
+                   "dpo.preference_loss_weight": 1, "dpo.sft_loss_weight": 0, "cluster.gpus_per_node": 1,
+                   "cluster.num_nodes": 1, "policy.dtensor_cfg.tensor_parallel_size": 1})
+    base = root / "examples" / "configs" / "dpo.yaml"
+    base.parent.mkdir(parents=True)
+    base.write_text(yaml.safe_dump(nest(recipe)))
+    (root / "examples" / "run_dpo.py").write_text("")
+    (root / "ray.sub").write_text("")
+    return root
+
+
+def our_config(runtime: dict, cfg: RlhfConfig | None = None, algorithm: str = "dpo") -> dict:
+    return nemo_rl.build_config(algorithm=algorithm, runtime=runtime, input_dir=INPUT, data_dir=DATA, out_dir=OUT,
+                                cfg=cfg or RlhfConfig(), seed=7, max_length=128, tracking_uri="http://mlflow:5000",
+                                experiment="baton", mlflow_run_id="stage-run-id")
+
+
+def test_yaml_loads_inherits_and_defines_every_dpo_key(tmp_path):
+    checkout = stand_in_checkout(tmp_path / "RL")
+    runtime = {"kind": "venv", "path": str(checkout), "nodes": 2}
+    path = nemo_rl.write_config(tmp_path / "nemo_rl_dpo.yaml", our_config(runtime))
+
+    raw = OmegaConf.load(path)  # plain OmegaConf: the file itself is valid and names its parent
+    assert raw.defaults == str(checkout / "examples" / "configs" / "dpo.yaml")
+    cfg = nemo_rl.resolve(path, nemo_rl.overrides(RlhfConfig(), runtime))
+    assert nemo_rl.missing_keys(cfg) == []
+    assert cfg["dpo"]["preference_average_log_probs"] == "recipe:dpo.preference_average_log_probs"  # inherited
+    assert cfg["dpo"]["reference_policy_kl_penalty"] == 0.1 and cfg["dpo"]["max_num_steps"] == 40  # ours win
+    assert cfg["policy"]["model_name"] == str(INPUT) and cfg["policy"]["tokenizer"]["name"] == str(INPUT)
+    assert cfg["data"]["max_input_seq_length"] == 128  # the recipe's interpolation, resolved against our value
+    for split, name in (("train", "train"), ("validation", "heldout")):
+        d = cfg["data"][split]
+        assert d["split"] is None and d["dataset_name"] == "BinaryPreferenceDataset"
+        assert d["data_path"] == str(DATA / "preference" / f"{name}.jsonl")
+        assert (d["prompt_key"], d["chosen_key"], d["rejected_key"]) == ("prompt", "chosen", "rejected")
+    assert cfg["checkpointing"]["model_save_format"] == "safetensors" and cfg["checkpointing"]["save_consolidated"]
+    assert cfg["checkpointing"]["checkpoint_dir"] == str(OUT / "results")
+    assert cfg["logger"]["mlflow_enabled"] and cfg["logger"]["mlflow"] == {
+        "experiment_name": "baton", "run_name": "rlhf", "tracking_uri": "http://mlflow:5000", "run_id": "stage-run-id"}
+    assert cfg["cluster"] == {"gpus_per_node": 8, "num_nodes": 2}
+
+
+def test_overrides_follow_nemo_rl_rules(tmp_path):
+    checkout = stand_in_checkout(tmp_path / "RL")
+    path = nemo_rl.write_config(tmp_path / "c.yaml", our_config({"kind": "venv", "path": str(checkout)}))
+    cfg = nemo_rl.resolve(path, ["dpo.sft_loss_weight=0.1", "+policy.hf_config_overrides.rope_theta=5e5"])
+    assert cfg["dpo"]["sft_loss_weight"] == 0.1 and cfg["policy"]["hf_config_overrides"]["rope_theta"] == 5e5
+    with pytest.raises(KeyError, match=r"\+policy.no_such_key"):
+        nemo_rl.resolve(path, ["policy.no_such_key=1"])
+
+
+@pytest.mark.skipif(not os.environ.get("BATON_NEMO_RL_PATH"), reason="BATON_NEMO_RL_PATH (a NeMo-RL checkout) not set")
+def test_against_the_real_recipe(tmp_path):
+    runtime = {"kind": "venv", "path": os.environ["BATON_NEMO_RL_PATH"]}
+    for algorithm in ("dpo", "rm"):
+        path = nemo_rl.write_config(tmp_path / f"{algorithm}.yaml", our_config(runtime, algorithm=algorithm))
+        cfg = nemo_rl.resolve(path, nemo_rl.overrides(RlhfConfig(), runtime))
+        assert cfg["data"]["validation"]["split"] is None and cfg["policy"]["model_name"] == str(INPUT)
+        if algorithm == "dpo":
+            assert nemo_rl.missing_keys(cfg) == []
+
+
+def test_launch_from_a_checkout():
+    cfg = RlhfConfig(nemo_rl={"gpus_per_node": 4, "overrides": ["dpo.sft_loss_weight=0.1"]})
+    launch = nemo_rl.launch_command(algorithm="dpo", cfg=cfg, runtime={"kind": "venv", "path": "/opt/RL", "nodes": 1},
+                                    config_path=OUT / "nemo_rl_dpo.yaml", mounts=[])
+    assert launch.cwd == Path("/opt/RL") and launch.env == {}
+    assert launch.cmd == ["uv", "run", "python", "examples/run_dpo.py", "--config", str(OUT / "nemo_rl_dpo.yaml"),
+                          "cluster.gpus_per_node=4", "cluster.num_nodes=1", "dpo.sft_loss_weight=0.1"]
+
+
+def test_launch_in_the_container():
+    runtime = {"kind": "container", "image": "nvcr.io/nvidia/nemo-rl:v0.7.0", "nodes": 1}
+    launch = nemo_rl.launch_command(algorithm="rm", cfg=RlhfConfig(algorithm="rm"), runtime=runtime,
+                                    config_path=OUT / "nemo_rl_rm.yaml", mounts=[OUT.parent, INPUT, DATA])
+    assert launch.cmd == [
+        "docker", "run", "--rm", "--gpus", "all", "--ipc=host", "--ulimit", "memlock=-1", "--ulimit", "stack=67108864",
+        "-v", "/ckpt/policy:/ckpt/policy", "-v", "/runs/data:/runs/data", "-v", f"{OUT.parent}:{OUT.parent}",
+        "-w", "/opt/nemo-rl", "nvcr.io/nvidia/nemo-rl:v0.7.0",
+        "uv", "run", "python", "examples/run_rm.py", "--config", str(OUT / "nemo_rl_rm.yaml"),
+        "cluster.gpus_per_node=8", "cluster.num_nodes=1"]
+
+
+def test_launch_multi_node_through_ray_sub():
+    cfg = RlhfConfig(nemo_rl={"slurm_account": "llm", "slurm_partition": "batch", "slurm_time": "2:0:0"})
+    runtime = {"kind": "slurm", "path": "/shared/RL", "image": "nvcr.io/nvidia/nemo-rl:v0.7.0", "nodes": 4}
+    launch = nemo_rl.launch_command(algorithm="dpo", cfg=cfg, runtime=runtime, config_path=OUT / "nemo_rl_dpo.yaml",
+                                    mounts=[OUT.parent, INPUT, DATA, Path("/shared/RL")])
+    assert launch.cwd == Path("/shared/RL")
+    assert launch.cmd == ["sbatch", "--wait", "--nodes=4", "--gres=gpu:8", "--job-name=baton-rlhf", "--time=2:0:0",
+                          "--account=llm", "--partition=batch", "ray.sub"]
+    assert shlex.split(launch.env["COMMAND"]) == [
+        "uv", "run", "python", "examples/run_dpo.py", "--config", str(OUT / "nemo_rl_dpo.yaml"),
+        "cluster.gpus_per_node=8", "cluster.num_nodes=4"]
+    assert launch.env["CONTAINER"] == "nvcr.io/nvidia/nemo-rl:v0.7.0" and launch.env["GPUS_PER_NODE"] == "8"
+    assert launch.env["MOUNTS"].split(",") == [f"{p}:{p}" for p in sorted(map(str, (OUT.parent, INPUT, DATA,
+                                                                                     Path("/shared/RL"))))]
+
+
+@no_gpu
+def test_nemo_rl_on_cpu_fails_before_launch_with_one_clear_error(baton_home):
+    t0 = time.time()
+    r = baton("run", str(TINY), "--stages", "rlhf", "--set", "rlhf.backend=nemo_rl", home=baton_home, timeout=300)
+    assert r.returncode == 2, r.stdout + r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("  ")]
+    assert len(errors) == 1 and "needs an NVIDIA GPU" in errors[0] and "rlhf.backend=trl" in errors[0], r.stderr
+    assert not (baton_home / "runs").exists()  # nothing launched, no run created
+    assert time.time() - t0 < 120
+
+
+@no_gpu
+def test_auto_picks_trl_without_a_gpu_even_with_nemo_rl_configured(tmp_path):
+    cfg = load(TINY, [f"runtimes.nemo_rl.path={stand_in_checkout(tmp_path / 'RL')}"])
+    assert cfg.rlhf.backend == "auto" and checks.resolve_backend(cfg.rlhf, cfg.runtimes) == "trl"
+
+
+def test_bad_settings_are_refused_before_launch(tmp_path):
+    cases = {
+        "rlhf.beta=0": "DPO needs beta > 0",
+        "rlhf.algorithm=grpo,rlhf.beta=-1": "KL coefficient cannot be negative",
+        "rlhf.algorithm=grpo,rlhf.batch_size=6": "multiple of rlhf.num_generations",
+        "rlhf.num_generations=8": "rlhf.num_generations: only used by algorithm grpo",
+        "rlhf.algorithm=rm,rlhf.reference=precomputed": "rlhf.reference: only used by algorithm dpo",
+        f"rlhf.reference_model={tmp_path}": "is not an HF checkpoint folder",
+        "rlhf.max_length=4096": "exceeds model.seq_length",
+        "rlhf.algorithm=ppo": "rlhf.algorithm",
+        "rlhf.backend=nemo_rl,rlhf.algorithm=grpo,runtimes.nemo_rl.kind=slurm": "grpo needs a NeMo-RL environment",
+    }
+    for overrides, message in cases.items():
+        with pytest.raises(ConfigError, match=message.replace("+", r"\+")):
+            load(TINY, overrides.split(","))
+
+
+def test_reads_consolidated_weights_and_adds_the_tokenizer(tmp_path, hf_checkpoint, data_dir, capsys):
+    """NeMo-RL's documented output layout (step_N/policy/weights/model/consolidated) → a complete, gated HF folder."""
+    from transformers import AutoModelForCausalLM
+
+    from conversions import verify
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf_checkpoint))
+    for step in (3, 12):  # the newest step is taken
+        model.save_pretrained(str(tmp_path / "results" / f"step_{step}" / "policy" / "weights" / "model" / "consolidated"))
+    step = nemo_rl.latest_step(tmp_path / "results")
+    assert step.name == "step_12"
+    out = nemo_rl.collect_hf(nemo_rl.consolidated_dir(step), tmp_path / "checkpoint", hf_checkpoint)
+    assert (out / "chat_template.jinja").exists() and (out / "tokenizer.json").exists()
+    rep = verify.verify(out, against=hf_checkpoint, levels=("preflight", "L1", "L2"))
+    assert rep["passed"], verify.format_report(rep)
+    assert nemo_rl.consolidated_dir(tmp_path / "results" / "missing") is None
+    conv = nemo_rl.converter_command(cfg=RlhfConfig(), runtime={"kind": "venv", "path": "/opt/RL"}, step_dir=step,
+                                     hf_dir=tmp_path / "hf", mounts=[])
+    assert conv.cwd == Path("/opt/RL") and conv.cmd == [
+        "uv", "run", "python", "examples/converters/convert_dcp_to_hf.py", "--config", str(step / "config.yaml"),
+        "--dcp-ckpt-path", str(step / "policy" / "weights"), "--hf-ckpt-path", str(tmp_path / "hf")]
+
+    from conversions import events
+    from tasks.rlhf import worker
+
+    capsys.readouterr()
+    worker.main(["--evaluate", "--input", str(hf_checkpoint), "--output", str(out), "--data", str(data_dir)])
+    result = next(e for e in map(events.parse, capsys.readouterr().out.splitlines()) if e and e["kind"] == "result")
+    assert result["metric"] == "heldout_pref_accuracy" and result["before"] == result["after"]  # same weights
+    assert abs(result["heldout_kl_to_reference"]) < 1e-6
