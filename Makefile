@@ -10,7 +10,7 @@ export DO_NOT_TRACK ?= true
 export MLFLOW_DISABLE_TELEMETRY ?= true
 PYTEST_ARGS ?=
 
-.PHONY: setup runtimes demo test clean
+.PHONY: setup runtimes demo test clean up down
 
 # The main venv: an overlay over the cached runtime built from infra/runtimes/main.txt (see infra/runtimes/build.py).
 setup: $(VENV)/.baton-overlay
@@ -28,6 +28,16 @@ demo: setup runtimes
 
 test: setup runtimes
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+# The local stack on loopback (Prefect server + process worker + deployments, MLflow server): `make up [DB=postgres]`
+# prints the two UI addresses and writes $(BATON_HOME)/stack.env, which `baton` then uses; `make down` stops it all.
+DB ?= sqlite
+up: setup
+	@if [ "$(DB)" = postgres ]; then bash infra/stack/system-deps.sh postgresql; fi
+	$(VENV)/bin/python infra/stack/stack.py up --db $(DB)
+
+down:
+	$(VENV)/bin/python infra/stack/stack.py down
 
 clean:
 	rm -rf $(VENV) .baton

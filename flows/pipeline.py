@@ -73,7 +73,8 @@ def pipeline(config: PipelineConfig, from_ref: str | None = None, use_cache: boo
     c = tracking.client()
     parent = tracking.start_run(c, cfg.tracking.experiment, f"{cfg.name}-{run_id}",
                                 tags={tracking.PREFECT_TAG: flow_run_id or "", "baton.run_id": run_id,
-                                      "baton.config": cfg.name, "baton.stages": ",".join(s.label for s in steps)})
+                                      "baton.config": cfg.name, "baton.stages": ",".join(s.label for s in steps),
+                                      **report.prefect_link_tags(flow_run_id)})
     tracking.log_params(c, parent, cfg.model_dump(mode="json"))
     c.log_artifact(parent, str(run_dir / "config.yaml"))
     try:

@@ -58,3 +58,14 @@ def markdown(summary: dict) -> str:
             data = base64.b64encode(Path(s["loss_plot"]).read_bytes()).decode()
             lines.append(f"![{s['label']} loss](data:image/png;base64,{data})")
     return "\n".join(lines) + "\n"
+
+
+def prefect_link_tags(flow_run_id: str | None) -> dict:
+    """MLflow tags that link a run back to its Prefect flow-run page (only when a Prefect server's UI is in use)."""
+    import os
+
+    ui = os.environ.get("PREFECT_UI_URL") or (os.environ.get("PREFECT_API_URL") or "").removesuffix("/api")
+    if not flow_run_id or not ui:
+        return {}
+    url = f"{ui.rstrip('/')}/runs/flow-run/{flow_run_id}"
+    return {"prefect.flow_run_url": url, "mlflow.note.content": f"Prefect flow run: [{flow_run_id}]({url})"}

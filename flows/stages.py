@@ -3,6 +3,7 @@ the checkpoint (alias `candidate`) only when the gate passed. A failed gate fail
 from __future__ import annotations
 
 import json
+import os
 import time
 import traceback
 from dataclasses import dataclass
@@ -96,6 +97,37 @@ def _register(c, cfg: PipelineConfig, step: Step, out: Path, run_id: str, mlflow
     return {"name": name, "version": version, "alias": "candidate"}
 
 
+# A rank or launcher killed by a signal (OOM killer, preemption, a lost node) is retried in the same work dir, so the
+# engine resumes from its last complete checkpoint; an exit code (a bug, bad input) or a timeout (a hang) is not.
+KILLED_MARKS = ("return code = -9", "exitcode  : -9", "Signal 9 (SIGKILL)", "SIGKILL", "Connection reset by peer",
+                "Connection closed by peer")
+
+
+def infrastructure_failure(e: LaunchError) -> bool:
+    if " timed out after " in str(e).splitlines()[0]:
+        return False
+    rc = e.returncode
+    return (rc is not None and (rc < 0 or rc >= 128)) or any(m in line for line in e.tail for m in KILLED_MARKS)
+
+
+def _run_with_retries(step: Step, ctx: StageContext, stage_cfg) -> StageOutput:
+    """BATON_INFRA_RETRIES (default 2) retries after BATON_INFRA_RETRY_DELAY_S (default 10) seconds."""
+    retries = int(os.environ.get("BATON_INFRA_RETRIES", "2"))
+    delay = float(os.environ.get("BATON_INFRA_RETRY_DELAY_S", "10"))
+    task = STAGES[step.name].load_task()
+    for attempt in range(retries + 1):
+        try:
+            return task(ctx, stage_cfg)
+        except LaunchError as e:
+            if attempt == retries or not infrastructure_failure(e):
+                raise
+            get_run_logger().warning("%s: infrastructure failure (%s); retry %d of %d in %.0fs, resuming from the last "
+                                     "checkpoint in %s", step.label, str(e).splitlines()[0], attempt + 1, retries,
+                                     delay, ctx.work_dir)
+            time.sleep(delay)
+    raise AssertionError("unreachable")
+
+
 def execute_step(step: Step, cfg: PipelineConfig, run: RunInfo, position: int, input_path: str | None,
                  input_format: str | None, data_dir: str | None, use_cache: bool = True) -> dict:
     logger = get_run_logger()
@@ -114,7 +146,8 @@ def execute_step(step: Step, cfg: PipelineConfig, run: RunInfo, position: int, i
     mlflow_run = tracking.start_run(
         c, cfg.tracking.experiment, step.label,
         tags={"baton.stage": step.name, "baton.run_id": run.run_id, "baton.fingerprint": step.fingerprint,
-              tracking.PREFECT_TAG: entry["prefect_flow_run_id"] or "", "prefect.pipeline_flow_run_id": run.prefect_flow_run_id or ""},
+              tracking.PREFECT_TAG: entry["prefect_flow_run_id"] or "", "prefect.pipeline_flow_run_id": run.prefect_flow_run_id or "",
+              **report.prefect_link_tags(entry["prefect_flow_run_id"])},
         parent_run_id=run.mlflow_parent)
     entry["mlflow_run_id"] = mlflow_run
     stage_cfg = cfg.stage_config(step.name)
@@ -131,7 +164,7 @@ def execute_step(step: Step, cfg: PipelineConfig, run: RunInfo, position: int, i
     t0 = time.time()
     ok = False
     try:
-        out: StageOutput = STAGES[step.name].load_task()(ctx, stage_cfg)
+        out: StageOutput = _run_with_retries(step, ctx, stage_cfg)
         sink = streaming.pop_sink(mlflow_run)
         history = {**(sink.history if sink else {}), **out.history}
         entry.update(engine=out.engine, backend=out.backend, output=str(out.output) if out.output else None,

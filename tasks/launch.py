@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -92,6 +93,10 @@ def _install_signal_handlers() -> None:
     global _handlers_installed
     if _handlers_installed or threading.current_thread() is not threading.main_thread():
         return
+    if _prefect_owns_sigterm():
+        # Prefect's handler raises TerminationSignal here, and run() kills the tree on the way out. Wrapping it would
+        # break Prefect's cancel handshake (it checks its handler is in place): the run would end Crashed.
+        return
     for sig in (signal.SIGTERM, signal.SIGINT):
         previous = signal.getsignal(sig)
 
@@ -105,6 +110,12 @@ def _install_signal_handlers() -> None:
 
         signal.signal(sig, handler)
     _handlers_installed = True
+
+
+def _prefect_owns_sigterm() -> bool:
+    engine = sys.modules.get("prefect.utilities.engine")
+    handler = getattr(engine, "_prefect_sigterm_handler", None)
+    return handler is not None and signal.getsignal(signal.SIGTERM) is handler
 
 
 def terminate_all() -> None:

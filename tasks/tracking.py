@@ -155,8 +155,12 @@ def register_checkpoint(c, model_name: str, path: Path, run_id: str, tags: dict,
     except MlflowException:
         pass
     source = str(Path(path).resolve())
+    tags = {**tags, "checkpoint_path": source}
     if upload_weights:
         c.log_artifacts(run_id, source, "checkpoint")
+        source = f"{c.get_run(run_id).info.artifact_uri}/checkpoint"
+    elif not tracking_uri().startswith("sqlite:"):  # a tracking server refuses sources outside the run's artifacts
+        c.log_artifact(run_id, str(Path(path) / "baton_manifest.json"), "checkpoint")
         source = f"{c.get_run(run_id).info.artifact_uri}/checkpoint"
     mv = c.create_model_version(model_name, source=source, run_id=run_id,
                                 tags={k: str(v) for k, v in tags.items()})
@@ -174,6 +178,9 @@ def resolve_model_ref(ref: str) -> tuple[Path, str, str]:
     else:
         name, version = ref.rsplit("/", 1)
         mv = c.get_model_version(name, version)
+    local = mv.tags.get("checkpoint_path")
+    if local and Path(local).exists():  # registered in place: the source holds only the manifest
+        return Path(local), name, mv.version
     src = mv.source
     if src.startswith("file://"):
         src = src[len("file://"):]

@@ -93,3 +93,7 @@ def hf_checkpoint(tmp_path_factory, tiny_config, data_dir) -> Path:
     mf.write(dest, mf.build(dest, format="hf-safetensors", stage="external", parameter_count=hf.parameter_count(dest),
                             dtype="float32", architecture=tiny_config.model.model_dump()))
     return dest
+
+
+# the real local stack (make up) and what runs on it, shared by test_ops* and test_browser*
+from ops_stack import initial_champion, ops_stack, retrain_outcomes  # noqa: E402,F401

@@ -1,0 +1,243 @@
+"""Scheduled retraining that never makes things worse.
+
+1. Build the data (usually cached) and compare its digest with the lineage of the current `champion` (the
+   `data_digest` tag its registered version carries). Same data: record "skipped" and stop.
+2. Fine-tune from the champion on the new data (DeepSpeed), convert back to HF through the conversion gate.
+3. Compare candidate and champion on the same held-out set: the fine-tuning engine scores its input (the champion)
+   and its trained model (the candidate, bit-identical to the converted checkpoint by the L2 parity gate) on
+   data/sft/heldout.jsonl with the same greedy decoding.
+4. Promote (alias `champion`) only when candidate ≥ champion + margin, then restart serving on it. A failed serving
+   smoke rolls the alias back and serves the previous champion again. Otherwise record the result, keep the champion.
+
+Every decision is recorded: an MLflow run `retrain-…` (tags, scores, decision.json), a tag on the candidate version,
+and a markdown artifact on this flow run.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
+from prefect.runtime import flow_run as prefect_flow_run
+from pydantic import Field
+
+from flows import report, runs
+from flows.config import ConfigError, ModelConfig, PipelineConfig, TrackingConfig
+from flows.pipeline import pipeline
+from flows.stages import data_digest
+from tasks import tracking as mlt
+from tasks.data.config import DataConfig
+from tasks.finetune.config import FinetuneConfig
+from tasks.serve.config import ServeConfig
+from tasks.stage import StrictModel
+
+DECISION_TAG = "baton.retrain.decision"
+
+
+class RetrainPolicy(StrictModel):
+    margin: float = Field(0.02, ge=0, description="promote only when candidate score >= champion score + margin")
+    force: bool = Field(False, description="retrain even when the data digest equals the champion's lineage")
+    serve: bool = Field(True, description="restart serving on a new champion (smoke-tested; failure rolls back)")
+
+
+class RetrainFailed(RuntimeError):
+    pass
+
+
+# ---- the registry --------------------------------------------------------------------------------------------------
+def champion(c, name: str) -> dict | None:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        mv = c.get_model_version_by_alias(name, mlt.CHAMPION)
+    except MlflowException:
+        return None
+    path, _, version = mlt.resolve_model_ref(f"{name}/{mv.version}")
+    return {"version": version, "path": str(path), "data_digest": mv.tags.get("data_digest", ""), "tags": mv.tags}
+
+
+# ---- serving -------------------------------------------------------------------------------------------------------
+def serving_file() -> Path:
+    return mlt.baton_home() / "serving.json"
+
+
+def serving() -> dict | None:
+    """What is being served now (written when retraining starts a server): version, checkpoint, server pid/url."""
+    f = serving_file()
+    return json.loads(f.read_text()) if f.exists() else None
+
+
+def stop_serving(grace: float = 15.0) -> None:
+    cur = serving()
+    pid = ((cur or {}).get("server") or {}).get("pid")
+    if pid:
+        _kill_group(int(pid), grace)
+    serving_file().unlink(missing_ok=True)
+
+
+def _kill_group(pgid: int, grace: float) -> None:
+    """The detached server leads its own session: stop the whole group (SIGTERM, then SIGKILL)."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.time() + wait
+        while time.time() < deadline:
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+
+
+def start_serving(base: PipelineConfig, serve: ServeConfig, path: str, version: str) -> tuple[bool, dict]:
+    """Serve path (already the champion) with smoke checks; keep the server up when they pass."""
+    cfg = base.model_copy(update={"stages": ["serve"], "serve": serve.model_copy(
+        update={"keep_alive": True, "promote": False})})
+    summary, error = run_pipeline(cfg, path, use_cache=False)
+    entry = stage_entry(summary, "serve") or {}
+    server = entry.get("server")
+    if error or entry.get("status") != "completed":
+        if server and server.get("pid"):
+            _kill_group(int(server["pid"]), 10.0)
+        return False, {"error": error or entry.get("error"), "run_id": (summary or {}).get("run_id")}
+    state = {"version": version, "checkpoint": path, "server": server, "run_id": summary["run_id"],
+             "served_model_name": entry.get("served_model_name"), "api_key_file": entry.get("api_key_file"),
+             "since": dt.datetime.now().isoformat(timespec="seconds")}
+    serving_file().write_text(json.dumps(state, indent=2) + "\n")
+    return True, state
+
+
+# ---- pipeline runs -------------------------------------------------------------------------------------------------
+def run_pipeline(cfg: PipelineConfig, from_ref: str | None, use_cache: bool = True) -> tuple[dict | None, str | None]:
+    """Run the pipeline body in this flow run; (summary, error) instead of raising when a stage or gate failed."""
+    run_id = runs.new_run_id()
+    try:
+        return pipeline.fn(cfg, from_ref=from_ref, use_cache=use_cache, run_id=run_id), None
+    except ConfigError:
+        raise
+    except Exception as e:
+        path = runs.runs_root() / run_id / "summary.json"
+        return (json.loads(path.read_text()) if path.exists() else None), str(e).splitlines()[0]
+
+
+def stage_entry(summary: dict | None, name: str) -> dict | None:
+    for s in (summary or {}).get("stages", []):
+        if s["name"] == name:
+            return s
+    return None
+
+
+# ---- the decision --------------------------------------------------------------------------------------------------
+def better(candidate: float | None, champion_score: float | None, margin: float) -> bool:
+    return candidate is not None and champion_score is not None and candidate >= champion_score + margin
+
+
+def record(c, cfg: PipelineConfig, result: dict) -> None:
+    logger = get_run_logger()
+    flow_run_id = prefect_flow_run.get_id() or ""
+    run = mlt.start_run(c, cfg.tracking.experiment, f"retrain-decision-{result['started']}",
+                             tags={"baton.stage": "retrain", DECISION_TAG: result["decision"],
+                                   mlt.PREFECT_TAG: flow_run_id, "baton.data_digest": result["data_digest"],
+                                   **report.prefect_link_tags(flow_run_id)})
+    metrics = {k: result[k] for k in ("champion_score", "candidate_score") if isinstance(result.get(k), (int, float))}
+    for k, v in metrics.items():
+        c.log_metric(run, k, float(v))
+    mlt.log_json(c, run, result, "decision.json")
+    mlt.end_run(c, run, result["decision"] != "failed")
+    result["mlflow_run_id"] = run
+    if result.get("candidate_version"):
+        c.set_model_version_tag(cfg.tracking.registered_model, result["candidate_version"], DECISION_TAG,
+                                result["decision"])
+    rows = "\n".join(f"| {k} | {v} |" for k, v in result.items() if k not in ("runs",) and v not in (None, ""))
+    md = f"# retrain: **{result['decision']}**\n\n{result['reason']}\n\n| | |\n|---|---|\n{rows}\n"
+    try:
+        create_markdown_artifact(markdown=md, key="retrain-decision", description=result["reason"][:200])
+    except Exception as e:
+        logger.warning("could not create the decision artifact: %s", e)
+    logger.info("retrain decision: %s (%s)", result["decision"], result["reason"])
+
+
+@flow(name="baton-retrain", log_prints=True)
+def retrain(data: DataConfig = DataConfig(), finetune: FinetuneConfig = FinetuneConfig(),
+            serve: ServeConfig = ServeConfig(), policy: RetrainPolicy = RetrainPolicy(),
+            model: ModelConfig = ModelConfig(), tracking: TrackingConfig = TrackingConfig(),
+            seed: int = 0) -> dict:
+    """Retrain the champion on new data; promote the result only when it is better by `policy.margin`."""
+    logger = get_run_logger()
+    base = PipelineConfig(name="retrain", stages=["finetune"], model=model, data=data, finetune=finetune,
+                          serve=serve, tracking=tracking, seed=seed)
+    errors = base.validate_stages()
+    if errors:
+        raise ConfigError("invalid parameters:\n" + "\n".join(f"  {e}" for e in errors))
+    name = tracking.registered_model
+    c = mlt.client()
+    champ = champion(c, name)
+    if champ is None:
+        raise ConfigError(f"no '{mlt.CHAMPION}' version of {name} to retrain: run the pipeline (serve promotes "
+                          "one) or set the alias on a registered version")
+    result: dict = {"started": dt.datetime.now().strftime("%Y%m%d-%H%M%S"), "registered_model": name,
+                    "champion_version": champ["version"], "champion_data_digest": champ["data_digest"],
+                    "margin": policy.margin, "runs": []}
+
+    summary, error = run_pipeline(base.model_copy(update={"stages": ["data"]}), None)
+    if error:
+        raise RetrainFailed(f"data stage failed: {error}")
+    result["runs"].append(summary["run_id"])
+    result["data_digest"] = digest = data_digest(stage_entry(summary, "data")["output"])
+    result["data_revision"] = data.revision
+    if digest == champ["data_digest"] and not policy.force:
+        result.update(decision="skipped", reason=f"data digest {digest[:12]} is the champion's lineage: nothing new")
+        record(c, base, result)
+        return result
+
+    logger.info("new data (digest %s, champion trained on %s): fine-tuning version %s", digest[:12],
+                champ["data_digest"][:12] or "unknown data", champ["version"])
+    summary, error = run_pipeline(base, champ["path"])
+    result["runs"].append((summary or {}).get("run_id"))
+    ft = stage_entry(summary, "finetune") or {}
+    ev = ft.get("eval") or {}
+    result.update(champion_score=ev.get("before"), candidate_score=ev.get("after"), metric=ev.get("metric"))
+    conv = next((s for s in (summary or {}).get("stages", []) if s["name"] == "convert"), {})
+    if conv.get("registered"):
+        result["candidate_version"] = conv["registered"]["version"]
+        result["candidate_path"] = conv.get("output")
+    if error:
+        gate_failure = "gate failed" in (ft.get("error") or "") or "gate failed" in (conv.get("error") or "")
+        result.update(decision="kept" if gate_failure else "failed",
+                      reason=f"candidate not promoted: {error}")
+        record(c, base, result)
+        if not gate_failure:
+            raise RetrainFailed(result["reason"])
+        return result
+    if not better(result["candidate_score"], result["champion_score"], policy.margin):
+        result.update(decision="kept", reason=f"candidate {result['metric']} {result['candidate_score']} is not better "
+                                              f"than the champion's {result['champion_score']} by {policy.margin}")
+        record(c, base, result)
+        return result
+
+    promoted = mlt.promote_champion(c, name, result["candidate_version"],
+                                         tags={"data_digest": digest, "retrain_score": result["candidate_score"]})
+    result.update(decision="promoted", reason=f"candidate {result['metric']} {result['candidate_score']} ≥ "
+                                              f"champion's {result['champion_score']} + {policy.margin}",
+                  previous_champion=promoted["previous"])
+    if policy.serve:
+        previous = serving()
+        stop_serving()
+        ok, state = start_serving(base, serve, result["candidate_path"], result["candidate_version"])
+        result["serving"] = state
+        if not ok:
+            back = mlt.rollback_champion(c, name)
+            result.update(decision="rolled_back", reason=f"serving smoke failed after promotion ({state['error']}): "
+                                                         f"champion back to version {back['to']}")
+            if previous:
+                ok_prev, state_prev = start_serving(base, serve, previous["checkpoint"], previous["version"])
+                result["serving"] = state_prev if ok_prev else {"error": state_prev.get("error")}
+    record(c, base, result)
+    return result

@@ -1,0 +1,285 @@
+#!/usr/bin/env python3
+"""The local operations stack on loopback: a Prefect server, a process work pool with a worker, an MLflow server.
+
+    stack.py up [--db sqlite|postgres] [--no-worker] [--no-deploy]     (make up [DB=postgres])
+    stack.py down [--purge]                                              (make down)
+    stack.py status
+
+Everything lives under $BATON_HOME/stack: databases, artifacts, logs, pid files. `up` writes $BATON_HOME/stack.env
+(the client settings `baton` reads), `down` stops every process group it started and removes stack.env.
+Ports: BATON_PREFECT_PORT (4211), BATON_MLFLOW_PORT (5011), BATON_PG_PORT (5433). Standard library only; run it
+with the venv's python (prefect and mlflow are taken from beside it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import postgres  # noqa: E402  (beside this file)
+
+POOL = os.environ.get("BATON_WORK_POOL", "baton-local")
+HOST = "127.0.0.1"
+
+
+def home() -> Path:
+    return Path(os.environ.get("BATON_HOME") or REPO / ".baton").resolve()
+
+
+def state_dir() -> Path:
+    return home() / "stack"
+
+
+def ports() -> dict[str, int]:
+    return {"prefect": int(os.environ.get("BATON_PREFECT_PORT", 4211)),
+            "mlflow": int(os.environ.get("BATON_MLFLOW_PORT", 5011)),
+            "postgres": int(os.environ.get("BATON_PG_PORT", 5433))}
+
+
+def bin_dir() -> Path:
+    """The venv whose python runs this script (make passes .venv/bin/python): prefect and mlflow live beside it."""
+    return Path(sys.executable).parent
+
+
+def log(msg: str) -> None:
+    print(f"[stack] {msg}", flush=True)
+
+
+# ---- settings ------------------------------------------------------------------------------------------------------
+def client_env() -> dict[str, str]:
+    """What a client needs to use the stack: written to stack.env, given to the worker and to `prefect deploy`."""
+    p = ports()
+    api = f"http://{HOST}:{p['prefect']}/api"
+    return {"PREFECT_API_URL": api, "PREFECT_UI_URL": f"http://{HOST}:{p['prefect']}",
+            "MLFLOW_TRACKING_URI": f"http://{HOST}:{p['mlflow']}", "BATON_WORK_POOL": POOL}
+
+
+def quiet_env() -> dict[str, str]:
+    return {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "true", "MLFLOW_DISABLE_TELEMETRY": "true",
+            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120", "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false"}
+
+
+def prefect_server_env(db_url: str | None) -> dict[str, str]:
+    s, p = state_dir() / "prefect", ports()
+    env = {"PREFECT_HOME": str(s), "PREFECT_LOCAL_STORAGE_PATH": str(s / "storage"),
+           "PREFECT_SERVER_API_HOST": HOST, "PREFECT_SERVER_API_PORT": str(p["prefect"]),
+           # the UI is a static app that calls this URL from the browser: without it, it calls port 4200
+           "PREFECT_UI_API_URL": f"http://{HOST}:{p['prefect']}/api",
+           "PREFECT_API_DATABASE_CONNECTION_URL": db_url or f"sqlite+aiosqlite:///{s / 'prefect.db'}"}
+    return env
+
+
+def base_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(quiet_env())
+    env["BATON_HOME"] = str(home())
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return env
+
+
+# ---- processes -----------------------------------------------------------------------------------------------------
+def pid_file(name: str) -> Path:
+    return state_dir() / "pids" / f"{name}.pid"
+
+
+def start(name: str, cmd: list[str], env: dict) -> int:
+    """Start a long-running process in its own session (so `down` can stop its whole tree) with its log file."""
+    (state_dir() / "logs").mkdir(parents=True, exist_ok=True)
+    pid_file(name).parent.mkdir(parents=True, exist_ok=True)
+    logf = open(state_dir() / "logs" / f"{name}.log", "ab")
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+    logf.close()
+    pid_file(name).write_text(str(proc.pid))
+    return proc.pid
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie child of a caller that never waited counts as gone
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def stop(name: str, grace: float = 15.0) -> None:
+    """SIGTERM the process group, wait, then SIGKILL (a Prefect worker ignores SIGTERM for a while)."""
+    f = pid_file(name)
+    if not f.exists():
+        return
+    pid = int(f.read_text().strip())
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.time() + wait
+        while time.time() < deadline and group_alive(pid):
+            time.sleep(0.2)
+        if not group_alive(pid):
+            break
+    f.unlink(missing_ok=True)
+    log(f"stopped {name} (pid {pid})")
+
+
+def wait_http(url: str, name: str, pid_name: str, timeout: float = 240.0) -> float:
+    t0 = time.time()
+    pid = int(pid_file(pid_name).read_text())
+    while time.time() - t0 < timeout:
+        if not alive(pid):
+            tail = (state_dir() / "logs" / f"{pid_name}.log").read_text(errors="replace").splitlines()[-25:]
+            raise SystemExit(f"[stack] {name} exited before it answered {url}:\n" + "\n".join(tail))
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                if r.status == 200:
+                    return time.time() - t0
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"[stack] {name} did not answer {url} within {timeout:.0f}s "
+                     f"(log: {state_dir() / 'logs' / (pid_name + '.log')})")
+
+
+def run_cli(cmd: list[str], env: dict, timeout: float = 600) -> str:
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise SystemExit(f"[stack] {' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                         f"{proc.stderr[-3000:]}")
+    return proc.stdout
+
+
+# ---- up / down -----------------------------------------------------------------------------------------------------
+def up(db: str, worker: bool, deploy: bool) -> None:
+    if (home() / "stack.env").exists() and any(alive(int(f.read_text())) for f in (state_dir() / "pids").glob("*.pid")):
+        log(f"already up ({home() / 'stack.env'}); `make down` first to restart it")
+        print_addresses()
+        return
+    t0 = time.time()
+    state_dir().mkdir(parents=True, exist_ok=True)
+    env = base_env()
+    p = ports()
+    prefect_db = mlflow_db = None
+    if db == "postgres":
+        pg = postgres.Cluster(state_dir(), home(), p["postgres"])
+        pg.start()
+        prefect_db, mlflow_db = pg.url("prefect", "postgresql+asyncpg"), pg.url("mlflow", "postgresql")
+    (state_dir() / "mlflow" / "artifacts").mkdir(parents=True, exist_ok=True)
+    start("prefect-server", [str(bin_dir() / "prefect"), "server", "start", "--analytics-off"],
+          {**env, **prefect_server_env(prefect_db)})
+    # GenAI job execution off: otherwise MLflow spawns ~7 huey consumers (~2 GB) that tracking does not need
+    start("mlflow-server", [str(bin_dir() / "mlflow"), "server", "--host", HOST, "--port", str(p["mlflow"]),
+                            "--backend-store-uri", mlflow_db or f"sqlite:///{state_dir() / 'mlflow' / 'mlflow.db'}",
+                            "--artifacts-destination", str(state_dir() / "mlflow" / "artifacts"), "--workers", "1"],
+          {**env, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
+    cenv = {**env, **client_env()}
+    s1 = wait_http(f"http://{HOST}:{p['prefect']}/api/health", "Prefect server", "prefect-server")
+    s2 = wait_http(f"http://{HOST}:{p['mlflow']}/health", "MLflow server", "mlflow-server")
+    log(f"Prefect API up after {s1:.0f}s, MLflow after {s2:.0f}s")
+    (home() / "stack.env").write_text("# written by `make up`; removed by `make down`\n" +
+                                      "".join(f"{k}={v}\n" for k, v in client_env().items()))
+    (state_dir() / "stack.json").write_text(json.dumps({"db": db, "ports": p, "pool": POOL}, indent=2) + "\n")
+    boot = [str(bin_dir() / "python"), str(Path(__file__).resolve().parent / "bootstrap.py")]
+    if worker:
+        print(run_cli(boot + ["--pool", POOL], cenv), end="", flush=True)
+        # heartbeats let the "crash zombie flows" automation mark runs whose process died as Crashed
+        start("prefect-worker", [str(bin_dir() / "prefect"), "worker", "start", "--pool", POOL, "--type", "process"],
+              {**cenv, "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": os.environ.get("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "30")})
+    else:
+        print(run_cli(boot, cenv), end="", flush=True)
+    if deploy:
+        deploy_all(cenv)
+    log(f"up in {time.time() - t0:.0f}s (db: {db}); client settings in {home() / 'stack.env'}")
+    print_addresses()
+
+
+def deploy_all(cenv: dict) -> None:
+    t0 = time.time()
+    run_cli([str(bin_dir() / "prefect"), "--no-prompt", "deploy", "--all", "--prefect-file", str(REPO / "prefect.yaml")],
+            {**cenv, "BATON_REPO": str(REPO)})
+    log(f"deployed every deployment in prefect.yaml in {time.time() - t0:.0f}s")
+
+
+def print_addresses() -> None:
+    env = client_env()
+    print(f"Prefect UI: {env['PREFECT_UI_URL']}\nMLflow UI:  {env['MLFLOW_TRACKING_URI']}", flush=True)
+
+
+def down(purge: bool) -> None:
+    for name in ("prefect-worker", "prefect-server", "mlflow-server"):
+        stop(name)
+    if postgres.Cluster.exists(state_dir(), home()):
+        postgres.Cluster(state_dir(), home(), ports()["postgres"]).stop(purge=purge)
+    (home() / "stack.env").unlink(missing_ok=True)
+    if purge:
+        import shutil
+
+        shutil.rmtree(state_dir(), ignore_errors=True)
+    log("down")
+
+
+def status() -> int:
+    up_ = 0
+    for f in sorted((state_dir() / "pids").glob("*.pid")):
+        pid = int(f.read_text())
+        ok = alive(pid)
+        up_ += ok
+        print(f"{f.stem:<16} pid {pid:<8} {'running' if ok else 'gone'}")
+    if (home() / "stack.env").exists():
+        print_addresses()
+    return 0 if up_ else 1
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    u = sub.add_parser("up")
+    u.add_argument("--db", choices=["sqlite", "postgres"], default=os.environ.get("DB") or "sqlite")
+    u.add_argument("--no-worker", action="store_true", default=os.environ.get("WORKER") == "0",
+                   help="no work pool, worker or automation (make up WORKER=0)")
+    u.add_argument("--no-deploy", action="store_true", default=os.environ.get("DEPLOY") == "0",
+                   help="skip `prefect deploy --all` (make up DEPLOY=0)")
+    d = sub.add_parser("down")
+    d.add_argument("--purge", action="store_true", help="also delete the databases, artifacts and logs")
+    sub.add_parser("status")
+    a = ap.parse_args()
+    if a.cmd == "up":
+        try:
+            up(a.db, worker=not a.no_worker, deploy=not (a.no_deploy or a.no_worker))
+        except BaseException:
+            log("start-up failed: stopping what was started")
+            down(purge=False)
+            raise
+        return 0
+    if a.cmd == "down":
+        down(a.purge)
+        return 0
+    return status()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""The real local stack for operations tests: `make up` in a private BATON_HOME on free ports, `make down` after.
+
+Shared by tests/test_ops*.py and tests/test_browser*.py through the session fixtures below (imported by conftest).
+Also: the initial champion every retraining test starts from, and helpers to drive the Prefect CLI and API.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Stack:
+    def __init__(self, home: Path, db: str = "sqlite"):
+        self.home, self.db = home, db
+        self.ports = {"BATON_PREFECT_PORT": str(free_port()), "BATON_MLFLOW_PORT": str(free_port()),
+                      "BATON_PG_PORT": str(free_port())}
+
+    def make_env(self, **more) -> dict:
+        env = dict(os.environ, BATON_HOME=str(self.home), **self.ports, **more)
+        for k in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", "PREFECT_UI_URL", "PREFECT_PROFILE"):
+            env.pop(k, None)
+        return env
+
+    def up(self, timeout: float = 600, **more) -> subprocess.CompletedProcess:
+        t0 = time.time()
+        proc = subprocess.run(["make", "--no-print-directory", "up", f"DB={self.db}"], cwd=REPO,
+                              env=self.make_env(**more), capture_output=True, text=True, timeout=timeout)
+        self.up_seconds = time.time() - t0
+        assert proc.returncode == 0, f"make up failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+        return proc
+
+    def down(self, purge: bool = True) -> None:
+        subprocess.run(["make", "--no-print-directory", "down"], cwd=REPO, env=self.make_env(), capture_output=True,
+                       text=True, timeout=180)
+        if purge:
+            subprocess.run([sys.executable, str(REPO / "infra" / "stack" / "stack.py"), "down", "--purge"], cwd=REPO,
+                           env=self.make_env(), capture_output=True, timeout=120)
+
+    @property
+    def env(self) -> dict:
+        """The client environment: what `baton` and `prefect` read from stack.env."""
+        env = self.make_env()
+        for line in (self.home / "stack.env").read_text().splitlines():
+            if "=" in line and not line.startswith("#"):
+                k, v = line.split("=", 1)
+                env[k] = v
+        return env
+
+    @property
+    def prefect_url(self) -> str:
+        return self.env["PREFECT_UI_URL"]
+
+    @property
+    def mlflow_url(self) -> str:
+        return self.env["MLFLOW_TRACKING_URI"]
+
+    def prefect(self, *args: str, timeout: float = 900, check: bool = True) -> subprocess.CompletedProcess:
+        proc = subprocess.run([str(REPO / ".venv" / "bin" / "prefect"), *args], cwd=REPO, env=self.env,
+                              capture_output=True, text=True, timeout=timeout)
+        if check:
+            assert proc.returncode == 0, f"prefect {' '.join(args)}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+        return proc
+
+    def api(self, method: str, path: str, body: dict | None = None):
+        import urllib.request
+
+        req = urllib.request.Request(self.env["PREFECT_API_URL"] + path, method=method,
+                                     data=json.dumps(body).encode() if body is not None else None,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return json.loads(r.read() or b"null")
+
+    def mlflow(self):
+        from mlflow import MlflowClient
+
+        return MlflowClient(tracking_uri=self.mlflow_url, registry_uri=self.mlflow_url)
+
+    def run_deployment(self, name: str, params: dict, watch: bool = True, timeout: float = 1200,
+                       job_variables: dict | None = None) -> str:
+        """`prefect deployment run NAME --param k=json ...` (what a user types); returns the flow run id."""
+        args = ["deployment", "run", name]
+        for k, v in params.items():
+            args += ["--param", f"{k}={json.dumps(v)}"]
+        for k, v in (job_variables or {}).items():
+            args += ["--job-variable", f"{k}={json.dumps(v)}"]
+        if watch:
+            args += ["--watch", "--watch-timeout", str(int(timeout))]
+        proc = self.prefect(*args, timeout=timeout + 60, check=False)
+        out = proc.stdout + proc.stderr
+        run_id = next((line.split("UUID:")[1].strip().split()[0] for line in out.splitlines() if "UUID:" in line), None)
+        assert run_id, f"no flow run id in:\n{out[-4000:]}"
+        self.last_output = out
+        return run_id
+
+    def pause_schedules(self) -> None:
+        """Tests start runs themselves: a cron run (the nightly retraining) must not fire in the middle of one."""
+        for d in self.api("POST", "/deployments/filter", {}):
+            for sch in d.get("schedules") or []:
+                self.api("PATCH", f"/deployments/{d['id']}/schedules/{sch['id']}", {"active": False})
+
+    def flow_run(self, run_id: str) -> dict:
+        return self.api("GET", f"/flow_runs/{run_id}")
+
+    def wait_state(self, run_id: str, states: set[str], timeout: float = 600) -> dict:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            fr = self.flow_run(run_id)
+            if fr["state_type"] in states:
+                return fr
+            time.sleep(2)
+        raise AssertionError(f"flow run {run_id} not in {states} after {timeout}s: {fr['state_type']}")
+
+    def logs(self, run_id: str, min_level: int = 0) -> str:
+        rows = self.api("POST", "/logs/filter", {"logs": {"flow_run_id": {"any_": [run_id]}, "level": {"ge_": min_level}},
+                                                 "limit": 200})
+        return "\n".join(r["message"] for r in rows)
+
+    def logs_all(self, run_id: str, min_level: int = 0) -> str:
+        """Logs of the flow run and of its subflow runs (stage logs live in the stage's subflow run)."""
+        subs = self.api("POST", "/flow_runs/filter", {"flow_runs": {"parent_flow_run_id": {"any_": [run_id]}}})
+        return "\n".join(self.logs(i, min_level) for i in [run_id] + [s["id"] for s in subs])
+
+
+def stack_home(prefix: str) -> Path:
+    """A BATON_HOME other users can traverse (PostgreSQL runs as its own user; pytest's tmp dirs are 0700)."""
+    d = Path(tempfile.mkdtemp(prefix=prefix))
+    d.chmod(0o755)
+    return d
+
+
+@pytest.fixture(scope="session")
+def ops_stack():
+    """Prefect server + process worker + every deployment in prefect.yaml + MLflow server, via `make up`."""
+    home = stack_home("baton-ops-")
+    stack = Stack(home)
+    try:
+        stack.up()
+        stack.pause_schedules()
+        yield stack
+    finally:
+        stack.down()
+        shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def initial_champion(ops_stack, hf_checkpoint, tmp_path_factory) -> dict:
+    """A random-init HF checkpoint registered as baton-tiny with alias `champion` and no data lineage."""
+    from conversions import manifest as mf
+
+    dest = tmp_path_factory.mktemp("champion") / "v0"
+    shutil.copytree(hf_checkpoint, dest)
+    c = ops_stack.mlflow()
+    exp = c.get_experiment_by_name("baton").experiment_id
+    run = c.create_run(exp, run_name="initial-champion", tags={"baton.stage": "external"}).info
+    c.log_artifact(run.run_id, str(dest / mf.MANIFEST_NAME), "checkpoint")
+    c.set_terminated(run.run_id)
+    c.create_registered_model("baton-tiny")
+    mv = c.create_model_version("baton-tiny", source=f"{run.artifact_uri}/checkpoint", run_id=run.run_id, tags={
+        "stage": "external", "format": "hf-safetensors", "manifest_digest": mf.digest_of(mf.read(dest)),
+        "data_digest": "", "checkpoint_path": str(dest)})
+    c.set_registered_model_alias("baton-tiny", "champion", mv.version)
+    return {"version": mv.version, "path": str(dest)}
+
+
+def runs_tagged(c, key: str, value: str):
+    exp = c.get_experiment_by_name("baton").experiment_id
+    return c.search_runs([exp], filter_string=f"tags.`{key}` = '{value}'")
+
+
+# ---- retraining, run once per session through the nightly deployment ------------------------------------------------
+RETRAIN = {"finetune": {"steps": 30, "processes": 1, "checkpoint_every": 15, "warmup_steps": 3},
+           "serve": {"engine": "vllm", "lm_eval": {"enabled": False},
+                     "smoke": {"json_requests": 3, "parity_prompts": 1, "parity_tokens": 8}},
+           "policy": {"margin": 0.02, "serve": True}}
+
+
+def _decision(stack, fr_id: str) -> dict:
+    c = stack.mlflow()
+    (run,) = [r for r in runs_tagged(c, "prefect.flow_run_id", fr_id) if r.data.tags.get("baton.stage") == "retrain"]
+    path = c.download_artifacts(run.info.run_id, "decision.json")
+    return json.loads(Path(path).read_text())
+
+
+def _champion(stack) -> str:
+    return stack.mlflow().get_model_version_by_alias("baton-tiny", "champion").version
+
+
+@pytest.fixture(scope="session")
+def retrain_outcomes(ops_stack, initial_champion):
+    """The nightly retraining deployment, run twice: new clean data (v2), then new data with every fine-tuning label
+    wrong (v3, label_noise 1.0)."""
+    out = {"initial": initial_champion["version"]}
+    for rev, noise in (("v2", 0.0), ("v3", 1.0)):
+        t0 = time.time()
+        fr_id = ops_stack.run_deployment("baton-retrain/nightly",
+                                         {**RETRAIN, "data": {"revision": rev, "label_noise": noise}})
+        serving_file = ops_stack.home / "serving.json"
+        out[rev] = {"flow_run": ops_stack.flow_run(fr_id), "decision": _decision(ops_stack, fr_id),
+                    "champion": _champion(ops_stack), "seconds": round(time.time() - t0, 1),
+                    "serving": json.loads(serving_file.read_text()) if serving_file.exists() else None}
+        print(f"retrain {rev}: {out[rev]['decision']['decision']} in {out[rev]['seconds']}s "
+              f"(champion {out[rev]['decision'].get('champion_score')} → candidate "
+              f"{out[rev]['decision'].get('candidate_score')})")
+    return out
+
+

@@ -1,0 +1,175 @@
+"""Operations on the real local stack (`make up`: Prefect server + process worker + deployments, MLflow server):
+deployment runs through the worker, typed deployment parameters, heartbeats and the zombie automation, retraining
+that promotes only better models, and cancellation that leaves no engine process behind."""
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import psutil
+
+from ops_stack import REPO, runs_tagged as _runs_tagged
+
+
+def test_pipeline_deployment_runs_through_the_worker(ops_stack):
+    t0 = time.time()
+    fr_id = ops_stack.run_deployment("baton-pipeline/tiny", {"config": {"name": "tiny", "stages": ["data"]}})
+    fr = ops_stack.flow_run(fr_id)
+    assert fr["state_type"] == "COMPLETED", ops_stack.last_output[-3000:]
+    assert fr["work_pool_name"] == "baton-local" and fr["deployment_id"]
+    print(f"deployment run: {time.time() - t0:.1f}s (stack up: {ops_stack.up_seconds:.1f}s)")
+
+    c = ops_stack.mlflow()
+    (parent,) = _runs_tagged(c, "prefect.flow_run_id", fr_id)
+    assert "mlflow.parentRunId" not in parent.data.tags and parent.info.status == "FINISHED"
+    assert parent.data.tags["prefect.flow_run_url"] == f"{ops_stack.prefect_url}/runs/flow-run/{fr_id}"
+    children = _runs_tagged(c, "prefect.pipeline_flow_run_id", fr_id)
+    assert {r.data.tags["baton.stage"] for r in children} == {"data"}
+    for child in children:
+        assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        sub = ops_stack.flow_run(child.data.tags["prefect.flow_run_id"])  # the stage's subflow run
+        assert sub["parent_task_run_id"] and sub["state_type"] == "COMPLETED"
+    assert parent.info.artifact_uri.startswith("mlflow-artifacts:/")  # the server's artifact root
+
+    arts = ops_stack.api("POST", "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [fr_id]}}})
+    summary = next(a for a in arts if a["key"] == "baton-run-summary")
+    assert summary["type"] == "markdown" and "| data | completed |" in summary["data"]
+
+    beats = ops_stack.api("POST", "/events/filter", {"filter": {
+        "event": {"name": ["prefect.flow-run.heartbeat"]}, "resource": {"id": [f"prefect.flow-run.{fr_id}"]}}})
+    assert beats["events"], "the flow run sent no heartbeat"
+
+
+def test_zombie_automation_is_installed(ops_stack):
+    autos = ops_stack.api("POST", "/automations/filter", {})
+    (zombie,) = [a for a in autos if a["name"] == "Crash zombie flows"]
+    trig = zombie["trigger"]
+    assert trig["posture"] == "Proactive" and trig["after"] == ["prefect.flow-run.heartbeat"]
+    assert "prefect.flow-run.Completed" in trig["expect"] and trig["within"] >= 60
+    assert zombie["actions"][0]["type"] == "change-flow-run-state" and zombie["actions"][0]["state"] == "CRASHED"
+
+
+def test_every_deployment_has_a_typed_form(ops_stack):
+    deps = {f"{d['flow_name']}/{d['name']}": d for d in _deployments(ops_stack)}
+    assert set(deps) >= {"baton-pipeline/tiny", "baton-data/tiny", "baton-pretrain/tiny", "baton-rlhf/tiny",
+                         "baton-finetune/tiny", "baton-serve/tiny", "baton-convert/tiny", "baton-retrain/nightly"}
+    for name, d in deps.items():
+        assert d["enforce_parameter_schema"], name
+        assert d["pull_steps"] == [{"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}]
+    ft = deps["baton-finetune/tiny"]["parameter_openapi_schema"]
+    zero = ft["definitions"]["ZeroConfig"]["properties"]
+    assert zero["stage"]["type"] == "integer" and ft["definitions"]["FinetuneConfig"]["properties"]["lr"]["type"] == "number"
+    assert "PipelineConfig" in deps["baton-pipeline/tiny"]["parameter_openapi_schema"]["definitions"]
+    (sched,) = deps["baton-retrain/nightly"]["schedules"]
+    assert sched["schedule"]["cron"] == "0 3 * * *"  # (the test stack pauses it)
+    # the server validates a run's parameters against the schema: nothing is created for a bad value
+    bad = ops_stack.prefect("deployment", "run", "baton-finetune/tiny", "--param", 'finetune={"steps": "many"}',
+                            check=False)
+    assert bad.returncode != 0 and "steps" in bad.stdout + bad.stderr
+
+
+def _deployments(stack) -> list[dict]:
+    deps = stack.api("POST", "/deployments/filter", {})
+    flows = {f["id"]: f["name"] for f in stack.api("POST", "/flows/filter", {})}
+    return [dict(d, flow_name=flows[d["flow_id"]]) for d in deps]
+
+
+# ---- retraining ------------------------------------------------------------------------------------------------------
+def _served_models(serving: dict) -> list[str]:
+    import urllib.request
+
+    key = Path(serving["api_key_file"]).read_text().strip()
+    req = urllib.request.Request(serving["server"]["base_url"] + "/v1/models", headers={"Authorization": f"Bearer {key}"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return [m["id"] for m in json.loads(r.read())["data"]]
+
+
+def test_retrain_promotes_better_data(ops_stack, retrain_outcomes):
+    r = retrain_outcomes["v2"]
+    d = r["decision"]
+    assert r["flow_run"]["state_type"] == "COMPLETED"
+    assert d["decision"] == "promoted", d
+    assert d["candidate_score"] >= d["champion_score"] + 0.02
+    assert r["champion"] == d["candidate_version"] != retrain_outcomes["initial"]
+    mv = ops_stack.mlflow().get_model_version("baton-tiny", r["champion"])
+    assert mv.tags["data_digest"] == d["data_digest"] and mv.tags["baton.retrain.decision"] == "promoted"
+    # the served model followed: the server started for the new champion answers with its version
+    assert r["serving"]["version"] == r["champion"]
+    assert _served_models(r["serving"]) == [f"baton-tiny:{r['champion']}"]
+
+
+def test_retrain_keeps_the_champion_on_worse_data(ops_stack, retrain_outcomes):
+    before, r = retrain_outcomes["v2"], retrain_outcomes["v3"]
+    d = r["decision"]
+    assert r["flow_run"]["state_type"] == "COMPLETED"
+    assert d["decision"] == "kept", d
+    assert d["champion_version"] == before["champion"] == r["champion"]  # alias unchanged
+    assert d["data_digest"] != before["decision"]["data_digest"]
+    assert d["candidate_score"] is not None and d["candidate_score"] < d["champion_score"] + 0.02
+    # serving untouched: the same server process still serves the same version
+    assert r["serving"]["server"]["pid"] == before["serving"]["server"]["pid"]
+    assert psutil.pid_exists(r["serving"]["server"]["pid"])
+    assert _served_models(r["serving"]) == [f"baton-tiny:{before['champion']}"]
+
+
+# ---- cancellation ----------------------------------------------------------------------------------------------------
+def _engine_processes(home: Path, marker: str) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if any(marker in a for a in p.info["cmdline"] or []) and p.environ().get("BATON_HOME") == str(home):
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def _wait_file_match(path_fn, pattern: str, count: int, timeout: float) -> list[str]:
+    deadline = time.time() + timeout
+    found: list[str] = []
+    while time.time() < deadline:
+        path = path_fn()
+        found = re.findall(pattern, path.read_text(errors="replace")) if path and path.exists() else []
+        if len(found) >= count:
+            return found
+        time.sleep(1)
+    raise AssertionError(f"{pattern!r} seen {len(found)} times (wanted {count}) in {path_fn()} after {timeout}s")
+
+
+def test_killed_rank_is_retried_from_its_checkpoint_and_cancel_leaves_no_engine(ops_stack, initial_champion):
+    """A rank SIGKILLed mid-run (what the OOM killer or a preemption does) is retried, resuming from the last
+    checkpoint; then cancelling the run (`prefect flow-run cancel`, what the UI does) takes down the whole engine."""
+    fr_id = ops_stack.run_deployment("baton-finetune/tiny", {
+        "from_ref": initial_champion["path"],
+        "finetune": {"steps": 100000, "processes": 2, "checkpoint_every": 5, "keep_checkpoints": 1, "warmup_steps": 1,
+                     "timeout_s": 900}}, watch=False, job_variables={"env": {"BATON_INFRA_RETRY_DELAY_S": "1"}})
+
+    def engine_log():
+        m = re.search(r"baton run (\S+): data → finetune", ops_stack.logs(fr_id))
+        return ops_stack.home / "runs" / m.group(1) / "01-finetune" / "engine.log" if m else None
+
+    marker = "tasks/finetune/worker.py"
+    _wait_file_match(engine_log, r'"kind": "checkpoint"', 1, timeout=420)
+    ranks = [p for p in _engine_processes(ops_stack.home, marker) if "--local_rank=1" in " ".join(p.cmdline())]
+    assert len(ranks) == 1
+    ranks[0].kill()  # SIGKILL one rank
+    starts = _wait_file_match(engine_log, r"starting at step (\d+)", 2, timeout=420)
+    assert int(starts[-1]) >= 5, starts  # the retry resumed from the checkpoint, not from step 0
+    assert "infrastructure failure" in ops_stack.logs_all(fr_id, min_level=30)
+
+    procs = []
+    deadline = time.time() + 120
+    while time.time() < deadline and len(procs) < 3:  # the launcher and both ranks of the retry
+        procs = _engine_processes(ops_stack.home, marker)
+        time.sleep(1)
+    assert len(procs) >= 3, [p.cmdline() for p in procs]
+    t0 = time.time()
+    ops_stack.prefect("flow-run", "cancel", fr_id)
+    fr = ops_stack.wait_state(fr_id, {"CANCELLED", "CRASHED", "FAILED", "COMPLETED"}, timeout=180)
+    gone, alive = psutil.wait_procs(procs, timeout=60)
+    assert not alive, f"engine processes outlived the cancellation: {[p.cmdline() for p in alive]}"
+    assert not _engine_processes(ops_stack.home, marker)
+    assert fr["state_type"] == "CANCELLED", fr["state"]
+    print(f"cancelled: flow run {fr['state_type']}, {len(procs)} engine processes gone in {time.time() - t0:.1f}s")
