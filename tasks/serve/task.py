@@ -283,7 +283,9 @@ def serve(ctx: StageContext, cfg: ServeConfig, hold: bool = False) -> StageOutpu
              "champion": {"name": champion["name"], "version": champion["version"], "previous": champion["previous"]}
              if champion else None,
              "api_key_file": str(key_file)}
-    if kept is not None and cfg.keep_alive and not hold:
+    if kept is not None and cfg.keep_alive and not hold and not gate["passed"]:
+        kept.stop()  # never leave a server up for a checkpoint that failed its checks
+    elif kept is not None and cfg.keep_alive and not hold:
         kept.write_info(ctx.work_dir / "server.json")
         extra["server"] = kept.describe()
         log.info("keep_alive: %s server stays up at %s (stop: %s)", kept.name, kept.base_url, kept.describe()["stop"])
@@ -292,15 +294,18 @@ def serve(ctx: StageContext, cfg: ServeConfig, hold: bool = False) -> StageOutpu
                       eval={"metric": EVAL_METRIC, "before": before, "after": score} if evaluated else None,
                       extra=extra)
     if hold and kept is not None:
-        _hold(kept, ident["served_model_name"], key_file, gate["passed"])
+        if gate["passed"]:
+            _hold(kept, extra["served_model_names"].get(kept.name, ident["served_model_name"]), key_file)
+        else:  # a checkpoint that failed its checks is never left serving
+            kept.stop()
     return out
 
 
-def _hold(server: Server, served: str, key_file: Path, passed: bool) -> None:
+def _hold(server: Server, served: str, key_file: Path) -> None:
     if server.proc is None or server.proc.poll() is not None:
         return
-    print(f"\nserving {served!r} with {server.name} at {server.base_url}/v1 "
-          f"(API key in {key_file}; checks {'passed' if passed else 'FAILED'}). Ctrl-C to stop.", flush=True)
+    print(f"\nserving {served!r} with {server.name} at {server.base_url}/v1 (API key in {key_file}; every check "
+          "passed). Ctrl-C to stop.", flush=True)
     try:
         while server.proc.poll() is None:
             time.sleep(1.0)
