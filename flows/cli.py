@@ -170,7 +170,23 @@ def cmd_serve(args) -> int:
                        tracking={**cfg.tracking.model_dump(), "registered_model": registered})
     serve_cfg = cfg.serve.model_copy(update={"promote": args.promote,
                                              "lm_eval": cfg.serve.lm_eval.model_copy(update={"enabled": args.eval})})
-    out = serve(ctx, serve_cfg, hold=not args.check_only)
+    c = tracking.client()  # its own MLflow run: the gate and metrics are kept, and registering needs a run
+    ctx.mlflow_run_id = tracking.start_run(c, cfg.tracking.experiment, f"serve-{work.name}",
+                                           tags={"baton.stage": "serve", "baton.serve_ref": args.ref})
+    out = None
+    try:
+        out = serve(ctx, serve_cfg, hold=not args.check_only)
+    finally:
+        if out is not None:
+            tracking.log_json(c, ctx.mlflow_run_id, out.gate, "gate.json")
+            from mlflow.entities import Metric
+
+            import time as _time
+
+            now = int(_time.time() * 1000)
+            c.log_batch(ctx.mlflow_run_id, metrics=[Metric(k, float(v), now, 0) for k, v in out.metrics.items()
+                                                    if isinstance(v, (int, float))])
+        tracking.end_run(c, ctx.mlflow_run_id, bool(out and out.gate["passed"]))
     from conversions import verify
 
     print(verify.format_report(out.gate))
