@@ -44,11 +44,11 @@ def test_stack_on_postgres(tmp_path):
         names = {n for (n,) in _pg_rows(stack, "mlflow", "SELECT name FROM runs")}
         assert {"data", parent.info.run_name} <= names
         pg = json.loads((stack.home / "stack" / "postgres.json").read_text())
-    finally:
         stack.down(purge=False)
-    # make down stopped PostgreSQL with the servers
-    probe = subprocess.run(["pg_isready", "-h", "127.0.0.1", "-p", str(pg["port"])], capture_output=True)
-    assert probe.returncode != 0
-    assert not (stack.home / "stack.env").exists()
-    Stack.down(stack, purge=True)
-    shutil.rmtree(stack.home, ignore_errors=True)
+        # make down stopped PostgreSQL with the servers
+        probe = subprocess.run(["pg_isready", "-h", "127.0.0.1", "-p", str(pg["port"])], capture_output=True)
+        assert probe.returncode != 0
+        assert not (stack.home / "stack.env").exists()
+    finally:
+        stack.down(purge=True)
+        shutil.rmtree(stack.home, ignore_errors=True)

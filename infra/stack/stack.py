@@ -187,7 +187,7 @@ def up(db: str, worker: bool, deploy: bool) -> None:
     if db == "postgres":
         pg = postgres.Cluster(state_dir(), home(), p["postgres"])
         pg.start()
-        prefect_db, mlflow_db = pg.url("prefect", "postgresql+asyncpg"), pg.url("mlflow", "postgresql")
+        prefect_db, mlflow_db = pg.url("prefect", "postgresql+asyncpg"), pg.url("mlflow", "postgresql+psycopg2")
     (state_dir() / "mlflow" / "artifacts").mkdir(parents=True, exist_ok=True)
     start("prefect-server", [str(bin_dir() / "prefect"), "server", "start", "--analytics-off"],
           {**env, **prefect_server_env(prefect_db)})
