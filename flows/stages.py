@@ -136,7 +136,7 @@ def execute_step(step: Step, cfg: PipelineConfig, run: RunInfo, position: int, i
                    "implicit": step.implicit, "prefect_flow_run_id": prefect_flow_run.get_id()}
     if step.name == "convert":
         entry.update(step.extra)
-    if use_cache and (rec := _cached(index, step)) is not None:
+    if use_cache and STAGES[step.name].cacheable and (rec := _cached(index, step)) is not None:
         logger.info("=== %s: unchanged inputs and config; reusing %s ===", step.label, rec.get("output"))
         cached = dict(rec["entry"])
         cached.update(status="cached", prefect_flow_run_id=entry["prefect_flow_run_id"], cached_from=rec.get("run_id"))

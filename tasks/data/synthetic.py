@@ -1,8 +1,9 @@
 """A deterministic synthetic world, built so that every later stage has a measurable effect.
 
 - pretraining text about words and their categories (held-out perplexity falls as the model learns it);
-- preference pairs: a prompt asking for a member of a category, chosen = a member, rejected = a word of another
-  category (held-out preference accuracy rises under DPO);
+- preference pairs: a prompt asking for a member of a category; chosen = a full, correct answer ("The answer is dog."),
+  rejected = a bare word of another category (held-out preference accuracy, on prompts and words never paired in
+  training, rises under DPO: the preferred style and correctness generalise, word-level memorising does not);
 - instruction → JSON: "Classify the word: dog" → {"category": "animal"} (held-out exact match rises under SFT;
   held-out pairs use (template, word) combinations never seen in training).
 """
@@ -33,6 +34,10 @@ SFT_TEMPLATES = [
     "Is {w} a fruit, an animal, a color or a city?",
 ]
 PREF_TEMPLATES = ["Name a {c}.", "Give me one {c}.", "Which word is a {c}?"]
+
+
+def preferred_answer(word: str) -> str:
+    return f"The answer is {word}."
 
 
 def sft_answer(category: str) -> str:
@@ -80,7 +85,7 @@ def preference_pairs(n: int, heldout_fraction: float, rng: random.Random) -> tup
 
     def make(t, c, w):
         other = rng.choice([x for x in WORD_CATEGORY if WORD_CATEGORY[x] != c])
-        return {"prompt": t.format(c=c), "chosen": w, "rejected": other}
+        return {"prompt": t.format(c=c), "chosen": preferred_answer(w), "rejected": other}
 
     train = [make(*rng.choice(train_c)) for _ in range(n)]
     heldout = [make(*x) for x in held_c]

@@ -12,6 +12,7 @@ from conversions import manifest as mf
 from tasks import tracking
 from tasks.data import synthetic
 from tasks.data.config import DataConfig, SourceConfig
+from tasks.data.lm_eval_task import write_lm_eval_task
 from tasks.data.tokenizer import train_tokenizer
 from tasks.stage import StageContext, StageOutput
 
@@ -93,6 +94,7 @@ def write_data(ctx: StageContext, cfg: DataConfig) -> tuple[Path, dict]:
 @task(name="data", cache_policy=NO_CACHE)
 def run_data(ctx: StageContext, cfg: DataConfig) -> StageOutput:
     out, info = write_data(ctx, cfg)
+    write_lm_eval_task(out)
     m = mf.build(out, format="dataset", stage="data", engine={"name": "datasets", **mf.engine_versions("datasets", "tokenizers")},
                  extra={"datasets": {k: v for k, v in info.items() if k != "tokenizer"}, "revision": cfg.revision,
                         "vocab_size": info["tokenizer"]["vocab_size"]},

@@ -28,5 +28,6 @@ STAGE = StageSpec(
     consumes=lambda cfg: "hf-safetensors",
     produces=lambda cfg: None,
     validate=validate,
+    cacheable=False,
     description="vLLM / SGLang OpenAI-compatible serving, smoke checks, promotion",
 )
