@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO))
 RESULTS = REPO / "benchmarks" / "results" / "zero_convert.json"
 
 
-# ---- 1. the checkpoint, written by DeepSpeed (runs inside the 2-rank job) --------------------------------------------
+# ---- 1. the checkpoint, written by DeepSpeed (runs inside the 2-rank job) ------------------------------------------
 def make_checkpoint(out: Path, arch: dict) -> None:
     import deepspeed
     import torch
@@ -77,7 +77,7 @@ def build(work: Path, arch: dict) -> tuple[Path, float]:
     return out, time.time() - t0
 
 
-# ---- 2. one converter per fresh process --------------------------------------------------------------------------------
+# ---- 2. one converter per fresh process ----------------------------------------------------------------------------
 def convert(which: str, src: Path, dst: Path, max_shard_bytes: int) -> None:
     t0 = time.time()
     if which == "baton":
@@ -132,7 +132,7 @@ def measure(which: str, src: Path, dst: Path, max_shard_bytes: int) -> dict:
             "sampled_peak_rss_file_mb": round(peaks.get("RssFile", 0), 1)}
 
 
-# ---- 3. same tensors? ----------------------------------------------------------------------------------------------------
+# ---- 3. same tensors? ----------------------------------------------------------------------------------------------
 def identical(a: Path, b: Path) -> tuple[bool, int]:
     import torch
     from safetensors import safe_open

@@ -23,7 +23,7 @@ _TRUSTED_MODULES = ("torch", "collections", "builtins", "copyreg", "_codecs", "n
 
 
 class Opaque:
-    """Stand-in for any object of an untrusted class (loss scalers, config objects...): keeps its state, runs nothing."""
+    """Stand-in for an object of an untrusted class (loss scalers, config objects...): keeps its state, runs nothing."""
 
     def __init__(self, *args, **kwargs):
         self.args, self.kwargs = args, kwargs

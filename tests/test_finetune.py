@@ -1,10 +1,10 @@
-"""The finetune stage for real: DeepSpeed ZeRO-2 and ZeRO-3 on 2 CPU ranks (gloo), converted to HF through the
-convert step and its gate, matched bit for bit against DeepSpeed's own converter, and resumed after a SIGKILL."""
+"""The finetune stage for real: DeepSpeed ZeRO-2 (deepspeed launcher) and ZeRO-3 (torchrun) on 2 CPU ranks (gloo),
+converted to HF through the convert step and its gate, matched bit for bit against DeepSpeed's own converter, and
+resumed after a SIGKILL."""
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import tempfile
@@ -27,8 +27,8 @@ def make_ctx(work: Path, tiny_config, data_dir: Path, input_dir: Path, stage: st
                         seed=0, data_dir=data_dir, input=input_dir, input_format="hf-safetensors", **kw)
 
 
-def finetune_config(stage: int) -> FinetuneConfig:
-    return FinetuneConfig(zero={"stage": stage}, steps=STEPS, checkpoint_every=EVERY, timeout_s=900)
+def finetune_config(stage: int, launcher: str = "deepspeed") -> FinetuneConfig:
+    return FinetuneConfig(zero={"stage": stage}, steps=STEPS, checkpoint_every=EVERY, launcher=launcher, timeout_s=900)
 
 
 def run_stage(work: Path, tiny_config, data_dir, hf_checkpoint, cfg: FinetuneConfig):
@@ -70,7 +70,7 @@ def zero2(tmp_path_factory, tiny_config, data_dir, hf_checkpoint):
 @pytest.fixture(scope="module")
 def zero3(tmp_path_factory, tiny_config, data_dir, hf_checkpoint):
     work = tmp_path_factory.mktemp("zero3")
-    return work, run_stage(work, tiny_config, data_dir, hf_checkpoint, finetune_config(3))
+    return work, run_stage(work, tiny_config, data_dir, hf_checkpoint, finetune_config(3, launcher="torchrun"))
 
 
 @pytest.mark.parametrize("run", ["zero2", "zero3"])

@@ -26,7 +26,8 @@ def zero1_checkpoint(tmp_path_factory, tiny_config, data_dir):
     work = tmp_path_factory.mktemp("zero1")
     ctx = StageContext(stage="finetune", run_id="test", run_dir=work, work_dir=work, model=arch, seed=0,
                        data_dir=data_dir, input=src, input_format="hf-safetensors")
-    cfg = FinetuneConfig(zero={"stage": 1}, steps=3, warmup_steps=1, checkpoint_every=3, weight_decay=0.1, timeout_s=900)
+    cfg = FinetuneConfig(zero={"stage": 1}, steps=3, warmup_steps=1, checkpoint_every=3, weight_decay=0.1,
+                         launcher="torchrun", timeout_s=900)
     return run_finetune.fn(ctx, cfg).output
 
 

@@ -45,7 +45,8 @@ class FinetuneConfig(StrictModel):
     steps: int = Field(150, description="optimizer steps")
     lr: float = Field(3e-3, gt=0)
     optimizer: Literal["torch_adamw", "deepspeed_adamw"] = Field(
-        "torch_adamw", description="torch AdamW (no JIT build) or DeepSpeed's FusedAdam / DeepSpeedCPUAdam with offload")
+        "torch_adamw",
+        description="torch AdamW (no JIT build), or DeepSpeed's FusedAdam (DeepSpeedCPUAdam with offload)")
     lr_schedule: Literal["constant", "cosine"] = "cosine"
     warmup_steps: int = Field(10, ge=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine: final lr / peak lr")

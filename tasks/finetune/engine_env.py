@@ -22,10 +22,15 @@ def cpu_flags() -> str:
 
 
 def torch_extensions_dir() -> Path:
-    """A stable build cache per (CPU flags, python, torch, deepspeed): ops compile once, not on every run."""
+    """A stable build cache per (CPU flags, python, torch install, deepspeed): ops compile once, not on every run.
+    The torch install path is part of the key because the build command names its headers: ninja rebuilds
+    whenever the command changes, so two runtimes sharing one cache would rebuild each other's ops."""
     from importlib.metadata import version
+    from importlib.util import find_spec
 
-    key = "|".join([cpu_flags(), sys.version.split()[0], version("torch"), version("deepspeed")])
+    torch_dir = (find_spec("torch").submodule_search_locations or [""])[0]
+    key = "|".join([cpu_flags(), sys.version.split()[0], version("torch"), version("deepspeed"),
+                    str(Path(torch_dir).resolve())])
     return CACHE_ROOT / "torch_extensions" / hashlib.sha256(key.encode()).hexdigest()[:16]
 
 

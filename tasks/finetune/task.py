@@ -32,7 +32,8 @@ def check_inputs(ctx: StageContext, cfg: FinetuneConfig) -> None:
     if ctx.input is None or not (Path(ctx.input) / "config.json").exists():
         problems.append(f"finetune: input {ctx.input} is not an HF checkpoint (no config.json)")
     elif not mf.chat_template_present(Path(ctx.input)):
-        problems.append(f"finetune: input {ctx.input} has no chat template (tokenizer_config.json / chat_template.jinja)")
+        problems.append(f"finetune: input {ctx.input} has no chat template "
+                        "(tokenizer_config.json / chat_template.jinja)")
     for split in ("train", "heldout"):
         if ctx.data_dir is None or not (Path(ctx.data_dir) / "sft" / f"{split}.jsonl").exists():
             problems.append(f"finetune: data {ctx.data_dir} lacks sft/{split}.jsonl (run the data stage)")
@@ -88,7 +89,8 @@ def finalize(out: Path, ctx: StageContext, cfg: FinetuneConfig, r: dict) -> dict
     params = (mf.read(Path(ctx.input)) or {}).get("parameter_count") or hf.parameter_count(Path(ctx.input))
     m = mf.build(
         out, format="deepspeed-zero", stage="finetune",
-        engine={"name": "deepspeed", "launcher": cfg.launcher, **mf.engine_versions("deepspeed", "torch", "transformers")},
+        engine={"name": "deepspeed", "launcher": cfg.launcher,
+                **mf.engine_versions("deepspeed", "torch", "transformers")},
         architecture=dict(ctx.model, hf_architectures=config.get("architectures")), parameter_count=params,
         dtype="bfloat16" if cfg.precision == "bf16" else "float32", parent=mf.parent_ref(Path(ctx.input)),
         extra={"zero_stage": cfg.zero.stage, "world_size": r.get("world_size", cfg.processes), "tag": final,
@@ -125,7 +127,8 @@ def run_finetune(ctx: StageContext, cfg: FinetuneConfig) -> StageOutput:
         gate=gate(out, before, after),
         metrics={"loss_first": metric_events[0].get("loss") if metric_events else None, "loss_last": last.get("loss"),
                  "heldout_exact_match_before": before, "heldout_exact_match_after": after,
-                 "peak_mem_mb_max": r.get("peak_mem_mb"), "resumed_from_step": r.get("resumed_from"),
+                 "peak_mem_mb_max": last.get("peak_mem_mb_max", r.get("peak_mem_mb")),
+                 "resumed_from_step": r.get("resumed_from"),
                  "step_time_s_last": last.get("step_time_s"), "tokens_per_s_last": last.get("tokens_per_s"),
                  "seconds": round(res.seconds, 2)},
         eval={"metric": "heldout_exact_match", "before": before, "after": after},

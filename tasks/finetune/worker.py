@@ -155,7 +155,8 @@ def param_groups(model, weight_decay: float) -> list[dict]:
 
 # ---- evaluation ----------------------------------------------------------------------------------------------------
 @torch.no_grad()
-def heldout_exact_match(model, tok, rows: list[dict], max_new_tokens: int, synced: bool) -> tuple[float, list]:
+def heldout_exact_match(model, tok, rows: list[dict], max_new_tokens: int, synced: bool,
+                        device) -> tuple[float, list]:
     """Greedy decode each held-out instruction; exact string match with the answer. Prompts of equal length are
     batched (no padding, so positions match training). Every rank runs the same calls (ZeRO-3 gathers inside)."""
     was_training = model.training
@@ -167,12 +168,12 @@ def heldout_exact_match(model, tok, rows: list[dict], max_new_tokens: int, synce
     outputs: dict[int, str] = {}
     for length in sorted(by_len):
         idx = by_len[length]
-        ids = torch.tensor([prompts[i] for i in idx])
+        ids = torch.tensor([prompts[i] for i in idx], device=device)
         gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                              do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                              synced_gpus=synced)
         for j, i in enumerate(idx):
-            outputs[i] = tok.decode(gen[j, length:], skip_special_tokens=True).strip()
+            outputs[i] = tok.decode(gen[j, length:].tolist(), skip_special_tokens=True).strip()
     model.train(was_training)
     hits = [outputs[i] == rows[i]["answer"].strip() for i in range(len(rows))]
     samples = [{"instruction": rows[i]["instruction"], "answer": rows[i]["answer"], "output": outputs[i]}
@@ -181,11 +182,11 @@ def heldout_exact_match(model, tok, rows: list[dict], max_new_tokens: int, synce
 
 
 @torch.no_grad()
-def probe_logits(model, vocab_size: int):
+def probe_logits(model, vocab_size: int, device):
     was_training = model.training
     model.eval()
     ids = probe.probe_input_ids(vocab_size)
-    logits = model(input_ids=ids).logits.float()
+    logits = model(input_ids=ids.to(device)).logits.float().cpu()
     model.train(was_training)
     return ids, logits
 
@@ -293,9 +294,12 @@ def main() -> None:
     vocab = engine.module.config.vocab_size
 
     t = time.time()
-    before, _ = heldout_exact_match(engine.module, tok, heldout, spec["eval_max_new_tokens"], synced=stage == 3)
+    before, _ = heldout_exact_match(engine.module, tok, heldout, spec["eval_max_new_tokens"], stage == 3, dev)
     timings["eval_before_s"] = time.time() - t
     start = resume(engine, ckpt_dir, rank, facts)
+    if start > spec["steps"]:
+        raise SystemExit(f"{ckpt_dir}: the checkpoint at step {start} is past steps={spec['steps']} "
+                         "(start in a fresh work dir)")
     if rank == 0:
         print(f"rank 0: {len(train)} training examples, {len(heldout)} held out; exact match before {before:.3f}; "
               f"ZeRO-{stage}, {world} ranks, starting at step {start}; start-up "
@@ -337,8 +341,8 @@ def main() -> None:
     if start >= steps and rank == 0:
         print(f"rank 0: checkpoint at step {start} already complete; nothing to train", flush=True)
     timings["train_s"] = time.time() - t_train
-    after, samples = heldout_exact_match(engine.module, tok, heldout, spec["eval_max_new_tokens"], synced=stage == 3)
-    ids, logits = probe_logits(engine.module, vocab)
+    after, samples = heldout_exact_match(engine.module, tok, heldout, spec["eval_max_new_tokens"], stage == 3, dev)
+    ids, logits = probe_logits(engine.module, vocab, dev)
     final_tag = complete_tags(ckpt_dir)[-1][1]
     if rank == 0:
         probe.save_reference(ckpt_dir, ids, logits, source=f"deepspeed ZeRO-{stage} engine, {final_tag}")
