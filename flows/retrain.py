@@ -222,8 +222,12 @@ def retrain(data: DataConfig = DataConfig(), finetune: FinetuneConfig = Finetune
         record(c, base, result)
         return result
 
+    if not result.get("candidate_version"):
+        result.update(decision="failed", reason="the converted candidate was not registered")
+        record(c, base, result)
+        raise RetrainFailed(result["reason"])
     promoted = mlt.promote_champion(c, name, result["candidate_version"],
-                                         tags={"data_digest": digest, "retrain_score": result["candidate_score"]})
+                                    tags={"data_digest": digest, "retrain_score": result["candidate_score"]})
     result.update(decision="promoted", reason=f"candidate {result['metric']} {result['candidate_score']} ≥ "
                                               f"champion's {result['champion_score']} + {policy.margin}",
                   previous_champion=promoted["previous"])

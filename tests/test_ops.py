@@ -64,6 +64,7 @@ def test_every_deployment_has_a_typed_form(ops_stack):
     assert "PipelineConfig" in deps["baton-pipeline/tiny"]["parameter_openapi_schema"]["definitions"]
     (sched,) = deps["baton-retrain/nightly"]["schedules"]
     assert sched["schedule"]["cron"] == "0 3 * * *"  # (the test stack pauses it)
+    assert deps["baton-retrain/nightly"]["global_concurrency_limit"]["limit"] == 1
     # the server validates a run's parameters against the schema: nothing is created for a bad value
     bad = ops_stack.prefect("deployment", "run", "baton-finetune/tiny", "--param", 'finetune={"steps": "many"}',
                             check=False)
