@@ -229,9 +229,23 @@ def print_addresses() -> None:
     print(f"Prefect UI: {env['PREFECT_UI_URL']}\nMLflow UI:  {env['MLFLOW_TRACKING_URI']}", flush=True)
 
 
+def stop_serving() -> None:
+    """The model server retraining keeps up (detached, recorded in $BATON_HOME/serving.json) goes down with the stack."""
+    f = home() / "serving.json"
+    if not f.exists():
+        return
+    pid = (json.loads(f.read_text()).get("server") or {}).get("pid")
+    if pid:
+        pid_file("model-server").parent.mkdir(parents=True, exist_ok=True)
+        pid_file("model-server").write_text(str(pid))
+        stop("model-server")
+    f.unlink(missing_ok=True)
+
+
 def down(purge: bool) -> None:
     for name in ("prefect-worker", "prefect-server", "mlflow-server"):
         stop(name)
+    stop_serving()
     if postgres.Cluster.exists(state_dir(), home()):
         postgres.Cluster(state_dir(), home(), ports()["postgres"]).stop(purge=purge)
     (home() / "stack.env").unlink(missing_ok=True)
