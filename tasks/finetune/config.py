@@ -42,7 +42,7 @@ class FinetuneConfig(StrictModel):
     launcher: Literal["deepspeed", "torchrun"] = "deepspeed"
     micro_batch_size: int = Field(16, description="sequences per rank per micro step")
     gradient_accumulation_steps: int = 1
-    steps: int = Field(150, description="optimizer steps")
+    steps: int = Field(300, description="optimizer steps")
     lr: float = Field(3e-3, gt=0)
     optimizer: Literal["torch_adamw", "deepspeed_adamw"] = Field(
         "torch_adamw",
@@ -53,7 +53,7 @@ class FinetuneConfig(StrictModel):
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, ge=0, description="0 disables clipping")
     max_seq_length: int | None = Field(None, description="default: the model's seq_length")
-    checkpoint_every: int = Field(50, description="steps between checkpoints (the last step always saves)")
+    checkpoint_every: int = Field(100, description="steps between checkpoints (the last step always saves)")
     keep_checkpoints: int = Field(2, ge=1, description="newest complete checkpoints kept while training")
     eval_max_new_tokens: int = Field(16, ge=1)
     log_every: int = Field(1, ge=1)
