@@ -68,7 +68,8 @@ def test_yaml_loads_inherits_and_defines_every_dpo_key(tmp_path):
     cfg = nemo_rl.resolve(path, nemo_rl.overrides(RlhfConfig(), runtime))
     assert nemo_rl.missing_keys(cfg) == []
     assert cfg["dpo"]["preference_average_log_probs"] == "recipe:dpo.preference_average_log_probs"  # inherited
-    assert cfg["dpo"]["reference_policy_kl_penalty"] == 0.1 and cfg["dpo"]["max_num_steps"] == 40  # ours win
+    assert cfg["dpo"]["reference_policy_kl_penalty"] == 0.1 and cfg["dpo"]["sft_loss_weight"] == 1.0  # ours win
+    assert cfg["dpo"]["max_num_steps"] == RlhfConfig().steps
     assert cfg["policy"]["model_name"] == str(INPUT) and cfg["policy"]["tokenizer"]["name"] == str(INPUT)
     assert cfg["data"]["max_input_seq_length"] == 128  # the recipe's interpolation, resolved against our value
     for split, name in (("train", "train"), ("validation", "heldout")):
@@ -182,7 +183,8 @@ def test_reads_consolidated_weights_and_adds_the_tokenizer(tmp_path, hf_checkpoi
 
     model = AutoModelForCausalLM.from_pretrained(str(hf_checkpoint))
     for step in (3, 12):  # the newest step is taken
-        model.save_pretrained(str(tmp_path / "results" / f"step_{step}" / "policy" / "weights" / "model" / "consolidated"))
+        weights = tmp_path / "results" / f"step_{step}" / "policy" / "weights"
+        model.save_pretrained(str(weights / "model" / "consolidated"))
     step = nemo_rl.latest_step(tmp_path / "results")
     assert step.name == "step_12"
     out = nemo_rl.collect_hf(nemo_rl.consolidated_dir(step), tmp_path / "checkpoint", hf_checkpoint)

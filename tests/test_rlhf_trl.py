@@ -31,7 +31,8 @@ def run_stage(work: Path, tiny_config, data_dir, ckpt, cfg: RlhfConfig):
 def test_dpo_through_the_cli_raises_margin_and_heldout_accuracy(tmp_path, baton_home, hf_checkpoint):
     ckpt = tmp_path / "input"
     shutil.copytree(hf_checkpoint, ckpt)
-    r = baton("run", str(TINY), "--stages", "rlhf", "--from", str(ckpt), home=baton_home, timeout=1200)
+    r = baton("run", str(TINY), "--stages", "rlhf", "--from", str(ckpt), "--set", "rlhf.steps=30",
+              "--set", "rlhf.batch_size=16", home=baton_home, timeout=1200)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     run_dir = Path(r.stdout.strip().splitlines()[-1])
     stage = next(s for s in json.loads((run_dir / "summary.json").read_text())["stages"] if s["name"] == "rlhf")
@@ -62,7 +63,8 @@ def test_dpo_through_the_cli_raises_margin_and_heldout_accuracy(tmp_path, baton_
     for name in ("loss", "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected",
                  "heldout_pref_accuracy", "heldout_kl_to_reference"):
         assert c.get_metric_history(run.info.run_id, name), f"no MLflow history for {name}"
-    held = [x.value for x in sorted(c.get_metric_history(run.info.run_id, "heldout_pref_accuracy"), key=lambda x: x.step)]
+    history = sorted(c.get_metric_history(run.info.run_id, "heldout_pref_accuracy"), key=lambda x: x.step)
+    held = [x.value for x in history]
     assert held == [ev["before"], ev["after"]]
 
 

@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 GRPO_ONLY = ("num_generations", "max_completion_length")
-DPO_ONLY = ("reference", "reference_model")
+DPO_ONLY = ("reference", "reference_model", "sft_weight")
 
 
 def has_nvidia_gpu() -> bool:

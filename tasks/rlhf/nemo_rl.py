@@ -77,9 +77,11 @@ def build_config(*, algorithm: str, runtime: dict, input_dir: Path, data_dir: Pa
         section: {
             "max_num_steps": steps, "max_num_epochs": 1000,  # steps decide; epochs only bound them
             "val_period": steps, "val_at_start": True, "val_at_end": True, "val_batches": 0,
-            "val_global_batch_size": nr.gpus_per_node * nr.micro_batch_size, "val_micro_batch_size": nr.micro_batch_size,
+            "val_global_batch_size": nr.gpus_per_node * nr.micro_batch_size,
+            "val_micro_batch_size": nr.micro_batch_size,
             "seed": seed,
-            **({"reference_policy_kl_penalty": cfg.beta} if algorithm == "dpo" else {}),
+            **({"reference_policy_kl_penalty": cfg.beta, "sft_loss_weight": cfg.sft_weight}
+               if algorithm == "dpo" else {}),
         },
         "checkpointing": {
             "enabled": True, "checkpoint_dir": str(out_dir / "results"), "save_period": steps, "keep_top_k": 1,
@@ -216,7 +218,7 @@ def converter_command(*, cfg, runtime: dict, step_dir: Path, hf_dir: Path, mount
     return in_runtime(run, cfg=cfg, runtime=runtime, mounts=mounts, nodes=1)
 
 
-# ---- reading what NeMo-RL wrote ---------------------------------------------------------------------------------------
+# ---- reading what NeMo-RL wrote --------------------------------------------------------------------------------------
 def latest_step(results: Path) -> Path | None:
     steps = [Path(p) for p in glob.glob(str(results / "step_*")) if re.fullmatch(r"step_\d+", Path(p).name)]
     return max(steps, key=lambda p: int(p.name.split("_")[1])) if steps else None

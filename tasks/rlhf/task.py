@@ -120,6 +120,7 @@ def worker_command(ctx: StageContext, cfg: RlhfConfig, out: Path) -> list[str]:
     args = ["--input", str(ctx.input), "--data", str(ctx.data_dir), "--output", str(out),
             "--algorithm", cfg.algorithm, "--steps", str(cfg.steps), "--batch-size", str(cfg.batch_size),
             "--grad-accum", str(cfg.grad_accum), "--lr", str(cfg.learning_rate), "--beta", str(cfg.beta),
+            "--sft-weight", str(cfg.sft_weight),
             "--max-length", str(cfg.max_length or ctx.model.get("seq_length", 128)), "--reference", cfg.reference,
             "--num-generations", str(cfg.num_generations), "--max-completion-length", str(cfg.max_completion_length),
             "--seed", str(ctx.seed), "--stage", ctx.stage]
@@ -158,7 +159,7 @@ def run_trl(ctx: StageContext, cfg: RlhfConfig) -> StageOutput:
 
 
 def run_nemo_rl(ctx: StageContext, cfg: RlhfConfig) -> StageOutput:
-    """NeMo-RL on GPUs: our YAML over its recipe, its launcher, its consolidated HF weights + our tokenizer, our gate."""
+    """NeMo-RL on GPUs: our YAML over its recipe, its launcher, its consolidated HF weights + our tokenizer, a gate."""
     runtime = checks.nemo_rl_runtime(ctx.runtimes)
     errors = checks.nemo_rl_errors(cfg, runtime)
     if errors:

@@ -1,6 +1,6 @@
 """TRL preference optimisation of an HF checkpoint: DPO, a reward model, or GRPO. Launched by tasks/rlhf/task.py:
 
-    python worker.py --input HF_DIR --data DATA_DIR --output OUT_DIR --algorithm dpo --steps 30 ...
+    python worker.py --input HF_DIR --data DATA_DIR --output OUT_DIR --algorithm dpo --steps 60 ...
     python -m torch.distributed.run --nproc_per_node 2 worker.py ...      (2 CPU processes, gloo)
 
 The recipe, top to bottom: read the preference pairs and chat-format them with the checkpoint's own template; measure
@@ -31,16 +31,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--data", type=Path, required=True, help="the data stage's folder (preference/*.jsonl)")
     ap.add_argument("--output", type=Path, required=True)
     ap.add_argument("--algorithm", choices=["dpo", "rm", "grpo"], default="dpo")
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--grad-accum", type=int, default=1)
-    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--beta", type=float, default=0.1)
     ap.add_argument("--max-length", type=int, default=128)
+    ap.add_argument("--sft-weight", type=float, default=1.0, help="dpo: weight of an added SFT loss on chosen (RPO)")
     ap.add_argument("--reference", choices=["copy", "precomputed"], default="copy")
     ap.add_argument("--reference-model", type=Path, default=None)
     ap.add_argument("--num-generations", type=int, default=4)
-    ap.add_argument("--max-completion-length", type=int, default=8)
+    ap.add_argument("--max-completion-length", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--stage", default="rlhf")
     ap.add_argument("--evaluate", action="store_true", help="only measure --output against --input (no training)")
@@ -92,7 +93,8 @@ def reward_score(model, tok, prompt: str, completion: str) -> float:
 def preference_accuracy(model, tok, pairs: list[dict], score) -> float:
     """Fraction of pairs whose chosen completion scores above the rejected one."""
     model.eval()
-    wins = sum(score(model, tok, p["prompt"], p["chosen"]) > score(model, tok, p["prompt"], p["rejected"]) for p in pairs)
+    wins = sum(score(model, tok, p["prompt"], p["chosen"]) > score(model, tok, p["prompt"], p["rejected"])
+               for p in pairs)
     return wins / max(len(pairs), 1)
 
 
@@ -149,11 +151,14 @@ def train_dpo(a, tok, train_pairs: list[dict], work: Path):
     from trl import DPOConfig, DPOTrainer
 
     model = AutoModelForCausalLM.from_pretrained(str(a.input), dtype=torch.float32)
-    ref = AutoModelForCausalLM.from_pretrained(str(a.reference_model), dtype=torch.float32) if a.reference_model else None
+    ref = None
+    if a.reference_model:  # else TRL keeps a frozen copy of the input as the reference
+        ref = AutoModelForCausalLM.from_pretrained(str(a.reference_model), dtype=torch.float32)
+    losses = {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, a.sft_weight]} if a.sft_weight else {}
     args = DPOConfig(**common_args(a, work), beta=a.beta, max_length=a.max_length,
-                     precompute_ref_log_probs=a.reference == "precomputed")
-    return DPOTrainer(model=model, ref_model=ref, args=args, train_dataset=Dataset.from_list(train_pairs), processing_class=tok,
-                      callbacks=[stream_callback()])
+                     precompute_ref_log_probs=a.reference == "precomputed", **losses)
+    return DPOTrainer(model=model, ref_model=ref, args=args, train_dataset=Dataset.from_list(train_pairs),
+                      processing_class=tok, callbacks=[stream_callback()])
 
 
 def train_rm(a, tok, train_pairs: list[dict], work: Path):
@@ -169,20 +174,27 @@ def train_rm(a, tok, train_pairs: list[dict], work: Path):
 
 
 def preference_reward(train_pairs: list[dict], eos: str):
-    """A programmatic reward from the preference data: +1 for a completion whose first word is a chosen answer of
-    that prompt, -1 for a rejected one, 0 otherwise."""
+    """A programmatic reward from the preference data: +1 for a completion that starts with a chosen reply of that
+    prompt, -1 for one that starts with a rejected reply, 0 otherwise."""
+    def norm(text: str) -> str:
+        return " ".join(text.replace(eos, " ").split())
+
     chosen: dict[str, set] = {}
     rejected: dict[str, set] = {}
     for p in train_pairs:
-        chosen.setdefault(p["prompt"], set()).add(p["chosen"].removesuffix(eos).strip())
-        rejected.setdefault(p["prompt"], set()).add(p["rejected"].removesuffix(eos).strip())
+        chosen.setdefault(p["prompt"], set()).add(norm(p["chosen"]))
+        rejected.setdefault(p["prompt"], set()).add(norm(p["rejected"]))
 
     def reward(prompts, completions, **kwargs) -> list[float]:
         out = []
         for prompt, text in zip(prompts, completions):
-            words = text.replace(eos, " ").split()
-            first = words[0] if words else ""
-            out.append(1.0 if first in chosen.get(prompt, ()) else -1.0 if first in rejected.get(prompt, ()) else 0.0)
+            t = norm(text)
+            if any(t.startswith(c) for c in chosen.get(prompt, ())):
+                out.append(1.0)
+            elif any(t.startswith(r) for r in rejected.get(prompt, ())):
+                out.append(-1.0)
+            else:
+                out.append(0.0)
         return out
 
     reward.__name__ = "preference_match"
@@ -223,18 +235,27 @@ def write_manifest(a, out: Path, metrics: dict) -> None:
         architecture=dict(src.get("architecture") or {}), parameter_count=hf.parameter_count(out),
         dtype=hf.dominant_dtype(out), parent=mf.parent_ref(a.input),
         extra={"backend": "trl", "algorithm": a.algorithm, "role": role, "steps": a.steps, "beta": a.beta,
-               "learning_rate": a.lr, "reference": str(a.reference_model) if a.reference_model else a.reference,
-               **metrics},
+               "learning_rate": a.lr, "sft_weight": a.sft_weight if a.algorithm == "dpo" else None,
+               "reference": str(a.reference_model) if a.reference_model else a.reference, **metrics},
         tokenizer_dir=out)
     mf.write(out, m)
 
 
+def metric_name(algorithm: str) -> str:
+    return "heldout_reward_accuracy" if algorithm == "rm" else "heldout_pref_accuracy"
+
+
+def accuracy_of(path: Path, algorithm: str, tok, pairs: list[dict]) -> float:
+    score = reward_score if algorithm == "rm" else completion_logprob
+    return preference_accuracy(load_eval_model(path, algorithm), tok, pairs, score)
+
+
 def evaluate(a, tok, held_pairs: list[dict], before: float | None = None) -> dict:
     """Held-out accuracy of the input (unless given) and of the saved output; KL to the reference for policies."""
-    score = reward_score if a.algorithm == "rm" else completion_logprob
-    metric = "heldout_reward_accuracy" if a.algorithm == "rm" else "heldout_pref_accuracy"
+    metric = metric_name(a.algorithm)
     if before is None:
-        before = preference_accuracy(load_eval_model(a.input, a.algorithm), tok, held_pairs, score)
+        before = accuracy_of(a.input, a.algorithm, tok, held_pairs)
+    score = reward_score if a.algorithm == "rm" else completion_logprob
     saved = load_eval_model(a.output, a.algorithm)
     facts = {"metric": metric, "before": before, "after": preference_accuracy(saved, tok, held_pairs, score),
              "heldout_pairs": len(held_pairs)}
@@ -264,9 +285,8 @@ def main(argv=None) -> None:
 
     before = None
     if RANK == 0:
-        score = reward_score if a.algorithm == "rm" else completion_logprob
-        before = preference_accuracy(load_eval_model(a.input, a.algorithm), tok, held_pairs, score)
-        events.metric(0, **{("heldout_reward_accuracy" if a.algorithm == "rm" else "heldout_pref_accuracy"): before})
+        before = accuracy_of(a.input, a.algorithm, tok, held_pairs)
+        events.metric(0, **{metric_name(a.algorithm): before})
 
     trainer = TRAINERS[a.algorithm](a, tok, train_pairs, a.output.parent / (a.output.name + ".trl"))
     trainer.remove_callback(PrinterCallback)  # our callback streams the same logs as events
