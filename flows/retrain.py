@@ -17,8 +17,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
-import signal
-import time
 from pathlib import Path
 
 from prefect import flow, get_run_logger
@@ -33,6 +31,7 @@ from flows.stages import data_digest
 from tasks import tracking as mlt
 from tasks.data.config import DataConfig
 from tasks.finetune.config import FinetuneConfig
+from tasks.launch import kill_group
 from tasks.serve.config import ServeConfig
 from tasks.stage import StrictModel
 
@@ -76,24 +75,8 @@ def stop_serving(grace: float = 15.0) -> None:
     cur = serving()
     pid = ((cur or {}).get("server") or {}).get("pid")
     if pid:
-        _kill_group(int(pid), grace)
+        kill_group(int(pid), grace)
     serving_file().unlink(missing_ok=True)
-
-
-def _kill_group(pgid: int, grace: float) -> None:
-    """The detached server leads its own session: stop the whole group (SIGTERM, then SIGKILL)."""
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.time() + wait
-        while time.time() < deadline:
-            try:
-                os.killpg(pgid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.2)
 
 
 def start_serving(base: PipelineConfig, serve: ServeConfig, path: str, version: str) -> tuple[bool, dict]:
@@ -105,7 +88,7 @@ def start_serving(base: PipelineConfig, serve: ServeConfig, path: str, version: 
     server = entry.get("server")
     if error or entry.get("status") != "completed":
         if server and server.get("pid"):
-            _kill_group(int(server["pid"]), 10.0)
+            kill_group(int(server["pid"]), 10.0)
         return False, {"error": error or entry.get("error"), "run_id": (summary or {}).get("run_id")}
     state = {"version": version, "checkpoint": path, "server": server, "run_id": summary["run_id"],
              "served_model_name": entry.get("served_model_name"), "api_key_file": entry.get("api_key_file"),

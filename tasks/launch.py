@@ -60,12 +60,9 @@ def _set_pdeathsig() -> None:
         pass
 
 
-def kill_tree(proc: subprocess.Popen, grace: float = 10.0) -> None:
+def kill_group(pgid: int, grace: float = 10.0, alive: Callable[[int], bool] | None = None) -> None:
     """SIGTERM the process group, wait up to grace seconds, then SIGKILL whatever is left."""
-    try:
-        pgid = os.getpgid(proc.pid)
-    except ProcessLookupError:
-        return
+    alive = alive or group_alive
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
         try:
             os.killpg(pgid, sig)
@@ -73,12 +70,21 @@ def kill_tree(proc: subprocess.Popen, grace: float = 10.0) -> None:
             return
         deadline = time.time() + wait
         while time.time() < deadline:
-            if proc.poll() is not None and not _group_alive(pgid):
+            if not alive(pgid):
                 return
             time.sleep(0.1)
 
 
-def _group_alive(pgid: int) -> bool:
+def kill_tree(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """kill_group for a process we started (reaping it, so it does not linger as a zombie)."""
+    try:
+        pgid = os.getpgid(proc.pid)
+    except ProcessLookupError:
+        return
+    kill_group(pgid, grace, alive=lambda g: proc.poll() is None or group_alive(g))
+
+
+def group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
         return True
