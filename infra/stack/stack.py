@@ -26,6 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import postgres  # noqa: E402  (beside this file)
+from tasks.launch import group_alive  # noqa: E402  (the checkout is on .venv's path)
 
 POOL = os.environ.get("BATON_WORK_POOL", "baton-local")
 HOST = "127.0.0.1"
@@ -115,16 +116,6 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
     except OSError:
         return False
-
-
-def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
 
 
 def stop(name: str, grace: float = 15.0) -> None:
