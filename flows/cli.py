@@ -11,13 +11,17 @@ import sys
 from pathlib import Path
 
 
+# Offline, no telemetry, and time enough for Prefect's ephemeral server to migrate its database on 2 cores.
+QUIET_ENV = {
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "DO_NOT_TRACK": "true", "MLFLOW_DISABLE_TELEMETRY": "true", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
 def _env_defaults() -> None:
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("DO_NOT_TRACK", "true")
-    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    for k, v in QUIET_ENV.items():
+        os.environ.setdefault(k, v)
     home = Path(os.environ.setdefault("BATON_HOME", str(Path(".baton").resolve())))
     os.environ["BATON_HOME"] = str(home.resolve())
     stack = home / "stack.env"  # written by `make up`: use the running Prefect and MLflow servers

@@ -10,19 +10,16 @@ from pathlib import Path
 
 import pytest
 
+from flows.cli import QUIET_ENV
+
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "configs" / "tiny.yaml"
 
 # One Prefect database per test session (the ephemeral server migrates it once), never the user's ~/.prefect.
 os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="baton-test-prefect-")
 os.environ.pop("PREFECT_API_URL", None)
-os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("DO_NOT_TRACK", "true")
-os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+for _k, _v in QUIET_ENV.items():
+    os.environ.setdefault(_k, _v)
 
 
 @pytest.fixture

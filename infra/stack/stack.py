@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -26,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import postgres  # noqa: E402  (beside this file)
-from tasks.launch import group_alive  # noqa: E402  (the checkout is on .venv's path)
+from tasks.launch import kill_group  # noqa: E402  (the checkout is on .venv's path)
 
 POOL = os.environ.get("BATON_WORK_POOL", "baton-local")
 HOST = "127.0.0.1"
@@ -124,16 +123,7 @@ def stop(name: str, grace: float = 15.0) -> None:
     if not f.exists():
         return
     pid = int(f.read_text().strip())
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(pid, sig)
-        except ProcessLookupError:
-            break
-        deadline = time.time() + wait
-        while time.time() < deadline and group_alive(pid):
-            time.sleep(0.2)
-        if not group_alive(pid):
-            break
+    kill_group(pid, grace)
     f.unlink(missing_ok=True)
     log(f"stopped {name} (pid {pid})")
 
