@@ -4,8 +4,10 @@
     python3 infra/runtimes/build.py main            -> prints ~/.cache/baton/runtimes/main-<digest>
     python3 infra/runtimes/build.py main --overlay .venv
 
-A runtime is `infra/runtimes/<name>.txt` (pip requirements) plus an optional `<name>.post.sh` run inside the new venv
-(for the fixes an engine needs, e.g. removing CUDA wheels). Both files feed the digest, so editing either rebuilds.
+A runtime is `infra/runtimes/<name>.txt` (what we ask for), its generated `<name>.lock` (every transitive package pinned
+with its sha256, `make lock`; installed with `--require-hashes --no-deps` so every build is the same) and an optional
+`<name>.post.sh` run inside the new venv (for the fixes an engine needs, e.g. removing CUDA wheels). All three feed
+the digest, so editing any of them rebuilds.
 `--overlay DIR` makes DIR a small venv that sees the cached runtime's packages plus this checkout (through .pth files)
 and has wrappers for the runtime's console scripts: every clone gets its own `.venv` without reinstalling 2 GB.
 Standard library only: it runs before anything is installed.
@@ -29,7 +31,7 @@ CACHE = Path(os.environ.get("BATON_RUNTIME_CACHE", Path.home() / ".cache" / "bat
 
 def digest(name: str) -> str:
     h = hashlib.sha256()
-    for suffix in (".txt", ".post.sh"):
+    for suffix in (".txt", ".lock", ".post.sh"):
         f = HERE / f"{name}{suffix}"
         if f.exists():
             h.update(f.read_bytes())
@@ -75,13 +77,21 @@ def build(name: str) -> Path:
         py = str(target / "bin" / "python")
         env = dict(os.environ, DS_BUILD_OPS="0", PIP_DISABLE_PIP_VERSION_CHECK="1")
         run([py, "-m", "pip", "install", "-q", "--upgrade", "pip"], env)
-        run([py, "-m", "pip", "install", "-q", "-r", str(req)], env)
+        run([py, "-m", "pip", "install", "-q", *install_args(name)], env)
         post = HERE / f"{name}.post.sh"
         if post.exists():
             run(["bash", str(post), str(target)], env)
         (target / ".baton-ready").write_text(f"built in {time.time() - t0:.0f}s\n")
         log(f"runtime '{name}' ready in {time.time() - t0:.0f}s")
     return target
+
+
+def install_args(name: str) -> list[str]:
+    """The locked set when there is one (hash-checked, nothing resolved at build time), else the plain requirements."""
+    lock = HERE / f"{name}.lock"
+    if lock.exists():
+        return ["--require-hashes", "--no-deps", "-r", str(lock)]
+    return ["-r", str(HERE / f"{name}.txt")]
 
 
 def site_packages(venv: Path) -> Path:
