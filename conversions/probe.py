@@ -5,6 +5,9 @@ from pathlib import Path
 
 PROBE_FILE = "probe_logits.safetensors"
 
+# The config vocabulary's `precision` values and the torch dtype names that weights are kept in.
+DTYPE_OF_PRECISION = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
 # Tolerances for logits parity, by the dtype the weights are kept in.
 THRESHOLDS = {
     "float32": {"max_abs_diff": 1e-4, "top1_agreement": 1.0},

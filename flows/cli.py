@@ -60,6 +60,59 @@ def cmd_run(args) -> int:
     return 0
 
 
+def _planned_input(cfg, from_ref: str | None) -> tuple[str | None, str | None, str]:
+    """(format, fingerprint, description) of the first stage's input, without starting anything."""
+    from conversions import manifest as mf
+    from flows import plan as planning
+    from flows.config import ConfigError
+
+    if from_ref and Path(from_ref).is_dir():
+        m = mf.read(Path(from_ref))
+        if m is None:
+            raise ConfigError(f"--from {from_ref}: no {mf.MANIFEST_NAME}; write one first with `baton manifest {from_ref}`")
+        return m["format"], mf.digest_of(m), f"{Path(from_ref).resolve()} ({m['format']})"
+    if from_ref:
+        from flows.pipeline import resolve_input
+
+        _, fmt, fp = resolve_input(cfg, from_ref)
+        return fmt, fp, f"{from_ref} ({fmt})"
+    prev = planning.predecessor(cfg)
+    if prev is None:
+        return None, None, "none (the first stage starts from scratch)"
+    return prev.produces, prev.fingerprint, f"the completed '{prev.label}' of an earlier run with this config"
+
+
+def cmd_config(args) -> int:
+    """The resolved config and the planned steps (formats, fingerprints, cached or not); launches nothing."""
+    import yaml
+
+    from flows import plan as planning
+    from flows.config import ConfigError, load
+    from flows.runs import Index
+
+    try:
+        stages = [s.strip() for s in args.stages.split(",") if s.strip()] if args.stages else None
+        cfg = load(args.config, args.set, stages)
+        fmt, fp, described = _planned_input(cfg, args.from_ref)
+        steps = planning.plan(cfg, fmt, fp)
+    except ConfigError as e:
+        print(f"baton: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"config": cfg.model_dump(mode="json"), "input": described,
+                          "steps": [s.to_dict() for s in steps]}, indent=2))
+        return 0
+    print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False).rstrip())
+    print(f"\n# input: {described}\n# planned steps:")
+    index = Index()
+    for st in steps:
+        rec = index.get(st.fingerprint) or {}
+        state = "cached" if rec.get("status") == "completed" else "to run"
+        formats = f"{st.consumes or '-'} -> {st.produces or '-'}"
+        print(f"#   {st.label:<28} {formats:<38} {st.fingerprint[:12]}  {state}")
+    return 0
+
+
 def cmd_verify(args) -> int:
     from conversions import verify
 
@@ -222,6 +275,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--from", dest="from_ref", help="input checkpoint folder or registered model name@alias")
     r.add_argument("--no-cache", action="store_true", help="re-run stages even when inputs and config are unchanged")
     r.set_defaults(fn=cmd_run)
+    c = sub.add_parser("config", help="print the resolved config and the planned steps; launch nothing (dry run)")
+    c.add_argument("config")
+    c.add_argument("--stages", help="comma-separated ordered subset, e.g. data,pretrain,convert")
+    c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    c.add_argument("--from", dest="from_ref", help="input checkpoint folder or registered model name@alias")
+    c.add_argument("--json", action="store_true", help="machine-readable: config, input and steps")
+    c.set_defaults(fn=cmd_config)
     v = sub.add_parser("verify", help="verify a checkpoint (integrity, preflight, round trip, generation)")
     v.add_argument("path")
     v.add_argument("--against", help="another HF checkpoint or a probe_logits.safetensors for logits parity")
@@ -246,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--engine", choices=["vllm", "sglang"], default="vllm")
     sv.add_argument("--port", type=int, default=0)
     sv.add_argument("--config", default=None, help="YAML whose serve/tracking/runtimes sections apply")
-    sv.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. serve.dtype=bfloat16")
+    sv.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. serve.precision=bf16")
     sv.add_argument("--data-dir", help="data stage output: enables the held-out lm-eval task")
     sv.add_argument("--eval", action="store_true", help="run lm-eval against the server before serving")
     sv.add_argument("--promote", action="store_true", help="move `champion` here when every check passes")

@@ -116,6 +116,9 @@ def _format_error(e: ValidationError, prefix: str = "") -> str:
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
+        elif err["type"] == "renamed":
+            key = ".".join(filter(None, [key if err["loc"] else "", err["ctx"]["old"]]))
+            msg = f"renamed to {err['ctx']['new']}"
         elif "input" in err and not isinstance(err["input"], (dict, list)):
             msg += f" (got {err['input']!r})"
         lines.append(f"{prefix}{key}: {msg}")

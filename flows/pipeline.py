@@ -1,6 +1,7 @@
 """The composite flow: the configured stages in order, each a subflow, with conversions where formats differ."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import yaml
@@ -11,7 +12,7 @@ from prefect.runtime import flow_run as prefect_flow_run
 from conversions import manifest as mf
 from flows import plan as planning, report, runs
 from flows.config import ConfigError, PipelineConfig
-from flows.stages import STAGE_FLOWS, RunInfo, StageFailed, entry_holder
+from flows.stages import STAGE_FLOWS, RunInfo, StageFailed
 from tasks import tracking
 
 
@@ -57,18 +58,13 @@ def prepare(cfg: PipelineConfig, from_ref: str | None):
     return input_path, input_format, steps
 
 
-@flow(name="baton-pipeline", log_prints=True)
-def pipeline(config: PipelineConfig, from_ref: str | None = None, use_cache: bool = True,
-             run_id: str | None = None) -> dict:
-    """Run the configured stages (data → pretrain → rlhf → finetune → serve by default) and gate every hand-off."""
-    logger = get_run_logger()
-    cfg = config
-    input_path, input_format, steps = prepare(cfg, from_ref)
+def _open_run(cfg: PipelineConfig, steps: list, run_id: str | None) -> tuple[RunInfo, dict]:
+    """The run folder (config, plan), the MLflow parent run and the summary skeleton."""
     run_id = run_id or runs.new_run_id()
     run_dir = runs.runs_root() / run_id
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-    (run_dir / "plan.json").write_text(__import__("json").dumps([s.to_dict() for s in steps], indent=2))
+    (run_dir / "plan.json").write_text(json.dumps([s.to_dict() for s in steps], indent=2))
     flow_run_id = prefect_flow_run.get_id()
     c = tracking.client()
     parent = tracking.start_run(c, cfg.tracking.experiment, f"{cfg.name}-{run_id}",
@@ -84,8 +80,12 @@ def pipeline(config: PipelineConfig, from_ref: str | None = None, use_cache: boo
         pass
     summary = {"run_id": run_id, "mlflow_run_id": parent, "prefect_flow_run_id": flow_run_id, "run_dir": str(run_dir),
                "config": cfg.name, "status": "running", "stages": []}
-    logger.info("baton run %s: %s", run_id, " → ".join(s.label for s in steps))
-    run = RunInfo(run_id, run_dir, parent, flow_run_id)
+    return RunInfo(run_id, run_dir, parent, flow_run_id), summary
+
+
+def _run_steps(cfg: PipelineConfig, steps: list, run: RunInfo, summary: dict, input_path, input_format,
+               use_cache: bool) -> str | None:
+    """Each step in order, its output feeding the next; after a failure the rest are skipped. Returns the failure."""
     current, current_fmt = (str(input_path) if input_path else None), input_format
     data_dir = None
     failed = None
@@ -98,26 +98,43 @@ def pipeline(config: PipelineConfig, from_ref: str | None = None, use_cache: boo
             entry = STAGE_FLOWS[step.name](step, cfg, run, i, current, current_fmt, data_dir, use_cache)
         except StageFailed as e:
             failed = str(e)
-            entry = entry_holder.pop(step.label, {"name": step.name, "label": step.label, "status": "failed",
-                                                  "error": failed})
+            entry = e.entry or {"name": step.name, "label": step.label, "error": failed}
             entry["status"] = "failed"
         summary["stages"].append(entry)
-        runs.write_summary(run_dir, summary)
+        runs.write_summary(run.run_dir, summary)
         if entry["status"] in ("completed", "cached"):
             if step.name == "data":
                 data_dir = entry.get("output")
             elif entry.get("output") and step.produces is not None:
                 current, current_fmt = entry["output"], step.produces
+    return failed
+
+
+def _close_run(run: RunInfo, summary: dict, failed: str | None) -> None:
+    """summary.json and summary.md, the MLflow parent run's end, the Prefect summary artifact."""
     summary["status"] = "failed" if failed else "completed"
-    runs.write_summary(run_dir, summary)
-    c.log_artifact(parent, str(run_dir / "summary.json"))
-    c.set_terminated(parent, "FAILED" if failed else "FINISHED")
+    runs.write_summary(run.run_dir, summary)
+    c = tracking.client()
+    c.log_artifact(run.mlflow_parent, str(run.run_dir / "summary.json"))
+    c.set_terminated(run.mlflow_parent, "FAILED" if failed else "FINISHED")
     md = report.markdown(summary)
-    (run_dir / "summary.md").write_text(md)
+    (run.run_dir / "summary.md").write_text(md)
     try:
-        create_markdown_artifact(markdown=md, key="baton-run-summary", description=f"baton run {run_id}")
+        create_markdown_artifact(markdown=md, key="baton-run-summary", description=f"baton run {run.run_id}")
     except Exception as e:
-        logger.warning("could not create the summary artifact: %s", e)
+        get_run_logger().warning("could not create the summary artifact: %s", e)
+
+
+@flow(name="baton-pipeline", log_prints=True)
+def pipeline(config: PipelineConfig, from_ref: str | None = None, use_cache: bool = True,
+             run_id: str | None = None) -> dict:
+    """Run the configured stages (data → pretrain → rlhf → finetune → serve by default) and gate every hand-off."""
+    cfg = config
+    input_path, input_format, steps = prepare(cfg, from_ref)
+    run, summary = _open_run(cfg, steps, run_id)
+    get_run_logger().info("baton run %s: %s", run.run_id, " → ".join(s.label for s in steps))
+    failed = _run_steps(cfg, steps, run, summary, input_path, input_format, use_cache)
+    _close_run(run, summary, failed)
     if failed:
-        raise RuntimeError(f"baton run {run_id} failed: {failed}\nrun dir: {run_dir}")
+        raise RuntimeError(f"baton run {run.run_id} failed: {failed}\nrun dir: {run.run_dir}")
     return summary

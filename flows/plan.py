@@ -143,7 +143,3 @@ def predecessor(cfg: PipelineConfig) -> Step | None:
         idx = next(i for i, s in enumerate(full) if s.name == listed[0])
         prior = [s for s in full[:idx] if s.name != "data"]
     return prior[-1] if prior else None
-
-
-def load_steps(path: Path) -> list[Step]:
-    return [Step(**d) for d in json.loads(Path(path).read_text())]

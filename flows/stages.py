@@ -24,7 +24,14 @@ from tasks.stage import StageContext, StageOutput
 
 
 class StageFailed(RuntimeError):
-    pass
+    """A failed step; `entry` is its summary entry (status, error, log tail), for the pipeline's summary."""
+
+    def __init__(self, message: str, entry: dict | None = None):
+        super().__init__(message)
+        self.entry = entry
+
+    def __reduce__(self):  # Prefect may hand the exception back through its result store
+        return type(self), (str(self), self.entry)
 
 
 @dataclass
@@ -128,99 +135,136 @@ def _run_with_retries(step: Step, ctx: StageContext, stage_cfg) -> StageOutput:
     raise AssertionError("unreachable")
 
 
-def execute_step(step: Step, cfg: PipelineConfig, run: RunInfo, position: int, input_path: str | None,
-                 input_format: str | None, data_dir: str | None, use_cache: bool = True) -> dict:
-    logger = get_run_logger()
-    index = Index()
-    entry: dict = {"name": step.name, "label": step.label, "status": "running", "fingerprint": step.fingerprint,
-                   "implicit": step.implicit, "prefect_flow_run_id": prefect_flow_run.get_id()}
+def _new_entry(step: Step) -> dict:
+    entry = {"name": step.name, "label": step.label, "status": "running", "fingerprint": step.fingerprint,
+             "implicit": step.implicit, "prefect_flow_run_id": prefect_flow_run.get_id()}
     if step.name == "convert":
         entry.update(step.extra)
-    if use_cache and STAGES[step.name].cacheable and (rec := _cached(index, step)) is not None:
-        logger.info("=== %s: unchanged inputs and config; reusing %s ===", step.label, rec.get("output"))
-        cached = dict(rec["entry"])
-        cached.update(status="cached", prefect_flow_run_id=entry["prefect_flow_run_id"], cached_from=rec.get("run_id"))
-        return cached
-    logger.info("=== stage %s (%s) ===", step.label, STAGES[step.name].description)
-    c = tracking.client()
+    return entry
+
+
+def _reuse(rec: dict, entry: dict) -> dict:
+    get_run_logger().info("=== %s: unchanged inputs and config; reusing %s ===", entry["label"], rec.get("output"))
+    cached = dict(rec["entry"])
+    cached.update(status="cached", prefect_flow_run_id=entry["prefect_flow_run_id"], cached_from=rec.get("run_id"))
+    return cached
+
+
+def _start_stage_run(c, cfg: PipelineConfig, step: Step, run: RunInfo, entry: dict) -> str:
+    """The stage's MLflow child run, tagged for lineage, with its resolved config as params."""
     mlflow_run = tracking.start_run(
         c, cfg.tracking.experiment, step.label,
         tags={"baton.stage": step.name, "baton.run_id": run.run_id, "baton.fingerprint": step.fingerprint,
-              tracking.PREFECT_TAG: entry["prefect_flow_run_id"] or "", "prefect.pipeline_flow_run_id": run.prefect_flow_run_id or "",
+              tracking.PREFECT_TAG: entry["prefect_flow_run_id"] or "",
+              "prefect.pipeline_flow_run_id": run.prefect_flow_run_id or "",
               **report.prefect_link_tags(entry["prefect_flow_run_id"])},
         parent_run_id=run.mlflow_parent)
-    entry["mlflow_run_id"] = mlflow_run
-    stage_cfg = cfg.stage_config(step.name)
-    tracking.log_params(c, mlflow_run, {"stage": stage_cfg.model_dump(), "model": cfg.model.model_dump(), **(
-        {"convert": step.extra} if step.name == "convert" else {})})
-    monitor = tracking.system_metrics(mlflow_run)
-    work = _work_dir(index, step, run, position)
-    index.put(step.fingerprint, status="running", work_dir=str(work), run_id=run.run_id, output=None, entry=entry)
-    ctx = StageContext(
+    tracking.log_params(c, mlflow_run, {"stage": cfg.stage_config(step.name).model_dump(), "model": cfg.model.model_dump(),
+                                        **({"convert": step.extra} if step.name == "convert" else {})})
+    return mlflow_run
+
+
+def _context(cfg: PipelineConfig, step: Step, run: RunInfo, work: Path, mlflow_run: str, input_path: str | None,
+             input_format: str | None, data_dir: str | None) -> StageContext:
+    return StageContext(
         stage=step.name, run_id=run.run_id, run_dir=run.run_dir, work_dir=work, model=cfg.model.model_dump(),
         seed=cfg.seed, data_dir=Path(data_dir) if data_dir else None, input=Path(input_path) if input_path else None,
         input_format=input_format, runtimes={k: v.model_dump() for k, v in cfg.runtimes.items()},
         mlflow_run_id=mlflow_run, tracking=cfg.tracking.model_dump(), extra=dict(step.extra))
-    t0 = time.time()
-    ok = False
+
+
+def _summary_metrics(entry: dict, out: StageOutput) -> dict:
+    metrics = {k: v for k, v in entry["metrics"].items() if isinstance(v, (int, float))}
+    for k in ("before", "after"):
+        if out.eval and isinstance(out.eval.get(k), (int, float)):
+            metrics[f"eval_{out.eval['metric']}_{k}"] = out.eval[k]
+    return metrics
+
+
+def _record_output(c, mlflow_run: str, step: Step, work: Path, out: StageOutput, entry: dict) -> None:
+    """What the stage produced, into its summary entry and its MLflow run: gate, manifest, loss plot, key metrics."""
+    from mlflow.entities import Metric
+
+    sink = streaming.pop_sink(mlflow_run)
+    history = {**(sink.history if sink else {}), **out.history}
+    entry.update(engine=out.engine, backend=out.backend, output=str(out.output) if out.output else None,
+                 manifest=str(Path(out.output) / mf.MANIFEST_NAME) if out.output else None,
+                 gate=out.gate, metrics=_metric_summary(out, history), eval=out.eval, **out.extra)
+    tracking.log_json(c, mlflow_run, out.gate, "gate.json")
+    if out.output and (Path(out.output) / mf.MANIFEST_NAME).exists():
+        tracking.log_file(c, mlflow_run, Path(out.output) / mf.MANIFEST_NAME)
+    plot = report.loss_plot(history, work / "loss.png", step.label)
+    if plot:
+        tracking.log_file(c, mlflow_run, plot)
+        entry["loss_plot"] = str(plot)
+    now = int(time.time() * 1000)
+    c.log_batch(mlflow_run, metrics=[Metric(f"summary.{k}", float(v), now, 0)
+                                     for k, v in _summary_metrics(entry, out).items()])
+
+
+def _apply_gate(out: StageOutput, step: Step, entry: dict) -> None:
+    logger = get_run_logger()
+    for chk in out.gate.get("checks", []):
+        logger.info("gate %s [%s] %s", chk["name"], "ok" if chk["passed"] else "FAIL", chk["detail"])
+    if not out.gate.get("passed"):
+        failed = [chk["name"] for chk in out.gate.get("checks", []) if not chk["passed"]]
+        entry.update(status="failed", error=f"gate failed: {', '.join(failed)}")
+        raise StageFailed(f"{step.label}: {entry['error']} (checkpoint not promoted)", entry)
+
+
+def _failure(step: Step, entry: dict, e: Exception) -> StageFailed:
+    """The summary entry of a stage that raised, inside the exception the pipeline catches."""
+    if isinstance(e, StageFailed):
+        return e
+    if isinstance(e, LaunchError):
+        entry.update(status="failed", error=str(e).splitlines()[0], log_tail=e.tail[-20:])
+        return StageFailed(f"{step.label}: {e}", entry)
+    entry.update(status="failed", error=f"{type(e).__name__}: {e}")
+    get_run_logger().error("%s failed:\n%s", step.label, traceback.format_exc())
+    return StageFailed(f"{step.label}: {type(e).__name__}: {e}", entry)
+
+
+def _close(c, mlflow_run: str, monitor, entry: dict, ok: bool) -> None:
+    if monitor is not None:
+        try:
+            monitor.finish()
+        except Exception:
+            pass
+    tracking.log_json(c, mlflow_run, entry, "stage.json")
+    tracking.end_run(c, mlflow_run, ok)
+
+
+def execute_step(step: Step, cfg: PipelineConfig, run: RunInfo, position: int, input_path: str | None,
+                 input_format: str | None, data_dir: str | None, use_cache: bool = True) -> dict:
+    """Run one step (or reuse it), gate it, register what passed; a failure raises StageFailed carrying its entry."""
+    index = Index()
+    entry = _new_entry(step)
+    if use_cache and STAGES[step.name].cacheable and (rec := _cached(index, step)) is not None:
+        return _reuse(rec, entry)
+    get_run_logger().info("=== stage %s (%s) ===", step.label, STAGES[step.name].description)
+    c = tracking.client()
+    mlflow_run = entry["mlflow_run_id"] = _start_stage_run(c, cfg, step, run, entry)
+    monitor = tracking.system_metrics(mlflow_run)
+    work = _work_dir(index, step, run, position)
+    index.put(step.fingerprint, status="running", work_dir=str(work), run_id=run.run_id, output=None, entry=entry)
+    ctx = _context(cfg, step, run, work, mlflow_run, input_path, input_format, data_dir)
+    t0, ok = time.time(), False
     try:
-        out: StageOutput = _run_with_retries(step, ctx, stage_cfg)
-        sink = streaming.pop_sink(mlflow_run)
-        history = {**(sink.history if sink else {}), **out.history}
-        entry.update(engine=out.engine, backend=out.backend, output=str(out.output) if out.output else None,
-                     manifest=str(Path(out.output) / mf.MANIFEST_NAME) if out.output else None,
-                     gate=out.gate, metrics=_metric_summary(out, history), eval=out.eval, **out.extra)
-        tracking.log_json(c, mlflow_run, out.gate, "gate.json")
-        if out.output and (Path(out.output) / mf.MANIFEST_NAME).exists():
-            tracking.log_file(c, mlflow_run, Path(out.output) / mf.MANIFEST_NAME)
-        plot = report.loss_plot(history, work / "loss.png", step.label)
-        if plot:
-            tracking.log_file(c, mlflow_run, plot)
-            entry["loss_plot"] = str(plot)
-        summary_metrics = {k: v for k, v in entry["metrics"].items() if isinstance(v, (int, float))}
-        if out.eval:
-            for k in ("before", "after"):
-                if isinstance(out.eval.get(k), (int, float)):
-                    summary_metrics[f"eval_{out.eval['metric']}_{k}"] = out.eval[k]
-        c.log_batch(mlflow_run, metrics=[__import__("mlflow").entities.Metric(f"summary.{k}", float(v), int(time.time() * 1000), 0)
-                                         for k, v in summary_metrics.items()])
-        for chk in out.gate.get("checks", []):
-            logger.info("gate %s [%s] %s", chk["name"], "ok" if chk["passed"] else "FAIL", chk["detail"])
-        if not out.gate.get("passed"):
-            entry["status"] = "failed"
-            failed = [chk["name"] for chk in out.gate.get("checks", []) if not chk["passed"]]
-            entry["error"] = f"gate failed: {', '.join(failed)}"
-            raise StageFailed(f"{step.label}: {entry['error']} (checkpoint not promoted)")
+        out = _run_with_retries(step, ctx, cfg.stage_config(step.name))
+        _record_output(c, mlflow_run, step, work, out, entry)
+        _apply_gate(out, step, entry)
         if out.output:
             entry["registered"] = _register(c, cfg, step, Path(out.output), run.run_id, mlflow_run, data_dir)
-        entry["status"] = "completed"
-        ok = True
-    except StageFailed:
-        raise
-    except LaunchError as e:
-        entry.update(status="failed", error=str(e).splitlines()[0], log_tail=e.tail[-20:])
-        raise StageFailed(f"{step.label}: {e}") from None
+        entry["status"], ok = "completed", True
     except Exception as e:
-        entry.update(status="failed", error=f"{type(e).__name__}: {e}")
-        logger.error("%s failed:\n%s", step.label, traceback.format_exc())
-        raise StageFailed(f"{step.label}: {type(e).__name__}: {e}") from e
+        raise _failure(step, entry, e) from (None if isinstance(e, (StageFailed, LaunchError)) else e)
     finally:
         entry["seconds"] = round(time.time() - t0, 2)
-        if monitor is not None:
-            try:
-                monitor.finish()
-            except Exception:
-                pass
-        tracking.log_json(c, mlflow_run, entry, "stage.json")
-        tracking.end_run(c, mlflow_run, ok)
+        _close(c, mlflow_run, monitor, entry, ok)
         index.put(step.fingerprint, status=entry["status"], work_dir=str(work), run_id=run.run_id,
                   output=entry.get("output"), entry=entry)
-        entry_holder[step.label] = entry
     return entry
 
-
-# The failing path raises, so the pipeline reads the entry from here.
-entry_holder: dict[str, dict] = {}
 
 STAGE_FLOWS = {
     name: flow(name=f"stage-{name}", flow_run_name=f"{name}", validate_parameters=False)(execute_step)

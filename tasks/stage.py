@@ -7,20 +7,32 @@ from __future__ import annotations
 
 import importlib
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic_core import PydanticCustomError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 class StrictModel(BaseModel):
-    """Config models reject unknown keys and re-validate on assignment (so --set overrides are checked too)."""
+    """Config models reject unknown keys and re-validate on assignment (so --set overrides are checked too).
+    `renamed` maps keys a model used to accept to their new names: an old key fails with "renamed to …"."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    renamed: ClassVar[dict[str, str]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for old in data:
+                if old in cls.renamed:
+                    raise PydanticCustomError("renamed", "{old}: renamed to {new}",
+                                              {"old": old, "new": cls.renamed[old]})
+        return data
 
 
 @dataclass(frozen=True)
@@ -93,6 +105,3 @@ class StageOutput:
     history: dict = field(default_factory=dict)  # metric name -> [(step, value)] for plots
     extra: dict = field(default_factory=dict)
 
-
-def python_executable() -> str:
-    return sys.executable

@@ -185,7 +185,7 @@ def runs_tagged(c, key: str, value: str):
 
 
 # ---- retraining, run once per session through the nightly deployment ------------------------------------------------
-RETRAIN = {"finetune": {"steps": 30, "processes": 1, "checkpoint_every": 15, "warmup_steps": 3},
+RETRAIN = {"finetune": {"steps": 30, "nproc_per_node": 1, "checkpoint_every": 15, "warmup_steps": 3},
            "serve": {"engine": "vllm", "lm_eval": {"enabled": False},
                      "smoke": {"json_requests": 3, "parity_prompts": 1, "parity_tokens": 8}},
            "policy": {"margin": 0.02, "serve": True}}

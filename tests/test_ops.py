@@ -144,7 +144,7 @@ def test_killed_rank_is_retried_from_its_checkpoint_and_cancel_leaves_no_engine(
     checkpoint; then cancelling the run (`prefect flow-run cancel`, what the UI does) takes down the whole engine."""
     fr_id = ops_stack.run_deployment("baton-finetune/tiny", {
         "from_ref": initial_champion["path"],
-        "finetune": {"steps": 100000, "processes": 2, "checkpoint_every": 5, "keep_checkpoints": 1, "warmup_steps": 1,
+        "finetune": {"steps": 100000, "nproc_per_node": 2, "checkpoint_every": 5, "keep_checkpoints": 1, "warmup_steps": 1,
                      "timeout_s": 900}}, watch=False, job_variables={"env": {"BATON_INFRA_RETRY_DELAY_S": "1"}})
 
     def engine_log():

@@ -40,7 +40,7 @@ def test_tiny_pretrain_config_is_valid():
     (["pretrain.tensor_parallel=2", "pretrain.pipeline_parallel=2", "pretrain.nproc_per_node=2"],
      "not a multiple of tensor_parallel × pipeline_parallel = 4"),
     (["pretrain.vocab_size=300"], "smaller than the tokenizer's vocabulary"),
-    (["pretrain.seq_length=256"], "exceeds model.seq_length 128"),
+    (["pretrain.max_seq_length=256"], "exceeds model.seq_length 128"),
     (["pretrain.sequence_parallel=true"], "sequence_parallel needs tensor_parallel > 1"),
     (["pretrain.warmup_steps=100", "pretrain.steps=50"], "warmup_steps 100 must be below steps 50"),
     (["pretrain.micro_batch_size=0"], "pretrain.micro_batch_size"),

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import TINY
 
-SHORT = ["pretrain.steps=12", "pretrain.save_interval=2", "pretrain.eval_interval=6", "pretrain.warmup_steps=2",
+SHORT = ["pretrain.steps=12", "pretrain.checkpoint_every=2", "pretrain.eval_interval=6", "pretrain.warmup_steps=2",
          "pretrain.keep_checkpoints=3"]
 TWO_RANKS = ["pretrain.nproc_per_node=2"]
 

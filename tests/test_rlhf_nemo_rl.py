@@ -162,7 +162,7 @@ def test_bad_settings_are_refused_before_launch(tmp_path):
     cases = {
         "rlhf.beta=0": "DPO needs beta > 0",
         "rlhf.algorithm=grpo,rlhf.beta=-1": "KL coefficient cannot be negative",
-        "rlhf.algorithm=grpo,rlhf.batch_size=6": "multiple of rlhf.num_generations",
+        "rlhf.algorithm=grpo,rlhf.micro_batch_size=6": "multiple of rlhf.num_generations",
         "rlhf.num_generations=8": "rlhf.num_generations: only used by algorithm grpo",
         "rlhf.algorithm=rm,rlhf.reference=precomputed": "rlhf.reference: only used by algorithm dpo",
         f"rlhf.reference_model={tmp_path}": "is not an HF checkpoint folder",

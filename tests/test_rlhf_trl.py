@@ -32,7 +32,7 @@ def test_dpo_through_the_cli_raises_margin_and_heldout_accuracy(tmp_path, baton_
     ckpt = tmp_path / "input"
     shutil.copytree(hf_checkpoint, ckpt)
     r = baton("run", str(TINY), "--stages", "rlhf", "--from", str(ckpt), "--set", "rlhf.steps=30",
-              "--set", "rlhf.batch_size=16", home=baton_home, timeout=1200)
+              "--set", "rlhf.micro_batch_size=16", home=baton_home, timeout=1200)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     run_dir = Path(r.stdout.strip().splitlines()[-1])
     stage = next(s for s in json.loads((run_dir / "summary.json").read_text())["stages"] if s["name"] == "rlhf")
@@ -69,7 +69,7 @@ def test_dpo_through_the_cli_raises_margin_and_heldout_accuracy(tmp_path, baton_
 
 
 def test_reward_model_beside_the_chain(tmp_path, tiny_config, data_dir, hf_checkpoint):
-    cfg = RlhfConfig(algorithm="rm", steps=4, batch_size=8, nproc=2, learning_rate=5e-4, timeout_s=900)
+    cfg = RlhfConfig(algorithm="rm", steps=4, micro_batch_size=8, nproc_per_node=2, lr=5e-4, timeout_s=900)
     out = run_stage(tmp_path, tiny_config, data_dir, hf_checkpoint, cfg)
     assert out.gate["passed"], out.gate
     names = {c["name"] for c in out.gate["checks"]}
@@ -87,8 +87,8 @@ def test_reward_model_beside_the_chain(tmp_path, tiny_config, data_dir, hf_check
 
 
 def test_grpo_runs_a_few_steps_with_the_preference_reward(tmp_path, tiny_config, data_dir, hf_checkpoint):
-    cfg = RlhfConfig(algorithm="grpo", steps=3, batch_size=8, num_generations=4, max_completion_length=6,
-                     learning_rate=1e-4, beta=0.04, timeout_s=900)
+    cfg = RlhfConfig(algorithm="grpo", steps=3, micro_batch_size=8, num_generations=4, max_completion_length=6,
+                     lr=1e-4, beta=0.04, timeout_s=900)
     out = run_stage(tmp_path, tiny_config, data_dir, hf_checkpoint, cfg)
     m = mf.read(out.output)
     assert m["extra"]["algorithm"] == "grpo" and m["extra"]["backend"] == "trl"

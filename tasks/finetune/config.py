@@ -1,10 +1,11 @@
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
 from tasks.stage import StrictModel
+from tasks.vocabulary import TrainingConfig, batch_errors, schedule_errors
 
 
 class ZeroConfig(StrictModel):
@@ -31,34 +32,30 @@ class LoraConfig(StrictModel):
                                                                "gate_proj", "up_proj", "down_proj"])
 
 
-class FinetuneConfig(StrictModel):
+class FinetuneConfig(TrainingConfig):
     """Supervised fine-tuning with DeepSpeed ZeRO on the data stage's instruction set (loss on answer tokens)."""
+
+    renamed: ClassVar[dict[str, str]] = {
+        "processes": "nproc_per_node", "nproc": "nproc_per_node", "learning_rate": "lr", "grad_accum":
+        "gradient_accumulation_steps", "max_length": "max_seq_length", "save_interval": "checkpoint_every",
+        "clip_grad": "grad_clip", "batch_size": "micro_batch_size"}
 
     zero: ZeroConfig = ZeroConfig()
     lora: LoraConfig = LoraConfig()
-    precision: Literal["fp32", "bf16"] = "fp32"
-    device: Literal["cpu", "cuda"] = "cpu"
-    processes: int = Field(2, description="data-parallel processes (ranks) on this host")
+    nproc_per_node: int = Field(2, ge=1, description="data-parallel ranks per node (GPUs, or CPU processes)")
     launcher: Literal["deepspeed", "torchrun"] = "deepspeed"
-    micro_batch_size: int = Field(16, description="sequences per rank per micro step")
-    gradient_accumulation_steps: int = 1
-    steps: int = Field(300, description="optimizer steps")
-    lr: float = Field(3e-3, gt=0)
+    micro_batch_size: int = Field(16, ge=1, description="sequences per rank per micro step")
+    steps: int = Field(300, ge=1, description="optimizer steps")
+    lr: float = Field(3e-3, gt=0, description="peak learning rate")
     optimizer: Literal["torch_adamw", "deepspeed_adamw"] = Field(
         "torch_adamw",
         description="torch AdamW (no JIT build), or DeepSpeed's FusedAdam (DeepSpeedCPUAdam with offload)")
-    lr_schedule: Literal["constant", "cosine"] = "cosine"
-    warmup_steps: int = Field(10, ge=0)
+    warmup_steps: int = Field(10, ge=0, description="linear warm-up steps before the schedule")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine: final lr / peak lr")
-    weight_decay: float = Field(0.0, ge=0)
-    grad_clip: float = Field(1.0, ge=0, description="0 disables clipping")
-    max_seq_length: int | None = Field(None, description="default: the model's seq_length")
-    checkpoint_every: int = Field(100, description="steps between checkpoints (the last step always saves)")
-    keep_checkpoints: int = Field(2, ge=1, description="newest complete checkpoints kept while training")
+    checkpoint_every: int = Field(100, ge=1, description="steps between checkpoints (the last step always saves)")
     eval_max_new_tokens: int = Field(16, ge=1)
     log_every: int = Field(1, ge=1)
     master_port: int = Field(0, ge=0, le=65535, description="0: pick a free port")
-    timeout_s: float = Field(3600, gt=0)
 
 
 def validate(cfg: FinetuneConfig, pipeline=None) -> list[str]:
@@ -69,12 +66,7 @@ def validate(cfg: FinetuneConfig, pipeline=None) -> list[str]:
         errors.append(f"finetune.zero.stage: {z.stage} is not a ZeRO stage (1, 2 or 3)")
     if z.offload_params != "none" and z.stage != 3:
         errors.append(f"finetune.zero.offload_params: parameter offload needs ZeRO stage 3 (stage is {z.stage})")
-    for key in ("processes", "micro_batch_size", "gradient_accumulation_steps", "steps", "checkpoint_every"):
-        if getattr(cfg, key) < 1:
-            errors.append(f"finetune.{key}: must be a positive integer (got {getattr(cfg, key)})")
-    if cfg.warmup_steps >= cfg.steps > 0 and cfg.lr_schedule != "constant":
-        errors.append(f"finetune.warmup_steps: {cfg.warmup_steps} leaves no steps for the {cfg.lr_schedule} decay "
-                      f"(steps is {cfg.steps})")
+    errors += batch_errors(cfg, "finetune") + schedule_errors(cfg, "finetune")
     if cfg.lora.enabled and not cfg.lora.target_modules:
         errors.append("finetune.lora.target_modules: empty")
     if pipeline is not None:

@@ -6,7 +6,7 @@ from tasks.finetune.config import FinetuneConfig
 
 def zero_section(cfg: FinetuneConfig) -> dict:
     z = cfg.zero
-    pin = cfg.device == "cuda"
+    pin = cfg.resolved_device() == "cuda"
     out: dict = {"stage": z.stage, "overlap_comm": z.overlap_comm, "contiguous_gradients": z.contiguous_gradients,
                  "reduce_bucket_size": z.reduce_bucket_size}
     if z.stage < 3:
@@ -34,11 +34,12 @@ def scheduler_section(cfg: FinetuneConfig) -> dict:
 def build(cfg: FinetuneConfig) -> dict:
     return {
         "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
-        "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
-        "train_batch_size": cfg.micro_batch_size * cfg.gradient_accumulation_steps * cfg.processes,
+        "gradient_accumulation_steps": cfg.accumulation(),
+        "train_batch_size": cfg.global_batch(),
         "gradient_clipping": cfg.grad_clip,
         "zero_optimization": zero_section(cfg),
         "bf16": {"enabled": cfg.precision == "bf16"},
+        "fp16": {"enabled": cfg.precision == "fp16"},
         "optimizer": {"type": "AdamW", "params": {
             "lr": cfg.lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": cfg.weight_decay,
             # torch's AdamW avoids JIT-building FusedAdam/DeepSpeedCPUAdam (minutes on CPU)

@@ -61,7 +61,7 @@ def prepare(ctx: StageContext, cfg: FinetuneConfig) -> tuple[list[str], dict, Pa
     (work / "ds_config.json").write_text(json.dumps(ds, indent=2) + "\n")
     spec = {
         "input": str(Path(ctx.input).resolve()), "data_dir": str(Path(ctx.data_dir).resolve()), "output": str(out),
-        "ds_config": str(work / "ds_config.json"), "device": cfg.device, "seed": ctx.seed, "steps": cfg.steps,
+        "ds_config": str(work / "ds_config.json"), "device": cfg.resolved_device(), "seed": ctx.seed, "steps": cfg.steps,
         "checkpoint_every": cfg.checkpoint_every, "keep_checkpoints": cfg.keep_checkpoints,
         "max_seq_length": cfg.max_seq_length or ctx.model.get("seq_length", 128),
         "eval_max_new_tokens": cfg.eval_max_new_tokens, "log_every": cfg.log_every, "lora": cfg.lora.model_dump(),
@@ -71,12 +71,12 @@ def prepare(ctx: StageContext, cfg: FinetuneConfig) -> tuple[list[str], dict, Pa
     port = cfg.master_port or free_port()
     args = ["--spec", str(work / "finetune_spec.json")]
     if cfg.launcher == "deepspeed":
-        cmd = engine_env.deepspeed_command(py, WORKER, args, nproc=cfg.processes, master_port=port)
+        cmd = engine_env.deepspeed_command(py, WORKER, args, nproc=cfg.nproc_per_node, master_port=port)
     else:
-        cmd = [py, "-m", "torch.distributed.run", "--nproc_per_node", str(cfg.processes), "--master_port", str(port),
+        cmd = [py, "-m", "torch.distributed.run", "--nproc_per_node", str(cfg.nproc_per_node), "--master_port", str(port),
                str(WORKER), *args]
     engine_env.remove_shm_segments(port)
-    return cmd, engine_env.worker_env(cfg.device), out, port
+    return cmd, engine_env.worker_env(cfg.resolved_device()), out, port
 
 
 def finalize(out: Path, ctx: StageContext, cfg: FinetuneConfig, r: dict) -> dict:
@@ -92,8 +92,8 @@ def finalize(out: Path, ctx: StageContext, cfg: FinetuneConfig, r: dict) -> dict
         engine={"name": "deepspeed", "launcher": cfg.launcher,
                 **mf.engine_versions("deepspeed", "torch", "transformers")},
         architecture=dict(ctx.model, hf_architectures=config.get("architectures")), parameter_count=params,
-        dtype="bfloat16" if cfg.precision == "bf16" else "float32", parent=mf.parent_ref(Path(ctx.input)),
-        extra={"zero_stage": cfg.zero.stage, "world_size": r.get("world_size", cfg.processes), "tag": final,
+        dtype=cfg.torch_dtype(), parent=mf.parent_ref(Path(ctx.input)),
+        extra={"zero_stage": cfg.zero.stage, "world_size": r.get("world_size", cfg.world_size()), "tag": final,
                "step": r.get("steps"), "lora": cfg.lora.model_dump() if cfg.lora.enabled else None,
                "deepspeed_config": json.loads((Path(ctx.work_dir) / "ds_config.json").read_text())},
         tokenizer_dir=out / "tokenizer")
@@ -122,8 +122,8 @@ def run_finetune(ctx: StageContext, cfg: FinetuneConfig) -> StageOutput:
     metric_events = res.metrics()
     last = metric_events[-1] if metric_events else {}
     return StageOutput(
-        output=out, engine="deepspeed", backend=f"ZeRO-{cfg.zero.stage} x{r.get('world_size', cfg.processes)} "
-                                                f"{cfg.device} {cfg.precision}",
+        output=out, engine="deepspeed", backend=f"ZeRO-{cfg.zero.stage} x{r.get('world_size', cfg.world_size())} "
+                                                f"{cfg.resolved_device()} {cfg.precision}",
         gate=gate(out, before, after),
         metrics={"loss_first": metric_events[0].get("loss") if metric_events else None, "loss_last": last.get("loss"),
                  "heldout_exact_match_before": before, "heldout_exact_match_after": after,

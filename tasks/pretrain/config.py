@@ -1,35 +1,32 @@
 from __future__ import annotations
 
-import glob
 import os
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from tasks.stage import StrictModel
+from tasks.hardware import resolve_device, visible_gpus
+from tasks.vocabulary import TrainingConfig, batch_errors
 
 
-class PretrainConfig(StrictModel):
+class PretrainConfig(TrainingConfig):
     """Megatron-Core GPT pretraining. The architecture is the pipeline's `model:` section; data parallel size is
     derived: DP = nproc_per_node × nnodes / (TP × PP)."""
 
+    renamed: ClassVar[dict[str, str]] = {
+        "seq_length": "max_seq_length", "lr_decay_style": "lr_schedule", "clip_grad": "grad_clip",
+        "save_interval": "checkpoint_every", "train_iters": "steps", "processes": "nproc_per_node"}
+
     tensor_parallel: int = Field(1, ge=1, description="--tensor-model-parallel-size")
     pipeline_parallel: int = Field(1, ge=1, description="--pipeline-model-parallel-size (1F1B schedule when > 1)")
-    nproc_per_node: int = Field(1, ge=1, description="ranks per node (GPUs, or CPU processes)")
-    nnodes: int = Field(1, ge=1)
-    micro_batch_size: int = Field(8, ge=1)
-    global_batch_size: int = Field(16, ge=1, description="sequences per optimizer step, over all DP ranks")
-    seq_length: int | None = Field(None, ge=8, description="training sequence length (default: model.seq_length)")
-    steps: int = Field(60, ge=1, description="optimizer steps")
-    lr: float = Field(3e-3, gt=0)
-    min_lr: float = Field(3e-4, ge=0)
-    warmup_steps: int = Field(6, ge=0)
-    lr_decay_style: Literal["cosine", "linear", "constant"] = "cosine"
+    micro_batch_size: int = Field(8, ge=1, description="sequences per rank per forward/backward pass")
+    global_batch_size: int | None = Field(16, ge=1, description="sequences per optimizer step, over all DP ranks")
+    lr: float = Field(3e-3, gt=0, description="peak learning rate")
+    min_lr: float = Field(3e-4, ge=0, description="floor of the lr schedule")
+    warmup_steps: int = Field(6, ge=0, description="linear warm-up steps before the schedule")
     weight_decay: float = Field(0.01, ge=0)
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
-    clip_grad: float = Field(1.0, ge=0)
-    precision: Literal["fp32", "bf16"] = "fp32"
     recompute_granularity: Literal["none", "selective", "full"] = "none"
     distributed_optimizer: bool = Field(False, description="shard optimizer state over DP (ZeRO-1 style)")
     overlap_grad_reduce: bool = False
@@ -37,36 +34,19 @@ class PretrainConfig(StrictModel):
     sequence_parallel: bool = Field(False, description="needs tensor_parallel > 1")
     vocab_size: int | None = Field(None, ge=1, description="embedding rows before TP padding (default: the tokenizer's)")
     make_vocab_size_divisible_by: int = Field(128, ge=1, description="rows are padded to a multiple of this × TP")
-    save_interval: int = Field(20, ge=1, description="steps between intermediate checkpoints")
-    keep_checkpoints: int = Field(2, ge=1, description="intermediate checkpoints kept in the work dir")
     eval_interval: int = Field(20, ge=1, description="steps between held-out evaluations")
     eval_iters: int = Field(2, ge=1, description="global batches per held-out evaluation")
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when GPUs are visible, else cpu")
     transformer_impl: Literal["auto", "local", "transformer_engine"] = Field(
         "auto", description="layer spec; auto: transformer_engine on GPU when installed, else local")
     peak_tflops_per_rank: float | None = Field(
         None, gt=0, description="peak dense TFLOP/s of one rank for MFU (default: by device, see worker)")
-    timeout_s: float = Field(3600, gt=0)
-
-    def world_size(self) -> int:
-        return self.nproc_per_node * self.nnodes
 
     def data_parallel(self) -> int:
         return self.world_size() // (self.tensor_parallel * self.pipeline_parallel)
 
 
-def visible_gpus() -> int:
-    """GPUs this host can give to ranks, without importing torch."""
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if env is not None:
-        return len([d for d in env.split(",") if d.strip() and d.strip() != "-1"])
-    return len(glob.glob("/dev/nvidia[0-9]*"))
-
-
 def resolved_device(cfg: PretrainConfig) -> str:
-    if cfg.device != "auto":
-        return cfg.device
-    return "cuda" if visible_gpus() else "cpu"
+    return resolve_device(cfg.device)
 
 
 def validate(cfg: PretrainConfig, pipeline) -> list[str]:
@@ -87,12 +67,10 @@ def validate(cfg: PretrainConfig, pipeline) -> list[str]:
         e.append(f"pretrain: {world} ranks (nproc_per_node {cfg.nproc_per_node} × nnodes {cfg.nnodes}) are not a "
                  f"multiple of tensor_parallel × pipeline_parallel = {tp * pp}")
     else:
-        dp = cfg.data_parallel()
-        if cfg.global_batch_size % (cfg.micro_batch_size * dp):
-            e.append(f"pretrain.global_batch_size {cfg.global_batch_size} is not divisible by micro_batch_size "
-                     f"{cfg.micro_batch_size} × data parallel {dp} = {cfg.micro_batch_size * dp}")
-    if cfg.seq_length is not None and cfg.seq_length > m.seq_length:
-        e.append(f"pretrain.seq_length {cfg.seq_length} exceeds model.seq_length {m.seq_length} (position limit)")
+        e += batch_errors(cfg, "pretrain")
+    if cfg.max_seq_length is not None and cfg.max_seq_length > m.seq_length:
+        e.append(f"pretrain.max_seq_length {cfg.max_seq_length} exceeds model.seq_length {m.seq_length} "
+                 "(position limit)")
     if cfg.vocab_size is not None and cfg.vocab_size < m.vocab_size:
         e.append(f"pretrain.vocab_size {cfg.vocab_size} is smaller than the tokenizer's vocabulary "
                  f"(model.vocab_size {m.vocab_size}): token ids would fall outside the embedding")

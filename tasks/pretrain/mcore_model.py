@@ -15,9 +15,11 @@ from megatron.core.transformer import TransformerConfig
 # Peak dense TFLOP/s of one rank, for MFU when the config does not state it. GPU numbers are the vendor's dense
 # tensor-core figures (bf16; tf32 for fp32); the CPU number is nominal for one single-threaded rank
 # (AVX2: 2 FMA units × 8 fp32 lanes × 2 flops × ~3 GHz ≈ 0.1 TFLOP/s).
-PEAK_TFLOPS = {"H200": {"bf16": 989.0, "fp32": 494.0}, "H100": {"bf16": 989.0, "fp32": 494.0},
-               "A100": {"bf16": 312.0, "fp32": 156.0}, "L40S": {"bf16": 362.0, "fp32": 183.0},
-               "cpu": {"bf16": 0.1, "fp32": 0.1}}
+PEAK_TFLOPS = {"H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 494.0},
+               "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 494.0},
+               "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0},
+               "L40S": {"bf16": 362.0, "fp16": 362.0, "fp32": 183.0},
+               "cpu": {"bf16": 0.1, "fp16": 0.1, "fp32": 0.1}}
 
 
 def layer_spec(impl: str, on_gpu: bool):
@@ -34,8 +36,8 @@ def layer_spec(impl: str, on_gpu: bool):
 
 
 def transformer_config(arch: dict, cfg: dict, on_gpu: bool) -> TransformerConfig:
-    bf16 = cfg["precision"] == "bf16"
-    dtype = torch.bfloat16 if bf16 else torch.float32
+    bf16, fp16 = cfg["precision"] == "bf16", cfg["precision"] == "fp16"
+    dtype = torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
     recompute = cfg["recompute_granularity"]
     return TransformerConfig(
         num_layers=arch["num_layers"], hidden_size=arch["hidden_size"],
@@ -78,15 +80,15 @@ def wrap_ddp(model: GPTModel, config: TransformerConfig, cfg: dict) -> Distribut
 def optimizer_and_scheduler(ddp: DistributedDataParallel, config: TransformerConfig, cfg: dict):
     opt_config = OptimizerConfig(
         optimizer="adam", lr=cfg["lr"], min_lr=cfg["min_lr"], weight_decay=cfg["weight_decay"],
-        adam_beta1=cfg["adam_beta1"], adam_beta2=cfg["adam_beta2"], clip_grad=cfg["clip_grad"],
-        bf16=cfg["precision"] == "bf16", params_dtype=config.params_dtype,
+        adam_beta1=cfg["adam_beta1"], adam_beta2=cfg["adam_beta2"], clip_grad=cfg["grad_clip"],
+        bf16=cfg["precision"] == "bf16", fp16=cfg["precision"] == "fp16", params_dtype=config.params_dtype,
         use_distributed_optimizer=cfg["distributed_optimizer"], overlap_param_gather=cfg["overlap_param_gather"],
     )
     optimizer = get_megatron_optimizer(opt_config, [ddp])
     steps = cfg["steps"]
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=cfg["lr"], min_lr=cfg["min_lr"], lr_warmup_steps=cfg["warmup_steps"],
-        lr_decay_steps=steps, lr_decay_style=cfg["lr_decay_style"], start_wd=cfg["weight_decay"],
+        lr_decay_steps=steps, lr_decay_style=cfg["lr_schedule"], start_wd=cfg["weight_decay"],
         end_wd=cfg["weight_decay"], wd_incr_steps=steps, wd_incr_style="constant",
     )
     # what the schedules call: loss scaling, the grad all-reduce (and tied-embedding / layernorm grads) at the end

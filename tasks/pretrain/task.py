@@ -66,8 +66,8 @@ def build_spec(ctx: StageContext, cfg: PretrainConfig) -> dict:
             raise PretrainInputError(f"pretrain.vocab_size {rows} is smaller than the tokenizer's vocabulary ({vocab})")
         padded = padded_vocab_size(rows, cfg.make_vocab_size_divisible_by, tp)
     return {
-        "config": cfg.model_dump(), "architecture": arch, "padded_vocab_size": padded,
-        "seq_length": cfg.seq_length or ctx.model["seq_length"], "seed": ctx.seed, "device": resolved_device(cfg),
+        "config": {**cfg.model_dump(), "global_batch_size": cfg.global_batch()}, "architecture": arch, "padded_vocab_size": padded,
+        "seq_length": cfg.max_seq_length or ctx.model["seq_length"], "seed": ctx.seed, "device": resolved_device(cfg),
         "data_dir": str(ctx.data_dir), "work_dir": str(ctx.work_dir),
         "input": str(ctx.input) if ctx.input is not None else None,
     }
@@ -101,7 +101,7 @@ def package(ctx: StageContext, cfg: PretrainConfig, spec: dict, r: dict) -> Path
     m = mf.build(
         partial, format="megatron-dist", stage=ctx.stage, architecture=arch,
         engine={"name": "megatron-core", "layer_spec": r.get("layer_spec"), **mf.engine_versions("megatron-core", "torch")},
-        parameter_count=r.get("parameters"), dtype="bfloat16" if cfg.precision == "bf16" else "float32",
+        parameter_count=r.get("parameters"), dtype=cfg.torch_dtype(),
         parent=mf.parent_ref(ctx.input) if ctx.input is not None else None,
         extra={"layout": r.get("layout"), "iteration": r.get("iteration"), "consumed_samples": r.get("consumed_samples"),
                "sharded_backend": "torch_dist", "optimizer_state": True,
@@ -156,7 +156,7 @@ def run_pretrain(ctx: StageContext, cfg: PretrainConfig) -> StageOutput:
     return StageOutput(
         output=out, engine="megatron-core",
         backend=f"TP{cfg.tensor_parallel}×PP{cfg.pipeline_parallel}×DP{cfg.data_parallel()} {spec['device']}",
-        gate=gate(out, r, "bfloat16" if cfg.precision == "bf16" else "float32"),
+        gate=gate(out, r, cfg.torch_dtype()),
         metrics={"loss_first": r.get("loss_first"), "loss_last": train[-1]["loss"] if train else None,
                  "heldout_loss": after[1] if after else None, "heldout_ppl": after[2] if after else None,
                  "tokens_per_s": _median([e["tokens_per_s"] for e in train]),

@@ -163,7 +163,7 @@ class Run:
                 self.events().progress(step, steps)
             if step % cfg["eval_interval"] == 0 or step == steps:
                 self.evaluate(step, state)
-            if step % cfg["save_interval"] == 0 or step == steps:
+            if step % cfg["checkpoint_every"] == 0 or step == steps:
                 self.save(step, state)
         self.finish(steps, state, peak, peak_src)
 
@@ -293,7 +293,7 @@ class Run:
         if owner:
             if not (ids.cpu().equal(ref_ids) and logits.shape == ref_logits.shape):
                 raise RuntimeError(f"{ref}: probe inputs or vocabulary differ from this model's")
-            res = probe.compare_logits(logits, ref_logits, "bfloat16" if self.cfg["precision"] == "bf16" else "float32")
+            res = probe.compare_logits(logits, ref_logits, probe.DTYPE_OF_PRECISION[self.cfg["precision"]])
             diff, agree = res["max_abs_diff"], res["top1_agreement"]
         diff, agree = self.to_rank0([diff, agree], owner)
         self.log(f"input parity vs {ref}: max |Δlogit| {diff:.3g}, top-1 agreement {agree:.3f}")

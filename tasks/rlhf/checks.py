@@ -1,27 +1,17 @@
 """Which backend runs, and every config problem found before anything launches (cheap: no torch import)."""
 from __future__ import annotations
 
-import glob
 import shutil
-import subprocess
 from pathlib import Path
+
+from tasks.hardware import visible_gpus
 
 GRPO_ONLY = ("num_generations", "max_completion_length")
 DPO_ONLY = ("reference", "reference_model", "sft_weight")
 
 
 def has_nvidia_gpu() -> bool:
-    """An NVIDIA GPU on this machine: its device nodes, else what nvidia-smi lists."""
-    if glob.glob("/dev/nvidia[0-9]*"):
-        return True
-    smi = shutil.which("nvidia-smi")
-    if not smi:
-        return False
-    try:
-        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=15)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return out.returncode == 0 and "GPU" in out.stdout
+    return visible_gpus() > 0
 
 
 def nemo_rl_runtime(runtimes: dict | None) -> dict:
@@ -81,8 +71,8 @@ def validate(cfg, pipeline) -> list[str]:
         errors.append(f"rlhf.beta: DPO needs beta > 0 (got {cfg.beta})")
     if cfg.algorithm == "grpo" and cfg.beta < 0:
         errors.append(f"rlhf.beta: the GRPO KL coefficient cannot be negative (got {cfg.beta})")
-    if cfg.algorithm == "grpo" and cfg.batch_size % cfg.num_generations:
-        errors.append(f"rlhf.batch_size {cfg.batch_size} must be a multiple of rlhf.num_generations "
+    if cfg.algorithm == "grpo" and cfg.micro_batch_size % cfg.num_generations:
+        errors.append(f"rlhf.micro_batch_size {cfg.micro_batch_size} must be a multiple of rlhf.num_generations "
                       f"{cfg.num_generations} (GRPO compares completions of the same prompt)")
     errors += [f"rlhf.{k}: only used by algorithm grpo (algorithm is {cfg.algorithm})"
                for k in GRPO_ONLY if k in set_keys and cfg.algorithm != "grpo"]
@@ -91,8 +81,8 @@ def validate(cfg, pipeline) -> list[str]:
     if cfg.reference_model and not (Path(cfg.reference_model) / "config.json").exists():
         errors.append(f"rlhf.reference_model: {cfg.reference_model} is not an HF checkpoint folder (no config.json)")
     seq = pipeline.model.seq_length if pipeline is not None else None
-    if cfg.max_length and seq and cfg.max_length > seq:
-        errors.append(f"rlhf.max_length {cfg.max_length} exceeds model.seq_length {seq}")
+    if cfg.max_seq_length and seq and cfg.max_seq_length > seq:
+        errors.append(f"rlhf.max_seq_length {cfg.max_seq_length} exceeds model.seq_length {seq}")
     runtimes = getattr(pipeline, "runtimes", None) or {}
     if resolve_backend(cfg, runtimes) == "nemo_rl":
         errors += nemo_rl_errors(cfg, nemo_rl_runtime(runtimes))

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import yaml
 
+from conversions.probe import DTYPE_OF_PRECISION
+
 CONTAINER_PATH = "/opt/nemo-rl"         # WORKDIR of the nvcr.io/nvidia/nemo-rl images
 RECIPES = {                              # algorithm -> (base config, entry script, its top-level section)
     "dpo": ("examples/configs/dpo.yaml", "examples/run_dpo.py", "dpo"),
@@ -91,12 +93,12 @@ def build_config(*, algorithm: str, runtime: dict, input_dir: Path, data_dir: Pa
         "policy": {
             "model_name": str(input_dir),
             "tokenizer": {"name": str(input_dir), "chat_template": "default"},  # the checkpoint's own template
-            "train_global_batch_size": cfg.batch_size * cfg.grad_accum,
+            "train_global_batch_size": cfg.micro_batch_size * cfg.accumulation(),
             "train_micro_batch_size": nr.micro_batch_size,
             "max_total_sequence_length": max_length,
-            "precision": nr.precision,
+            "precision": DTYPE_OF_PRECISION[nr.precision],
             "dtensor_cfg": {"enabled": True, "_v2": True},
-            "optimizer": {"kwargs": {"lr": cfg.learning_rate}},
+            "optimizer": {"kwargs": {"lr": cfg.lr}},
         },
         "data": {
             "max_input_seq_length": max_length,

@@ -118,17 +118,20 @@ def gate(algorithm: str, out: Path, trained: Path, src: Path, facts: dict) -> di
 
 def worker_command(ctx: StageContext, cfg: RlhfConfig, out: Path) -> list[str]:
     args = ["--input", str(ctx.input), "--data", str(ctx.data_dir), "--output", str(out),
-            "--algorithm", cfg.algorithm, "--steps", str(cfg.steps), "--batch-size", str(cfg.batch_size),
-            "--grad-accum", str(cfg.grad_accum), "--lr", str(cfg.learning_rate), "--beta", str(cfg.beta),
-            "--sft-weight", str(cfg.sft_weight),
-            "--max-length", str(cfg.max_length or ctx.model.get("seq_length", 128)), "--reference", cfg.reference,
+            "--algorithm", cfg.algorithm, "--steps", str(cfg.steps), "--micro-batch-size", str(cfg.micro_batch_size),
+            "--gradient-accumulation-steps", str(cfg.accumulation()), "--lr", str(cfg.lr),
+            "--lr-schedule", cfg.lr_schedule, "--warmup-steps", str(cfg.warmup_steps), "--grad-clip", str(cfg.grad_clip),
+            "--weight-decay", str(cfg.weight_decay), "--precision", cfg.precision,
+            "--beta", str(cfg.beta), "--sft-weight", str(cfg.sft_weight),
+            "--max-seq-length", str(cfg.max_seq_length or ctx.model.get("seq_length", 128)), "--reference", cfg.reference,
             "--num-generations", str(cfg.num_generations), "--max-completion-length", str(cfg.max_completion_length),
             "--seed", str(ctx.seed), "--stage", ctx.stage]
     if cfg.reference_model:
         args += ["--reference-model", str(cfg.reference_model)]
     py = ctx.python("main")
-    if cfg.nproc > 1:
-        return [py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg.nproc}", str(WORKER), *args]
+    if cfg.nproc_per_node > 1:
+        return [py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg.nproc_per_node}",
+                str(WORKER), *args]
     return [py, str(WORKER), *args]
 
 
@@ -140,7 +143,7 @@ def run_trl(ctx: StageContext, cfg: RlhfConfig) -> StageOutput:
     _fresh(out)
     _fresh(trained)
     res = ctx.launch(worker_command(ctx, cfg, partial), name=f"rlhf-trl-{cfg.algorithm}", timeout=cfg.timeout_s,
-                     env={"OMP_NUM_THREADS": "1"} if cfg.nproc > 1 else None)
+                     env={"OMP_NUM_THREADS": "1"} if cfg.nproc_per_node > 1 else None)
     shutil.rmtree(work / f"{partial.name}.trl", ignore_errors=True)  # trainer scratch (no checkpoints are saved)
     partial.rename(trained)
     facts = res.results()
@@ -170,7 +173,7 @@ def run_nemo_rl(ctx: StageContext, cfg: RlhfConfig) -> StageOutput:
     nr_dir = work / "nemo_rl"
     config = nemo_rl.build_config(
         algorithm=cfg.algorithm, runtime=runtime, input_dir=Path(ctx.input), data_dir=Path(ctx.data_dir),
-        out_dir=nr_dir, cfg=cfg, seed=ctx.seed, max_length=cfg.max_length or ctx.model.get("seq_length", 128),
+        out_dir=nr_dir, cfg=cfg, seed=ctx.seed, max_length=cfg.max_seq_length or ctx.model.get("seq_length", 128),
         tracking_uri=tracking.tracking_uri(), experiment=ctx.tracking.get("experiment", "baton"),
         mlflow_run_id=ctx.mlflow_run_id)
     path = nemo_rl.write_config(nr_dir / f"nemo_rl_{cfg.algorithm}.yaml", config)

@@ -32,11 +32,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--output", type=Path, required=True)
     ap.add_argument("--algorithm", choices=["dpo", "rm", "grpo"], default="dpo")
     ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--grad-accum", type=int, default=1)
+    ap.add_argument("--micro-batch-size", type=int, default=32)
+    ap.add_argument("--gradient-accumulation-steps", type=int, default=1)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--lr-schedule", choices=["constant", "cosine", "linear"], default="constant")
+    ap.add_argument("--warmup-steps", type=int, default=0)
+    ap.add_argument("--grad-clip", type=float, default=1.0, help="0 disables clipping")
+    ap.add_argument("--weight-decay", type=float, default=0.0)
+    ap.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
     ap.add_argument("--beta", type=float, default=0.1)
-    ap.add_argument("--max-length", type=int, default=128)
+    ap.add_argument("--max-seq-length", type=int, default=128)
     ap.add_argument("--sft-weight", type=float, default=1.0, help="dpo: weight of an added SFT loss on chosen (RPO)")
     ap.add_argument("--reference", choices=["copy", "precomputed"], default="copy")
     ap.add_argument("--reference-model", type=Path, default=None)
@@ -134,12 +139,13 @@ def stream_callback():
 
 def common_args(a: argparse.Namespace, work: Path) -> dict:
     cpu = not torch.cuda.is_available()
-    return dict(output_dir=str(work), max_steps=a.steps, per_device_train_batch_size=a.batch_size,
-                gradient_accumulation_steps=a.grad_accum, learning_rate=a.lr, lr_scheduler_type="constant",
-                warmup_steps=0, logging_steps=1, save_strategy="no", report_to=[], seed=a.seed, data_seed=a.seed,
+    return dict(output_dir=str(work), max_steps=a.steps, per_device_train_batch_size=a.micro_batch_size,
+                gradient_accumulation_steps=a.gradient_accumulation_steps, learning_rate=a.lr,
+                lr_scheduler_type=a.lr_schedule, warmup_steps=a.warmup_steps, weight_decay=a.weight_decay,
+                max_grad_norm=a.grad_clip if a.grad_clip > 0 else None, logging_steps=1, save_strategy="no", report_to=[], seed=a.seed, data_seed=a.seed,
                 disable_tqdm=True, dataloader_num_workers=0, use_cpu=cpu,
                 # TRL defaults to bf16 autocast and activation checkpointing: on CPU that is ~10x slower and inexact
-                bf16=False, gradient_checkpointing=False,
+                bf16=a.precision == "bf16", fp16=a.precision == "fp16", gradient_checkpointing=False,
                 ddp_backend="gloo" if WORLD_SIZE > 1 and cpu else None,
                 ddp_find_unused_parameters=False if WORLD_SIZE > 1 else None)
 
@@ -155,7 +161,7 @@ def train_dpo(a, tok, train_pairs: list[dict], work: Path):
     if a.reference_model:  # else TRL keeps a frozen copy of the input as the reference
         ref = AutoModelForCausalLM.from_pretrained(str(a.reference_model), dtype=torch.float32)
     losses = {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, a.sft_weight]} if a.sft_weight else {}
-    args = DPOConfig(**common_args(a, work), beta=a.beta, max_length=a.max_length,
+    args = DPOConfig(**common_args(a, work), beta=a.beta, max_length=a.max_seq_length,
                      precompute_ref_log_probs=a.reference == "precomputed", **losses)
     return DPOTrainer(model=model, ref_model=ref, args=args, train_dataset=Dataset.from_list(train_pairs),
                       processing_class=tok, callbacks=[stream_callback()])
@@ -168,7 +174,7 @@ def train_rm(a, tok, train_pairs: list[dict], work: Path):
 
     model = AutoModelForSequenceClassification.from_pretrained(str(a.input), num_labels=1, dtype=torch.float32)
     model.config.pad_token_id = tok.pad_token_id
-    args = RewardConfig(**common_args(a, work), max_length=a.max_length)
+    args = RewardConfig(**common_args(a, work), max_length=a.max_seq_length)
     return RewardTrainer(model=model, args=args, train_dataset=Dataset.from_list(train_pairs), processing_class=tok,
                          callbacks=[stream_callback()])
 

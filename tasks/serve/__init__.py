@@ -8,16 +8,16 @@ def validate(cfg: ServeConfig, pipeline) -> list[str]:
     errors = []
     model = getattr(pipeline, "model", None)
     if model is not None:
-        if model.num_query_groups % cfg.tensor_parallel_size:
-            errors.append(f"serve.tensor_parallel_size: {cfg.tensor_parallel_size} does not divide "
+        if model.num_query_groups % cfg.tensor_parallel:
+            errors.append(f"serve.tensor_parallel: {cfg.tensor_parallel} does not divide "
                           f"model.num_query_groups {model.num_query_groups}")
         if cfg.max_model_len and cfg.max_model_len > model.seq_length:
             errors.append(f"serve.max_model_len: {cfg.max_model_len} exceeds model.seq_length {model.seq_length} "
                           "(the checkpoint's max_position_embeddings)")
     if cfg.api_key_file and not cfg.api_key_file.is_file():
         errors.append(f"serve.api_key_file: {cfg.api_key_file}: no such file")
-    if cfg.device == "cpu" and cfg.tensor_parallel_size > 1:
-        errors.append("serve.tensor_parallel_size: > 1 needs device: cuda (the CPU recipes serve on one process)")
+    if cfg.device == "cpu" and cfg.tensor_parallel > 1:
+        errors.append("serve.tensor_parallel: > 1 needs device: cuda (the CPU recipes serve on one process)")
     return errors
 
 

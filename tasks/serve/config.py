@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
@@ -20,6 +20,8 @@ class SmokeConfig(StrictModel):
 class LmEvalConfig(StrictModel):
     """lm-evaluation-harness against the live server (model local-chat-completions)."""
 
+    renamed: ClassVar[dict[str, str]] = {"timeout": "timeout_s"}
+
     enabled: bool = True
     tasks: list[str] = Field(default_factory=list,
                              description="lm-eval task names; empty: the data stage's held-out SFT task")
@@ -27,11 +29,14 @@ class LmEvalConfig(StrictModel):
     limit: int | None = Field(None, ge=1, description="evaluate at most this many documents per task")
     min_score: float = Field(0.0, ge=0.0, le=1.0, description="promotion needs exact_match >= this")
     no_regression: bool = Field(False, description="promotion also needs a score >= the current champion's")
-    timeout: float = Field(900, gt=0)
+    timeout_s: float = Field(900, gt=0)
 
 
 class ServeConfig(StrictModel):
     """Serve the input HF checkpoint with vLLM and/or SGLang, smoke-test it, and promote it to `champion`."""
+
+    renamed: ClassVar[dict[str, str]] = {"dtype": "precision", "health_timeout": "health_timeout_s",
+                                         "tensor_parallel_size": "tensor_parallel"}
 
     engine: Literal["vllm", "sglang", "both"] = "both"
     device: Literal["cpu", "cuda"] = Field("cpu", description="cpu: the CPU runtimes and flags; cuda: GPU images")
@@ -40,18 +45,23 @@ class ServeConfig(StrictModel):
     api_key_file: Path | None = Field(None, description="file holding the API key; unset: generate one (0600)")
     served_model_name: str | None = Field(None, description="unset: <registered name>:<version>, else the folder name")
     max_model_len: int | None = Field(None, ge=16, description="unset: the checkpoint's max_position_embeddings")
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
-    tensor_parallel_size: int = Field(1, ge=1)
+    precision: Literal["fp32", "bf16", "fp16", "auto"] = Field(
+        "fp32", description="weights and activations on the server; auto: the checkpoint's own dtype")
+    tensor_parallel: int = Field(1, ge=1, description="GPUs one server shards the model over")
     engine_args: dict[Literal["vllm", "sglang"], list[str]] = Field(
         default_factory=dict, description="extra command-line flags per engine, appended last")
     kv_cache_gib: int = Field(1, ge=1, description="vLLM CPU KV cache (VLLM_CPU_KVCACHE_SPACE)")
     sglang_grammar_backend: Literal["llguidance", "xgrammar"] = Field(
         "llguidance", description="llguidance + disable-any-whitespace gives strictly valid JSON on CPU")
-    health_timeout: float = Field(600, gt=0, description="seconds to wait for /health")
+    health_timeout_s: float = Field(600, gt=0, description="seconds to wait for /health")
     keep_alive: bool = Field(False, description="leave the (last) server running after the stage")
     promote: bool = Field(True, description="move the registry alias `champion` when every check passes")
     smoke: SmokeConfig = SmokeConfig()
     lm_eval: LmEvalConfig = LmEvalConfig()
+
+    def engine_dtype(self) -> str:
+        """The dtype name the engines take (--dtype)."""
+        return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(self.precision, self.precision)
 
     def engines(self) -> list[str]:
         return ["vllm", "sglang"] if self.engine == "both" else [self.engine]

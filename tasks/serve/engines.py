@@ -17,7 +17,7 @@ def vllm_command(cfg: ServeConfig, python: str, model_dir: Path, port: int, serv
                  api_key: str) -> tuple[list[str], dict]:
     # `vllm serve` through its module, so any runtime's python works (the CPU dist needs vllm.post.sh's alias).
     cmd = [python, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir), "--host", cfg.host,
-           "--port", str(port), "--served-model-name", served_name, "--dtype", cfg.dtype, "--tensor-parallel-size", str(cfg.tensor_parallel_size),
+           "--port", str(port), "--served-model-name", served_name, "--dtype", cfg.engine_dtype(), "--tensor-parallel-size", str(cfg.tensor_parallel),
            "--generation-config", "vllm",  # sampling defaults from the request, not from generation_config.json
            # xgrammar let raw control characters into JSON strings on CPU; guidance without whitespace did not.
            "--structured-outputs-config", json.dumps({"backend": "guidance", "disable_any_whitespace": True})]
@@ -33,7 +33,7 @@ def vllm_command(cfg: ServeConfig, python: str, model_dir: Path, port: int, serv
 def sglang_command(cfg: ServeConfig, python: str, model_dir: Path, port: int, served_name: str,
                    api_key: str) -> tuple[list[str], dict]:
     cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model_dir), "--host", cfg.host,
-           "--port", str(port), "--served-model-name", served_name, "--dtype", cfg.dtype, "--tp-size", str(cfg.tensor_parallel_size), "--api-key", api_key,
+           "--port", str(port), "--served-model-name", served_name, "--dtype", cfg.engine_dtype(), "--tp-size", str(cfg.tensor_parallel), "--api-key", api_key,
            "--grammar-backend", cfg.sglang_grammar_backend, "--constrained-json-disable-any-whitespace"]
     if cfg.max_model_len:
         cmd += ["--context-length", str(cfg.max_model_len)]

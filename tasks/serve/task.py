@@ -121,7 +121,7 @@ def run_lm_eval(ctx: StageContext, cfg: ServeConfig, ep: smoke.Endpoint, key_fil
         cmd += ["--include-path", str(include)]
     if cfg.lm_eval.limit:
         cmd += ["--limit", str(cfg.lm_eval.limit)]
-    return ctx.launch(cmd, name="lm-eval", timeout=cfg.lm_eval.timeout).results()
+    return ctx.launch(cmd, name="lm-eval", timeout=cfg.lm_eval.timeout_s).results()
 
 
 def primary_score(scores: dict) -> float | None:
@@ -147,7 +147,7 @@ def serve_engine(ctx: StageContext, cfg: ServeConfig, engine: str, ident: dict, 
     out: dict = {"checks": [], "metrics": {}, "server": server, "eval": None}
     server.start()
     try:
-        healthy = server.wait_healthy(cfg.health_timeout)
+        healthy = server.wait_healthy(cfg.health_timeout_s)
     except ServerFailed as e:
         out["checks"].append(verify.check(f"{engine}.server", False, str(e).splitlines()[0] + " | " +
                                           " / ".join(e.tail[-5:])[:800]))
