@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
+from . import durable
+
 MANIFEST_NAME = "baton_manifest.json"
 SCHEMA = "baton.manifest/1"
 
@@ -42,10 +44,15 @@ def list_files(root: Path) -> list[Path]:
         for n in names:
             p = Path(dirpath, n)
             rel = p.relative_to(root)
-            if rel.as_posix() == MANIFEST_NAME or p.is_symlink():
+            if rel.as_posix() == MANIFEST_NAME or p.is_symlink() or _manifest_tmp(rel):
                 continue
             out.append(rel)
     return sorted(out, key=lambda p: p.as_posix())
+
+
+def _manifest_tmp(rel: Path) -> bool:
+    """A manifest write in flight (or cut short by a crash): not part of the checkpoint."""
+    return len(rel.parts) == 1 and rel.name.startswith(f".{MANIFEST_NAME}.") and rel.name.endswith(".tmp")
 
 
 def file_entries(root: Path, files: Iterable[Path] | None = None) -> list[dict]:
@@ -110,11 +117,7 @@ def build(
 
 def write(root: Path, manifest: dict) -> Path:
     """Write atomically: a reader sees the old manifest or the whole new one."""
-    path = Path(root) / MANIFEST_NAME
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
-    return path
+    return durable.write_json(Path(root) / MANIFEST_NAME, manifest, sort_keys=True)
 
 
 def read(root: Path) -> dict | None:

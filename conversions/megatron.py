@@ -57,14 +57,63 @@ def is_dist_checkpoint(root: Path) -> bool:
 
 
 def read_common(root: Path) -> dict:
+    """common.pt through torch's weights-only unpickler: a crafted file is refused before anything in it runs."""
+    import pickle
+
     import torch
 
     path = Path(root) / COMMON_FILE
-    return torch.load(str(path), map_location="cpu", weights_only=False) if path.exists() else {}
+    if not path.exists():
+        return {}
+    try:
+        return torch.load(str(path), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise MegatronCheckpointError(f"{path}: refused: not a plain weights file ({first}); nothing in it was run")
+
+
+def _dcp_globals() -> dict:
+    """What torch.distributed.checkpoint's `.metadata` pickle may name: its own metadata records, paths, layouts."""
+    import pathlib
+
+    import torch
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    allowed = {("torch.distributed.checkpoint.metadata", n): getattr(metadata, n)
+               for n in ("Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "BytesStorageMetadata",
+                         "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+               if hasattr(metadata, n)}
+    allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = filesystem._StorageInfo
+    allowed.update({("pathlib", n): getattr(pathlib, n) for n in ("PosixPath", "PurePosixPath")})
+    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+    allowed.update({("torch", n): getattr(torch, n) for n in ("strided", "sparse_coo", "contiguous_format",
+                                                              "preserve_format", "channels_last")})
+    return allowed
+
+
+def check_metadata(root: Path) -> None:
+    """torch.distributed.checkpoint reads `.metadata` with a plain pickle.load: read it first through the allowlist, so
+    a crafted one is refused before torch (or megatron) ever opens it."""
+    from .torch_lazy import UnsafeCheckpointError, safe_loads
+
+    path = Path(root) / ".metadata"
+    if not path.exists():
+        return
+    try:
+        safe_loads(path.read_bytes(), path, _dcp_globals())
+    except UnsafeCheckpointError as e:
+        raise MegatronCheckpointError(f"refused: {e}") from None
+
+
+def check_pickles(root: Path) -> None:
+    """Every pickle of a dist checkpoint read through an allowlist (what a `--from` input passes before launch)."""
+    check_metadata(root)
+    read_common(root)
 
 
 def architecture(root: Path) -> dict:
     """The architecture a checkpoint was written with: common.pt first, then the manifest."""
+    check_metadata(root)
     arch = dict(read_common(root).get(ARCH_KEY) or {})
     if not arch:
         m = mf.read(root) or {}
@@ -90,6 +139,7 @@ class DistReader:
         backend = json.loads((self.root / METADATA_FILE).read_text()).get("sharded_backend")
         if backend != "torch_dist":
             raise MegatronCheckpointError(f"{root}: sharded backend {backend!r}; only torch_dist is supported")
+        check_metadata(self.root)
         self.metadata = FileSystemReader(str(self.root)).read_metadata()
 
     def shape(self, key: str) -> tuple[int, ...] | None:

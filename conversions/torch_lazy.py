@@ -3,11 +3,16 @@
 A torch.save file is an uncompressed zip: `<archive>/data.pkl` (the pickled object tree) and one record per storage
 (`<archive>/data/<key>`). We unpickle only the tree, turning each tensor into a (record offset, dtype, view) reference,
 so reading a slice of a multi-GB optimizer partition costs exactly that slice in memory: no mmap pages that stay
-resident, no optimizer moments touched. Classes outside torch/collections/numpy become inert placeholders, so
-DeepSpeed need not be importable and no foreign code runs while reading.
+resident, no optimizer moments touched.
+
+Nothing in the file runs: a global is resolved only from an allowlist of (module, name) pairs (containers, dtypes,
+tensor rebuilders); classes of the engines that write these files (DeepSpeed loss scalers, config enums...) become
+inert placeholders, so DeepSpeed need not be importable; any other global (builtins.open, os.system, torch.save,
+eval...) refuses the file with UnsafeCheckpointError before anything is called.
 """
 from __future__ import annotations
 
+import importlib
 import io
 import math
 import pickle
@@ -19,7 +24,43 @@ from pathlib import Path
 
 import torch
 
-_TRUSTED_MODULES = ("torch", "collections", "builtins", "copyreg", "_codecs", "numpy")
+_SAFE_GLOBALS = {
+    ("collections", "OrderedDict"), ("collections", "defaultdict"), ("collections", "deque"),
+    ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"), ("builtins", "complex"),
+    ("builtins", "bytearray"), ("builtins", "range"), ("copyreg", "_reconstructor"), ("builtins", "object"),
+    ("_codecs", "encode"), ("torch", "Size"), ("torch", "device"),
+    ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "_reconstruct"),
+    ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy._core.multiarray", "scalar"), ("numpy.dtypes", "Float32DType"), ("numpy.dtypes", "Float64DType"),
+    ("numpy.dtypes", "Int64DType"), ("numpy.dtypes", "UInt32DType"),
+}
+_TORCH_DTYPES = {name for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype)}
+# Writers of ZeRO checkpoints pickle their own small objects (loss scalers, stage enums, config holders): read as
+# inert placeholders, never imported.
+_INERT_PREFIXES = ("deepspeed.", "megatron.", "apex.", "transformer_engine.", "argparse", "enum")
+_PY2_MODULES = {"__builtin__": "builtins", "copy_reg": "copyreg"}
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    pass
+
+
+def safe_global(module: str, name: str):
+    """The object a pickle may reference as module.name, or UnsafeCheckpointError: the one gate every global of an
+    untrusted checkpoint passes through."""
+    module = _PY2_MODULES.get(module, module)
+    if (module, name) in _REBUILDERS:
+        return _REBUILDERS[(module, name)]
+    if module == "torch" and name in _TORCH_DTYPES:
+        return getattr(torch, name)
+    if module == "torch" and name.endswith("Storage") and name.isidentifier():
+        return torch.serialization.StorageType(name) if name != "UntypedStorage" else torch.UntypedStorage
+    if (module, name) in _SAFE_GLOBALS:
+        return getattr(importlib.import_module(module), name)
+    if module.startswith(_INERT_PREFIXES) and not name.startswith("_"):
+        return _opaque_class(module, name)
+    raise UnsafeCheckpointError(f"refers to {module}.{name}, which is not on the allowlist of what a checkpoint may "
+                                "contain (a crafted or foreign file: nothing was run)")
 
 
 class Opaque:
@@ -157,24 +198,34 @@ def load(path: Path):
             raise ValueError(f"{path}: saved with a different byte order")
         data = z.read(f"{prefix}data.pkl")
 
+    def persistent_load(saved_id):
+        kind, storage_type, key, _location, numel = saved_id
+        if kind != "storage":
+            raise ValueError(f"{path}: unknown persistent id {kind!r}")
+        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+        record = f"{prefix}data/{key}"
+        if record not in offsets:
+            raise ValueError(f"{path}: missing storage record {record}")
+        return _StorageRef(path, offsets[record], dtype, numel)
+
+    return safe_loads(data, path, {("torch.tensor", name): safe_global("torch._tensor", name)
+                                   for name in ("_rebuild_from_type_v2",)}, persistent_load)
+
+
+def safe_loads(data: bytes, where, extra: dict | None = None, persistent_load=None):
+    """Unpickle bytes from an untrusted file: globals only from safe_global or `extra` ({(module, name): object})."""
+    extra = extra or {}
+
     class _Unpickler(pickle.Unpickler):
         def find_class(self, module, name):
-            if (module, name) in _REBUILDERS:
-                return _REBUILDERS[(module, name)]
-            if module == "torch" and name.endswith("Storage"):
-                return torch.serialization.StorageType(name) if name != "UntypedStorage" else torch.UntypedStorage
-            if module.split(".")[0] in _TRUSTED_MODULES:
-                return super().find_class({"torch.tensor": "torch._tensor"}.get(module, module), name)
-            return _opaque_class(module, name)
+            if (module, name) in extra:
+                return extra[(module, name)]
+            try:
+                return safe_global(module, name)
+            except UnsafeCheckpointError as e:
+                raise UnsafeCheckpointError(f"{where}: {e}") from None
 
-        def persistent_load(self, saved_id):
-            kind, storage_type, key, _location, numel = saved_id
-            if kind != "storage":
-                raise ValueError(f"{path}: unknown persistent id {kind!r}")
-            dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
-            record = f"{prefix}data/{key}"
-            if record not in offsets:
-                raise ValueError(f"{path}: missing storage record {record}")
-            return _StorageRef(path, offsets[record], dtype, numel)
-
-    return _Unpickler(io.BytesIO(data)).load()
+    unpickler = _Unpickler(io.BytesIO(data))
+    if persistent_load is not None:
+        unpickler.persistent_load = persistent_load
+    return unpickler.load()

@@ -44,6 +44,8 @@ def cmd_run(args) -> int:
     except ConfigError as e:
         print(f"baton: {e}", file=sys.stderr)
         return 2
+    if args.no_wait:  # read by each step as it takes its lock (also inside Prefect's task threads)
+        os.environ["BATON_NO_WAIT"] = "1"
     try:
         summary = pipeline(cfg, from_ref=args.from_ref, use_cache=not args.no_cache)
     except Exception as e:
@@ -274,6 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     r.add_argument("--from", dest="from_ref", help="input checkpoint folder or registered model name@alias")
     r.add_argument("--no-cache", action="store_true", help="re-run stages even when inputs and config are unchanged")
+    r.add_argument("--no-wait", action="store_true",
+                   help="fail at once when another live run holds a step's lock (default: wait for it)")
     r.set_defaults(fn=cmd_run)
     c = sub.add_parser("config", help="print the resolved config and the planned steps; launch nothing (dry run)")
     c.add_argument("config")

@@ -1,13 +1,22 @@
-"""Run folders, the step index (what completed where) and summary.json."""
+"""Run folders, the step index (what completed where), the per-step locks and summary.json."""
 from __future__ import annotations
 
 import datetime as _dt
 import json
+import logging
 import os
 import secrets
+import socket
+import time
 from pathlib import Path
 
+import filelock
+import psutil
+
+from conversions import durable
 from tasks.tracking import baton_home
+
+log = logging.getLogger("baton.runs")
 
 
 def runs_root() -> Path:
@@ -18,13 +27,6 @@ def new_run_id() -> str:
     return _dt.datetime.now().strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
 
 
-def _atomic_json(path: Path, obj) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
-
-
 class Index:
     """fingerprint → {status, work_dir, output, entry}: lets a later run reuse or resume a step."""
 
@@ -32,17 +34,84 @@ class Index:
         self.root = (root or baton_home()) / "index"
 
     def get(self, fp: str) -> dict | None:
+        """The record, or None when there is none or it cannot be read (a torn write must not stop later runs)."""
         p = self.root / f"{fp}.json"
-        return json.loads(p.read_text()) if p.exists() else None
+        try:
+            rec = json.loads(p.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            log.warning("%s: unreadable index record (%s); treating the step as never run", p, e)
+            return None
+        return rec if isinstance(rec, dict) else None
 
     def put(self, fp: str, **record) -> None:
-        _atomic_json(self.root / f"{fp}.json", {"fingerprint": fp, **record})
+        durable.write_text(self.root / f"{fp}.json",
+                           json.dumps({"fingerprint": fp, **record}, indent=2, default=str) + "\n")
+
+
+class StepBusy(RuntimeError):
+    """Another live process runs this step (raised with --no-wait)."""
+
+
+class StepLock:
+    """One process at a time per step fingerprint. The OS drops the lock when its owner dies, so a crashed owner's
+    lock is taken over and a live owner's never is; the owner file says who holds it (pid, host, start time)."""
+
+    def __init__(self, fp: str, label: str = "", root: Path | None = None):
+        folder = (root or baton_home()) / "locks"
+        folder.mkdir(parents=True, exist_ok=True)
+        self.label = label or fp[:12]
+        self.owner_file = folder / f"{fp}.owner.json"
+        self._lock = filelock.FileLock(str(folder / f"{fp}.lock"))
+
+    def owner(self) -> dict:
+        try:
+            return json.loads(self.owner_file.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def describe_owner(self) -> str:
+        o = self.owner()
+        if not o:
+            return "an unknown process"
+        return f"pid {o.get('pid')} on {o.get('host')} (since {o.get('started')}, run {o.get('run_id')})"
+
+    def acquire(self, run_id: str, wait: bool = True, poll_s: float = 2.0, report_every_s: float = 60.0) -> "StepLock":
+        waited, last_report = 0.0, -report_every_s
+        while True:
+            try:
+                self._lock.acquire(timeout=0)
+                break
+            except filelock.Timeout:
+                if not wait:
+                    raise StepBusy(f"step {self.label} is being run by {self.describe_owner()}; "
+                                   "not waiting (--no-wait)") from None
+                if waited - last_report >= report_every_s:
+                    log.warning("step %s is being run by %s; waiting for it to finish", self.label,
+                                self.describe_owner())
+                    last_report = waited
+                time.sleep(poll_s)
+                waited += poll_s
+        started = psutil.Process().create_time()
+        durable.write_json(self.owner_file, {"pid": os.getpid(), "host": socket.gethostname(), "run_id": run_id,
+                                             "started": _dt.datetime.fromtimestamp(started).isoformat(timespec="seconds"),
+                                             "pid_create_time": started})
+        return self
+
+    def release(self) -> None:
+        self.owner_file.unlink(missing_ok=True)
+        self._lock.release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
 
 
 def write_summary(run_dir: Path, summary: dict) -> Path:
-    path = run_dir / "summary.json"
-    _atomic_json(path, summary)
-    return path
+    return durable.write_text(run_dir / "summary.json", json.dumps(summary, indent=2, default=str) + "\n")
 
 
 def list_runs(limit: int = 20) -> list[dict]:

@@ -15,7 +15,7 @@ from prefect.runtime import flow_run as prefect_flow_run
 from conversions import manifest as mf, verify
 from flows.config import PipelineConfig
 from flows.plan import HF, Step
-from flows.runs import Index
+from flows.runs import Index, StepLock
 from flows import report
 from tasks import streaming, tracking
 from tasks.launch import LaunchError
@@ -58,8 +58,9 @@ def _cached(index: Index, step: Step) -> dict | None:
 def _work_dir(index: Index, step: Step, run: RunInfo, position: int) -> Path:
     """A new folder in this run, or the folder of an interrupted earlier attempt (so the engine resumes)."""
     link = run.run_dir / f"{position:02d}-{step.label}"
-    rec = index.get(step.fingerprint)
-    if rec and rec.get("status") in ("running", "failed") and rec.get("work_dir") and Path(rec["work_dir"]).exists():
+    rec = index.get(step.fingerprint)  # read under the step's lock: its owner, if any, is dead
+    if (rec and rec.get("status") in ("running", "failed") and rec.get("work_dir") and Path(rec["work_dir"]).exists()
+            and not (rec.get("entry") or {}).get("registered")):
         old = Path(rec["work_dir"])
         if old != link:
             if link.is_symlink() or link.exists():
@@ -236,6 +237,15 @@ def _close(c, mlflow_run: str, monitor, entry: dict, ok: bool) -> None:
 
 def execute_step(step: Step, cfg: PipelineConfig, run: RunInfo, position: int, input_path: str | None,
                  input_format: str | None, data_dir: str | None, use_cache: bool = True) -> dict:
+    """Run one step (or reuse it) under its fingerprint's lock: a second run of the same step waits for the first
+    (BATON_NO_WAIT=1 refuses instead, naming the owner) and then reuses its result."""
+    wait = os.environ.get("BATON_NO_WAIT", "") not in ("1", "true")
+    with StepLock(step.fingerprint, step.label).acquire(run.run_id, wait=wait):
+        return _execute_locked(step, cfg, run, position, input_path, input_format, data_dir, use_cache)
+
+
+def _execute_locked(step: Step, cfg: PipelineConfig, run: RunInfo, position: int, input_path: str | None,
+                    input_format: str | None, data_dir: str | None, use_cache: bool) -> dict:
     """Run one step (or reuse it), gate it, register what passed; a failure raises StageFailed carrying its entry."""
     index = Index()
     entry = _new_entry(step)
@@ -260,9 +270,9 @@ def execute_step(step: Step, cfg: PipelineConfig, run: RunInfo, position: int, i
         raise _failure(step, entry, e) from (None if isinstance(e, (StageFailed, LaunchError)) else e)
     finally:
         entry["seconds"] = round(time.time() - t0, 2)
-        _close(c, mlflow_run, monitor, entry, ok)
         index.put(step.fingerprint, status=entry["status"], work_dir=str(work), run_id=run.run_id,
-                  output=entry.get("output"), entry=entry)
+                  output=entry.get("output"), entry=entry)  # before any tracking call: an outage cannot lose it
+        _close(c, mlflow_run, monitor, entry, ok)
     return entry
 
 

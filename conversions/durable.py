@@ -1,0 +1,108 @@
+"""Writes that others rely on: a reader sees the old content or the whole new one, and after a crash (power loss
+included) the new content is on disk once the call has returned.
+
+write_bytes/write_text/write_json: a uniquely named tmp file beside the target (two writers never share one),
+fsync, rename over the target, fsync the folder so the rename itself is durable. publish_dir does the same for a
+whole folder built under a `.partial` name: every file fsynced, then one rename.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+PRIVATE_FILE = 0o600
+
+
+class DiskFullError(OSError):
+    """ENOSPC while writing: names the disk, and leaves the previous content in place."""
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(str(path), os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _disk_full(path: Path, err: OSError) -> DiskFullError:
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        free = -1
+    return DiskFullError(errno.ENOSPC, f"no space left on the disk holding {path} ({free} bytes free); the previous "
+                                       "content was left in place")
+
+
+def write_bytes(path: Path, data: bytes, mode: int | None = None) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode if mode is not None else _default_mode(path))
+        os.replace(tmp, path)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        raise (_disk_full(path.parent, e) if e.errno == errno.ENOSPC else e)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+    return path
+
+
+def _default_mode(path: Path) -> int:
+    """Keep an existing file's mode; a new one gets what the umask allows (0600 under a private BATON_HOME)."""
+    try:
+        return path.stat().st_mode & 0o777
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
+def write_text(path: Path, text: str, mode: int | None = None) -> Path:
+    return write_bytes(path, text.encode(), mode)
+
+
+def write_json(path: Path, obj, mode: int | None = None, **dumps) -> Path:
+    dumps.setdefault("indent", 2)
+    return write_text(path, json.dumps(obj, **dumps) + "\n", mode)
+
+
+def sync_tree(root: Path) -> None:
+    """fsync every file and folder under root (before it is renamed into place)."""
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            p = os.path.join(dirpath, name)
+            if os.path.islink(p):
+                continue
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(dirpath))
+
+
+def partial_of(final: Path) -> Path:
+    return Path(final).with_name(Path(final).name + ".partial")
+
+
+def publish_dir(partial: Path, final: Path) -> Path:
+    """Rename a complete folder into place, durably. Refuses to replace a published folder (they are immutable)."""
+    partial, final = Path(partial), Path(final)
+    if final.exists():
+        raise FileExistsError(f"{final}: already published; a new attempt writes a new folder")
+    sync_tree(partial)
+    os.rename(partial, final)
+    fsync_dir(final.parent)
+    return final
