@@ -46,6 +46,44 @@ def integrity(root: Path) -> list[dict]:
     return [check("L0.integrity", not problems, detail)]
 
 
+# ---- finite weights ------------------------------------------------------------------------------------------------
+def _nonfinite(tensors) -> tuple[int, list[str]]:
+    import torch
+
+    count, bad = 0, []
+    for name, t in tensors:
+        count += 1
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad.append(f"{name} ({int((~torch.isfinite(t)).sum())} NaN/inf)")
+    return count, bad
+
+
+def _megatron_tensors(root: Path):
+    from .megatron import DistReader
+
+    reader = DistReader(root)
+    for key in sorted(reader.metadata.state_dict_metadata):
+        if reader.shape(key) is not None and not key.startswith("optimizer."):
+            yield key, reader.read_full(key)
+
+
+def finite_weights(root: Path) -> list[dict]:
+    """Every weight tensor is finite (no NaN, no inf): what a diverged run writes and nothing else would catch
+    (max(0.0, nan) is 0.0). One tensor in memory at a time."""
+    root = Path(root)
+    fmt = (mf.read(root) or {}).get("format")
+    if fmt == "megatron-dist":
+        tensors = _megatron_tensors(root)
+    elif hf.safetensors_files(root):
+        tensors = hf.iter_tensors(root)
+    else:
+        return [check("weights.finite", True, f"no weights of a known format in {root} ({fmt}); not checked")]
+    count, bad = _nonfinite(tensors)
+    if bad:
+        return [check("weights.finite", False, f"{len(bad)} of {count} tensors are not finite: {', '.join(bad[:5])}")]
+    return [check("weights.finite", True, f"all {count} tensors finite")]
+
+
 # ---- serving preflight ---------------------------------------------------------------------------------------------
 def _embedding_names(config) -> tuple[str | None, str | None]:
     """Names of the input and output embedding weights, found on the model itself (never hard-coded)."""

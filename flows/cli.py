@@ -163,7 +163,9 @@ def cmd_convert(args) -> int:
     """Convert outside a pipeline, through the same worker and gate as the pipeline's convert step."""
     import subprocess
 
-    from conversions import manifest as mf, verify
+    import shutil
+
+    from conversions import durable, manifest as mf, verify
     from tasks.convert.task import WORKER, gate
 
     src, dst = Path(args.src).resolve(), Path(args.dst).resolve()
@@ -173,15 +175,25 @@ def cmd_convert(args) -> int:
     if dst.exists() and any(dst.iterdir()):
         print(f"baton convert: {dst} exists and is not empty (nothing is overwritten)", file=sys.stderr)
         return 2
-    cmd = [sys.executable, str(WORKER), str(src), str(dst), "--to", args.to]
+    partial = durable.partial_of(dst)
+    shutil.rmtree(partial, ignore_errors=True)  # a crashed earlier attempt's leftovers: never published
+    cmd = [sys.executable, str(WORKER), str(src), str(partial), "--to", args.to]
     if args.from_format:
         cmd += ["--from-format", args.from_format]
     rc = subprocess.call(cmd, env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent)))
     if rc != 0:
+        print(f"baton convert: the conversion failed (exit {rc}); {dst} was not written", file=sys.stderr)
         return rc
-    rep = gate(dst, src, args.to)
+    rep = gate(partial, src, args.to)
     print(verify.format_report(rep))
-    return 0 if rep["passed"] else 1
+    if not rep["passed"]:
+        print(f"baton convert: the gate failed; {dst} was not written (the output is kept in {partial} to inspect)",
+              file=sys.stderr)
+        return 1
+    if dst.exists():
+        dst.rmdir()  # empty, checked above
+    durable.publish_dir(partial, dst)
+    return 0
 
 
 def cmd_runs(args) -> int:
@@ -252,6 +264,9 @@ def cmd_serve(args) -> int:
     if out.extra.get("champion"):
         ch = out.extra["champion"]
         print(f"champion: {ch['name']} version {ch['version']}")
+    if out.extra.get("engine_exit"):
+        print(f"baton serve: the engine died while serving (exit {out.extra['engine_exit']})", file=sys.stderr)
+        return 3
     return 0 if out.gate["passed"] else 1
 
 

@@ -105,17 +105,71 @@ def _register(c, cfg: PipelineConfig, step: Step, out: Path, run_id: str, mlflow
     return {"name": name, "version": version, "alias": "candidate"}
 
 
-# A rank or launcher killed by a signal (OOM killer, preemption, a lost node) is retried in the same work dir, so the
-# engine resumes from its last complete checkpoint; an exit code (a bug, bad input) or a timeout (a hang) is not.
+# Only an infrastructure fault (a rank or launcher killed by a signal: preemption, a lost node; or a lost peer) is
+# retried, in the same work dir, so the engine resumes from its last complete checkpoint. Everything else fails at once
+# with its cause: an OOM kill (the same size fails again), a full disk, a non-finite loss, a timeout (a hang), an exit
+# code (a bug, bad input).
 KILLED_MARKS = ("return code = -9", "exitcode  : -9", "Signal 9 (SIGKILL)", "SIGKILL", "Connection reset by peer",
                 "Connection closed by peer")
+FATAL_MARKS = {
+    "disk full": ("No space left on device", "ENOSPC", "DiskFullError"),
+    "non-finite loss": ("non-finite loss", "non-finite gradients", "loss is nan", "loss is inf"),
+    "out of memory": ("MemoryError", "OutOfMemoryError", "CUDA out of memory"),
+}
 
 
-def infrastructure_failure(e: LaunchError) -> bool:
+def oom_kills() -> int:
+    """OOM kills so far in this process's memory cgroup and every cgroup below it (v1 memory.oom_control or v2
+    memory.events); 0 where the kernel does not say."""
+    root = _memory_cgroup()
+    total = 0
+    if root is None:
+        return 0
+    for dirpath, _dirs, files in os.walk(root):
+        for name in ("memory.events", "memory.oom_control"):
+            if name in files:
+                try:
+                    for line in Path(dirpath, name).read_text().splitlines():
+                        key, _, value = line.partition(" ")
+                        if key == "oom_kill":
+                            total += int(value)
+                except (OSError, ValueError):
+                    pass
+    return total
+
+
+def _memory_cgroup() -> Path | None:
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            return Path("/sys/fs/cgroup/memory") / path.lstrip("/")
+    v2 = [line for line in lines if line.startswith("0::")]
+    return Path("/sys/fs/cgroup") / v2[0][3:].lstrip("/") if v2 else None
+
+
+def failure_class(e: LaunchError, oom_kills_before: int | None = None) -> str:
+    """'infrastructure' (retried) or the cause that fails the stage at once: 'timeout', 'out of memory' (an OOM kill
+    or a MemoryError), 'disk full', 'non-finite loss', 'error'."""
     if " timed out after " in str(e).splitlines()[0]:
-        return False
+        return "timeout"
+    text = "\n".join(e.tail)
+    for cause, marks in FATAL_MARKS.items():  # first: a rank's real cause beats its peers' "connection closed"
+        if any(m in text for m in marks):
+            return cause
+    if oom_kills_before is not None and oom_kills() > oom_kills_before:
+        return "out of memory"
     rc = e.returncode
-    return (rc is not None and (rc < 0 or rc >= 128)) or any(m in line for line in e.tail for m in KILLED_MARKS)
+    if (rc is not None and (rc < 0 or rc >= 128)) or any(m in text for m in KILLED_MARKS):
+        return "infrastructure"
+    return "error"
+
+
+def infrastructure_failure(e: LaunchError, oom_kills_before: int | None = None) -> bool:
+    return failure_class(e, oom_kills_before) == "infrastructure"
 
 
 def _run_with_retries(step: Step, ctx: StageContext, stage_cfg) -> StageOutput:
@@ -124,10 +178,14 @@ def _run_with_retries(step: Step, ctx: StageContext, stage_cfg) -> StageOutput:
     delay = float(os.environ.get("BATON_INFRA_RETRY_DELAY_S", "10"))
     task = STAGES[step.name].load_task()
     for attempt in range(retries + 1):
+        before = oom_kills()
         try:
             return task(ctx, stage_cfg)
         except LaunchError as e:
-            if attempt == retries or not infrastructure_failure(e):
+            cause = failure_class(e, before)
+            if cause != "infrastructure":
+                raise LaunchError(f"{str(e).splitlines()[0]} ({cause}; not retried)", e.returncode, e.tail) from None
+            if attempt == retries:
                 raise
             get_run_logger().warning("%s: infrastructure failure (%s); retry %d of %d in %.0fs, resuming from the last "
                                      "checkpoint in %s", step.label, str(e).splitlines()[0], attempt + 1, retries,
@@ -203,6 +261,19 @@ def _record_output(c, mlflow_run: str, step: Step, work: Path, out: StageOutput,
                                      for k, v in _summary_metrics(entry, out).items()])
 
 
+def _with_finite_check(out: StageOutput) -> None:
+    """Every gate also checks that all weights are finite, whatever the stage's own checks were."""
+    if not out.output or not out.gate.get("passed") or not (Path(out.output) / mf.MANIFEST_NAME).exists():
+        return
+    if any(c["name"] == "weights.finite" for c in out.gate.get("checks", [])):
+        return
+    try:
+        checks = verify.finite_weights(Path(out.output))
+    except Exception as e:  # unreadable weights are not verified weights
+        checks = [verify.check("weights.finite", False, f"{type(e).__name__}: {e}")]
+    out.gate = verify.report(out.gate.get("checks", []) + checks)
+
+
 def _apply_gate(out: StageOutput, step: Step, entry: dict) -> None:
     logger = get_run_logger()
     for chk in out.gate.get("checks", []):
@@ -261,6 +332,7 @@ def _execute_locked(step: Step, cfg: PipelineConfig, run: RunInfo, position: int
     t0, ok = time.time(), False
     try:
         out = _run_with_retries(step, ctx, cfg.stage_config(step.name))
+        _with_finite_check(out)
         _record_output(c, mlflow_run, step, work, out, entry)
         _apply_gate(out, step, entry)
         if out.output:

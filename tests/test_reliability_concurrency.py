@@ -41,26 +41,31 @@ def _owners(home):
 
 
 @pytest.mark.slow
-def test_second_run_waits_refuses_and_takes_over_only_a_dead_owner(baton_home):
+def test_second_run_waits_refuses_and_takes_over_only_a_dead_owner(baton_home, record_property):
+    """The first run is frozen (SIGSTOP) as soon as it holds the data step's lock: alive, so its lock and folder are
+    never taken; once it is SIGKILLed the waiting run takes the step over in the same folder and completes it."""
+    record_property("fault", "concurrent run of one step")
     first = _start(baton_home)
     try:
         _wait_for(lambda: any(o["pid"] == first.pid for o in _owners(baton_home)), 300, "the first run's lock")
+        os.kill(first.pid, signal.SIGSTOP)
         refused = baton("run", str(TINY), "--stages", "data", "--no-wait", home=baton_home, timeout=300)
         assert refused.returncode != 0
         assert f"being run by pid {first.pid}" in refused.stderr + refused.stdout
         second = _start(baton_home)
-        time.sleep(15)  # the second run is waiting on the lock, not running the step in the same folder
+        time.sleep(20)  # the second run is waiting on the lock, not running the step beside the first
         assert second.poll() is None and all(o["pid"] == first.pid for o in _owners(baton_home))
         os.killpg(first.pid, signal.SIGKILL)  # the owner dies mid-step: its lock goes with it
         first.wait(60)
         out, _ = second.communicate(timeout=600)
     finally:
-        for p in (first,):
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
     assert second.returncode == 0, out[-3000:]
     assert "completed" in out
     assert not _owners(baton_home)  # released
+    records = [json.loads(p.read_text()) for p in (baton_home / "index").glob("*.json")]
+    assert [r["status"] for r in records] == ["completed"]
 
 
 @pytest.mark.fast

@@ -7,7 +7,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from conversions import probe, verify
+from conversions import durable, probe, verify
 from tasks.convert.config import ConvertConfig
 from tasks.stage import StageContext, StageOutput
 
@@ -35,9 +35,11 @@ def run_convert(ctx: StageContext, cfg: ConvertConfig) -> StageOutput:
     if ctx.input_format:
         cmd += ["--from-format", ctx.input_format]
     res = ctx.launch(cmd, name="convert", timeout=cfg.timeout_s, env={"OMP_NUM_THREADS": "1"})
-    tmp.rename(out)
-    g = gate(out, ctx.input, to_format)
+    g = gate(tmp, ctx.input, to_format)
+    if g.get("passed"):  # published only once its gate passed: a folder named `checkpoint` is always a good one
+        durable.publish_dir(tmp, out)
     r = res.results()
-    return StageOutput(output=out, engine="baton-convert", backend=f"{r.get('from_format')}→{to_format}", gate=g,
+    return StageOutput(output=out if g.get("passed") else tmp, engine="baton-convert",
+                       backend=f"{r.get('from_format')}→{to_format}", gate=g,
                        metrics={"seconds": r.get("seconds")},
                        extra={"from_format": r.get("from_format"), "to_format": to_format})

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import shutil
@@ -322,6 +323,9 @@ def main() -> None:
             loss = engine(**{k: v.to(dev) for k, v in batch.items()}).loss
             engine.backward(loss)
             engine.step()
+            if not math.isfinite(loss.item()):  # stop here: a diverged run must not overwrite good checkpoints
+                raise SystemExit(f"rank {rank}: non-finite loss {loss.item()} at step {step + 1} (micro-batch {micro});"
+                                 " lower the lr or check the data; not retried")
             loss_sum += loss.item()
         step_time = time.time() - t0
         done = step + 1

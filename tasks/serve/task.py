@@ -44,7 +44,7 @@ def preflight(model_dir: Path) -> list[dict]:
         return [verify.check("L0.integrity", False, str(e))]
     if not checks[-1]["passed"]:
         return checks
-    return checks + verify.preflight(model_dir)
+    return checks + verify.preflight(model_dir) + verify.finite_weights(model_dir)
 
 
 def runtime_checks(ctx: StageContext, cfg: ServeConfig) -> list[dict]:
@@ -213,104 +213,134 @@ def champion_score(name: str) -> float | None:
         return None
 
 
-def serve(ctx: StageContext, cfg: ServeConfig, hold: bool = False) -> StageOutput:
-    """The whole stage. hold=True (`baton serve`): keep the last server in the foreground until Ctrl-C."""
-    log = _logger()
-    ctx.work_dir.mkdir(parents=True, exist_ok=True)
-    label = "+".join(cfg.engines())
-    pre = preflight(ctx.input) + runtime_checks(ctx, cfg)
-    if not all(c["passed"] for c in pre):
-        failed = "; ".join(f"{c['name']}: {c['detail']}" for c in pre if not c["passed"])
-        log.error("serve: %s refused by preflight, no server started: %s", ctx.input, failed)
-        return StageOutput(output=None, engine=label, gate=verify.report(pre),
-                           extra={"served_checkpoint": str(ctx.input), "servers_started": 0, "refused": failed})
-    ident = model_identity(ctx, cfg, register=cfg.promote)
-    key, key_file = api_key(ctx.work_dir, cfg)
-    log.info("serve %s as %r (API key in %s)", ctx.input, ident["served_model_name"], key_file)
+def _refused(ctx: StageContext, cfg: ServeConfig, pre: list[dict]) -> StageOutput:
+    failed = "; ".join(f"{c['name']}: {c['detail']}" for c in pre if not c["passed"])
+    _logger().error("serve: %s refused by preflight, no server started: %s", ctx.input, failed)
+    return StageOutput(output=None, engine="+".join(cfg.engines()), gate=verify.report(pre),
+                       extra={"served_checkpoint": str(ctx.input), "servers_started": 0, "refused": failed})
+
+
+def _serve_engines(ctx: StageContext, cfg: ServeConfig, ident: dict, key: str, key_file: Path,
+                   hold: bool) -> tuple[list[dict], dict, dict]:
+    """Each engine in turn (stopping at the first that fails a check): (checks, metrics, results per engine)."""
     from transformers import AutoTokenizer
 
     from tasks.serve.reference import greedy_reference
 
     tokenizer = AutoTokenizer.from_pretrained(str(ctx.input))
     reference = greedy_reference(ctx.input, cfg.smoke.parity_prompts, cfg.smoke.parity_tokens)
-    checks, metrics, results = list(pre), {}, {}
-    eval_result, kept = None, None
+    checks, metrics, results, eval_done = [], {}, {}, False
     names = cfg.engines()
     for i, engine in enumerate(names):
         last = i == len(names) - 1
         t0 = time.time()
         r = serve_engine(ctx, cfg, engine, ident, key, key_file, reference, tokenizer,
-                         evaluate=cfg.lm_eval.enabled and eval_result is None, keep=last and (cfg.keep_alive or hold),
+                         evaluate=cfg.lm_eval.enabled and not eval_done, keep=last and (cfg.keep_alive or hold),
                          detach=last and cfg.keep_alive and not hold)
         results[engine] = r
         checks += r["checks"]
         metrics.update({f"{engine}_{k}": v for k, v in r["metrics"].items()})
         metrics[f"{engine}_seconds"] = round(time.time() - t0, 1)
-        if r["eval"] is not None:
-            eval_result = r["eval"]
-        if last and (cfg.keep_alive or hold):
-            kept = r["server"]
+        eval_done = eval_done or r["eval"] is not None
         if not all(c["passed"] for c in r["checks"]):
             break  # a broken engine already decides the gate; don't spend minutes on the next one
     rates = [v for k, v in metrics.items() if k.endswith("_json_valid_rate")]
     if rates:
         metrics["json_valid_rate"] = min(rates)
-    # lm-eval: a crash is a failed check, a score is a metric and part of the promotion decision.
-    score, before, evaluated = None, champion_score(ident["name"]), eval_result is not None
-    if evaluated:
-        if "passed" in eval_result:  # _guarded turned a crash into a failed check
-            checks.append(dict(eval_result, name="lm_eval.run"))
-        else:
-            score = primary_score(eval_result.get("scores", {}))
-            for task_name, ms in eval_result.get("scores", {}).items():
-                metrics.update({f"lm_eval.{task_name}.{k.replace(',', '.')}": v for k, v in ms.items()})
-            metrics["lm_eval_seconds"] = eval_result.get("seconds")
-    checks.append(decide(cfg, score, before, evaluated and "passed" not in eval_result))
+    return checks, metrics, results
+
+
+def _evaluation(cfg: ServeConfig, results: dict, metrics: dict, checks: list[dict]) -> tuple[float | None, bool]:
+    """lm-eval: a crash is a failed check, a score is a metric and part of the promotion decision."""
+    eval_result = next((r["eval"] for r in results.values() if r["eval"] is not None), None)
+    score = None
+    if eval_result is not None and "passed" in eval_result:  # _guarded turned a crash into a failed check
+        checks.append(dict(eval_result, name="lm_eval.run"))
+    elif eval_result is not None:
+        score = primary_score(eval_result.get("scores", {}))
+        for task_name, ms in eval_result.get("scores", {}).items():
+            metrics.update({f"lm_eval.{task_name}.{k.replace(',', '.')}": v for k, v in ms.items()})
+        metrics["lm_eval_seconds"] = eval_result.get("seconds")
+    return score, eval_result is not None
+
+
+def _promote(cfg: ServeConfig, ident: dict, gate: dict, score: float | None, metrics: dict) -> dict | None:
+    if not (gate["passed"] and cfg.promote and ident["version"]):
+        if not gate["passed"]:
+            _logger().error("serve gate failed: nothing promoted")
+        return None
+    champion = tracking.promote_champion(
+        tracking.client(), ident["name"], ident["version"],
+        tags={k: v for k, v in {EVAL_METRIC: score, "served_by": "+".join(cfg.engines()),
+                                "json_valid_rate": metrics.get("json_valid_rate")}.items() if v is not None})
+    _logger().info("champion: %s version %s (previous %s)", ident["name"], ident["version"], champion["previous"])
+    return champion
+
+
+def _kept_server(ctx: StageContext, cfg: ServeConfig, results: dict, gate: dict, extra: dict, hold: bool):
+    """The last engine's server when it stays up (keep_alive: detached with server.json; hold: in the foreground);
+    a server for a checkpoint that failed its checks is never left up."""
+    last = results.get(cfg.engines()[-1]) if results else None
+    kept = last["server"] if last and (cfg.keep_alive or hold) else None
+    if kept is None:
+        return None
+    if not gate["passed"]:
+        kept.stop()
+        return None
+    if cfg.keep_alive and not hold:
+        kept.write_info(ctx.work_dir / "server.json")
+        extra["server"] = kept.describe()
+        _logger().info("keep_alive: %s server stays up at %s (stop: %s)", kept.name, kept.base_url,
+                       kept.describe()["stop"])
+    return kept
+
+
+def serve(ctx: StageContext, cfg: ServeConfig, hold: bool = False) -> StageOutput:
+    """The whole stage. hold=True (`baton serve`): keep the last server in the foreground until Ctrl-C; the output's
+    extra["engine_exit"] is the engine's exit code when it died while held."""
+    ctx.work_dir.mkdir(parents=True, exist_ok=True)
+    pre = preflight(ctx.input) + runtime_checks(ctx, cfg)
+    if not all(c["passed"] for c in pre):
+        return _refused(ctx, cfg, pre)
+    ident = model_identity(ctx, cfg, register=cfg.promote)
+    key, key_file = api_key(ctx.work_dir, cfg)
+    _logger().info("serve %s as %r (API key in %s)", ctx.input, ident["served_model_name"], key_file)
+    checks, metrics, results = _serve_engines(ctx, cfg, ident, key, key_file, hold)
+    checks = list(pre) + checks
+    before = champion_score(ident["name"])
+    score, evaluated = _evaluation(cfg, results, metrics, checks)
+    checks.append(decide(cfg, score, before, evaluated and not any(c["name"] == "lm_eval.run" for c in checks)))
     gate = verify.report(checks)
-    champion = None
-    if gate["passed"] and cfg.promote and ident["version"]:
-        champion = tracking.promote_champion(
-            tracking.client(), ident["name"], ident["version"],
-            tags={k: v for k, v in {EVAL_METRIC: score, "served_by": label,
-                                    "json_valid_rate": metrics.get("json_valid_rate")}.items() if v is not None})
-        log.info("champion: %s version %s (previous %s)", ident["name"], ident["version"], champion["previous"])
-    elif not gate["passed"]:
-        log.error("serve gate failed: nothing promoted")
+    champion = _promote(cfg, ident, gate, score, metrics)
     extra = {"served_model_name": ident["served_model_name"],
              "served_model_names": {e: r["served_model_name"] for e, r in results.items() if "served_model_name" in r},
              "served_checkpoint": str(ctx.input),
              "servers_started": sum(1 for r in results.values() if r["server"].proc is not None),
-             "champion": {"name": champion["name"], "version": champion["version"], "previous": champion["previous"]}
-             if champion else None,
+             "champion": {k: champion[k] for k in ("name", "version", "previous")} if champion else None,
              "api_key_file": str(key_file)}
-    if kept is not None and cfg.keep_alive and not hold and not gate["passed"]:
-        kept.stop()  # never leave a server up for a checkpoint that failed its checks
-    elif kept is not None and cfg.keep_alive and not hold:
-        kept.write_info(ctx.work_dir / "server.json")
-        extra["server"] = kept.describe()
-        log.info("keep_alive: %s server stays up at %s (stop: %s)", kept.name, kept.base_url, kept.describe()["stop"])
-    out = StageOutput(output=None, engine=label, backend=ident["served_model_name"], gate=gate,
-                      metrics={k: v for k, v in metrics.items() if v is not None},
-                      eval={"metric": EVAL_METRIC, "before": before, "after": score} if evaluated else None,
-                      extra=extra)
+    kept = _kept_server(ctx, cfg, results, gate, extra, hold)
     if hold and kept is not None:
-        if gate["passed"]:
-            _hold(kept, extra["served_model_names"].get(kept.name, ident["served_model_name"]), key_file)
-        else:  # a checkpoint that failed its checks is never left serving
-            kept.stop()
-    return out
+        extra["engine_exit"] = _hold(kept, extra["served_model_names"].get(kept.name, ident["served_model_name"]),
+                                     key_file)
+    return StageOutput(output=None, engine="+".join(cfg.engines()), backend=ident["served_model_name"], gate=gate,
+                       metrics={k: v for k, v in metrics.items() if v is not None},
+                       eval={"metric": EVAL_METRIC, "before": before, "after": score} if evaluated else None,
+                       extra=extra)
 
 
-def _hold(server: Server, served: str, key_file: Path) -> None:
+def _hold(server: Server, served: str, key_file: Path) -> int | None:
+    """Serve in the foreground until Ctrl-C (None) or until the engine dies (its exit code, never 0 for a crash)."""
     if server.proc is None or server.proc.poll() is not None:
-        return
+        return server.proc.returncode if server.proc is not None else None
     print(f"\nserving {served!r} with {server.name} at {server.base_url}/v1 (API key in {key_file}; every check "
           "passed). Ctrl-C to stop.", flush=True)
     try:
         while server.proc.poll() is None:
             time.sleep(1.0)
+        print(f"{server.name} server exited with code {server.proc.returncode} while serving", flush=True)
+        return server.proc.returncode or 1
     except KeyboardInterrupt:
-        pass
+        return None
     finally:
         server.stop()
 
