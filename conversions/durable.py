@@ -38,6 +38,35 @@ def _disk_full(path: Path, err: OSError) -> DiskFullError:
                                        "content was left in place")
 
 
+def mount_point(path: Path) -> Path:
+    path = Path(path).resolve()
+    while not path.exists():
+        path = path.parent
+    while not os.path.ismount(path):
+        path = path.parent
+    return path
+
+
+def describe_disk(path: Path) -> str:
+    """'the disk mounted at /x (N MB free of M MB)', for messages about where space ran out."""
+    existing = Path(path).resolve()
+    while not existing.exists():
+        existing = existing.parent
+    usage = shutil.disk_usage(existing)
+    return (f"the disk mounted at {mount_point(existing)} ({usage.free / 1e6:.1f} MB free of "
+            f"{usage.total / 1e6:.1f} MB)")
+
+
+def free_space_problem(path: Path, needed: int) -> str | None:
+    """A message when the disk holding path has less than `needed` bytes free, else None."""
+    existing = Path(path).resolve()
+    while not existing.exists():
+        existing = existing.parent
+    if shutil.disk_usage(existing).free >= needed:
+        return None
+    return f"not enough free space for {path}: needs about {needed / 1e6:.1f} MB on {describe_disk(existing)}"
+
+
 def write_bytes(path: Path, data: bytes, mode: int | None = None) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

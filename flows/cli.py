@@ -159,6 +159,9 @@ def cmd_manifest(args) -> int:
     return 0
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".pt", ".distcp", ".bin")
+
+
 def cmd_convert(args) -> int:
     """Convert outside a pipeline, through the same worker and gate as the pipeline's convert step."""
     import subprocess
@@ -177,12 +180,19 @@ def cmd_convert(args) -> int:
         return 2
     partial = durable.partial_of(dst)
     shutil.rmtree(partial, ignore_errors=True)  # a crashed earlier attempt's leftovers: never published
+    needed = sum(f.stat().st_size for f in src.rglob("*") if f.is_file() and f.suffix in WEIGHT_SUFFIXES)
+    if problem := durable.free_space_problem(dst.parent, needed):
+        print(f"baton convert: {problem}; nothing written", file=sys.stderr)
+        return 2
     cmd = [sys.executable, str(WORKER), str(src), str(partial), "--to", args.to]
     if args.from_format:
         cmd += ["--from-format", args.from_format]
     rc = subprocess.call(cmd, env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent)))
     if rc != 0:
-        print(f"baton convert: the conversion failed (exit {rc}); {dst} was not written", file=sys.stderr)
+        full = shutil.disk_usage(dst.parent).free < (1 << 20)
+        shutil.rmtree(partial, ignore_errors=True)  # never published; free what it took
+        print(f"baton convert: the conversion failed (exit {rc}){'; no space left on device: ' if full else ''}"
+              f"{durable.describe_disk(dst.parent) if full else ''}; {dst} was not written", file=sys.stderr)
         return rc
     rep = gate(partial, src, args.to)
     print(verify.format_report(rep))

@@ -15,11 +15,17 @@ WORKER = Path(__file__).with_name("worker.py")
 
 
 def gate(out: Path, src: Path, to_format: str) -> dict:
-    """L0 + preflight + L1 + L2 (against the engine's probe logits when the source has them) + L3."""
-    if to_format != "hf-safetensors":
-        return verify.report(verify.integrity(out))
+    """L0 + finite weights, then for HF: preflight + L1 + L2 (against the engine's probe logits when the source has
+    them) + L3."""
+    checks = verify.integrity(out)
+    if not checks[-1]["passed"]:
+        return verify.report(checks)
+    finite = verify.finite_weights(out)
+    if to_format != "hf-safetensors" or not finite[0]["passed"]:
+        return verify.report(checks + finite)
     ref = src / probe.PROBE_FILE
-    return verify.verify(out, against=ref if ref.exists() else None)
+    rep = verify.verify(out, against=ref if ref.exists() else None)
+    return verify.report(rep["checks"] + finite)
 
 
 @task(name="convert", cache_policy=NO_CACHE)

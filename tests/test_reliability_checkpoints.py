@@ -1,0 +1,129 @@
+"""Checkpoints that must never be published, served or resumed (issue 12, items 3, 4 and 10), injected for real:
+NaN weights, a conversion killed or refused by its gate, a full disk (a real 1 MB tmpfs), a flipped byte in a
+training checkpoint."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import baton
+from conversions import hf, manifest as mf, verify
+
+pytestmark = pytest.mark.reliability
+
+
+def _poisoned(src: Path, dest: Path) -> Path:
+    """A copy of an HF checkpoint whose first weight holds a NaN (what a diverged run writes), manifest rewritten."""
+    shutil.copytree(src, dest)
+    sd = hf.load_state_dict(dest)
+    first = sorted(sd)[0]
+    sd[first] = sd[first].clone()
+    sd[first].view(-1)[0] = float("nan")
+    for f in hf.safetensors_files(dest):
+        f.unlink()
+    hf.save_state_dict(dest, sd)
+    mf.write(dest, mf.build(dest, format="hf-safetensors", stage="external", dtype="float32",
+                            architecture=mf.read(src)["architecture"]))
+    return dest
+
+
+@pytest.mark.fast
+def test_nan_weights_fail_the_finite_check_and_serve_preflight(hf_checkpoint, tmp_path, record_property):
+    record_property("fault", "NaN weights")
+    bad = _poisoned(hf_checkpoint, tmp_path / "nan")
+    assert verify.finite_weights(hf_checkpoint)[0]["passed"]
+    chk = verify.finite_weights(bad)[0]
+    assert not chk["passed"] and "1 NaN/inf" in chk["detail"]
+    from tasks.serve.task import preflight
+
+    assert any(c["name"] == "weights.finite" and not c["passed"] for c in preflight(bad))
+
+
+@pytest.mark.slow
+def test_convert_publishes_only_after_its_gate(hf_checkpoint, tmp_path, baton_home, record_property):
+    record_property("fault", "convert of NaN weights")
+    bad = _poisoned(hf_checkpoint, tmp_path / "nan")
+    dst = tmp_path / "out"
+    r = baton("convert", str(bad), str(dst), "--to", "megatron-dist", home=baton_home, timeout=600)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "weights.finite" in r.stdout and "was not written" in r.stderr
+    assert not dst.exists() and (tmp_path / "out.partial").exists()
+    good = baton("convert", str(hf_checkpoint), str(dst), "--to", "megatron-dist", home=baton_home, timeout=600)
+    assert good.returncode == 0, good.stdout + good.stderr
+    assert verify.integrity(dst)[0]["passed"] and not (tmp_path / "out.partial").exists()
+
+
+def _mount_tmpfs(mount: Path, size: int) -> None:
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", f"baton-test-{uuid.uuid4().hex[:6]}",
+                       str(mount)], capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+
+
+def _previous_checkpoint(disk: Path) -> Path:
+    previous = disk / "previous"
+    previous.mkdir()
+    (previous / "w.bin").write_bytes(b"\x01" * 1000)
+    mf.write(previous, mf.build(previous, format="dataset", stage="test"))
+    return previous
+
+
+@pytest.mark.slow
+def test_disk_full_mid_conversion_names_the_disk_and_keeps_the_previous_checkpoint(hf_checkpoint, tmp_path,
+                                                                                   baton_home, record_property):
+    """A real tmpfs just big enough to pass the free-space check: the save runs out of space half way."""
+    record_property("fault", "ENOSPC mid-save")
+    weights = sum(f.stat().st_size for f in hf_checkpoint.glob("*.safetensors"))
+    disk = tmp_path / "disk"
+    _mount_tmpfs(disk, weights + (16 << 10))  # passes the check (needs the weights), not the tokenizer copy
+    try:
+        previous = _previous_checkpoint(disk)
+        r = baton("convert", str(hf_checkpoint), str(disk / "new"), "--to", "megatron-dist", home=baton_home,
+                  timeout=600)
+        assert r.returncode != 0
+        assert f"no space left on device: the disk mounted at {disk}" in r.stderr, r.stderr[-2000:]
+        assert not (disk / "new").exists() and not (disk / "new.partial").exists()
+        assert verify.integrity(previous)[0]["passed"]
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+@pytest.mark.fast
+def test_free_space_is_checked_before_converting(hf_checkpoint, tmp_path, baton_home, record_property):
+    record_property("fault", "disk too small (pre-check)")
+    disk = tmp_path / "disk"
+    _mount_tmpfs(disk, 1 << 20)
+    try:
+        previous = _previous_checkpoint(disk)
+        r = baton("convert", str(hf_checkpoint), str(disk / "new"), "--to", "megatron-dist", home=baton_home,
+                  timeout=300)
+        assert r.returncode == 2 and f"the disk mounted at {disk}" in r.stderr and "nothing written" in r.stderr
+        assert not (disk / "new").exists() and verify.integrity(previous)[0]["passed"]
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+@pytest.mark.fast
+def test_flipped_byte_in_a_training_checkpoint_is_not_resumed(tmp_path, record_property):
+    """Two complete pretrain checkpoints; a byte of the newer one flips on disk (same size): resume takes the older."""
+    record_property("fault", "bit flip in a checkpoint")
+    pytest.importorskip("megatron.core")
+    from tasks.pretrain import mcore_checkpoint as ckpt
+
+    for it in (1, 2):
+        d = tmp_path / f"{ckpt.PREFIX}{it:07d}"
+        d.mkdir()
+        (d / "__0_0.distcp").write_bytes(bytes([it]) * 4096)
+        info = {"iteration": it, "files": ckpt._file_sizes(d), "sha256": ckpt._file_hashes(d)}
+        (d / ckpt.STATE_FILE).write_text(json.dumps(info))
+    newest = tmp_path / f"{ckpt.PREFIX}0000002" / "__0_0.distcp"
+    data = bytearray(newest.read_bytes())
+    data[100] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    assert ckpt.latest(tmp_path).name == f"{ckpt.PREFIX}0000001"
