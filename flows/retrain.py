@@ -6,8 +6,10 @@
 3. Compare candidate and champion on the same held-out set: the fine-tuning engine scores its input (the champion)
    and its trained model (the candidate, bit-identical to the converted checkpoint by the L2 parity gate) on
    data/sft/heldout.jsonl with the same greedy decoding.
-4. Promote (alias `champion`) only when candidate ≥ champion + margin, then restart serving on it. A failed serving
-   smoke rolls the alias back and serves the previous champion again. Otherwise record the result, keep the champion.
+4. Promote (alias `champion`) only when candidate ≥ champion + margin: first the candidate is served and smoke-tested
+   on a side port while the old server keeps serving; then the alias moves by compare-and-set against the champion
+   the decision was made on (a champion moved meanwhile aborts: decide again); then the old server is retired. A
+   failed smoke test keeps the champion and its server. Otherwise record the result, keep the champion.
 
 Every decision is recorded: an MLflow run `retrain-…` (tags, scores, decision.json), a tag on the candidate version,
 and a markdown artifact on this flow run.
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
 from pathlib import Path
 
 from prefect import flow, get_run_logger
@@ -24,6 +25,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run as prefect_flow_run
 from pydantic import Field
 
+from conversions import durable
 from flows import report, runs
 from flows.config import ConfigError, ModelConfig, PipelineConfig, TrackingConfig
 from flows.pipeline import pipeline
@@ -71,29 +73,45 @@ def serving() -> dict | None:
     return json.loads(f.read_text()) if f.exists() else None
 
 
-def stop_serving(grace: float = 15.0) -> None:
-    cur = serving()
-    pid = ((cur or {}).get("server") or {}).get("pid")
-    if pid:
+def stop_server(server: dict | None, grace: float = 15.0) -> None:
+    """Stop a recorded server, only if its pid still is that server (same start time): a pid reused by another
+    process since is never signalled."""
+    pid = (server or {}).get("pid")
+    if pid and same_process(int(pid), (server or {}).get("started_at")):
         kill_group(int(pid), grace)
+
+
+def same_process(pid: int, started_at: float | None) -> bool:
+    import psutil
+
+    try:
+        created = psutil.Process(pid).create_time()
+    except psutil.Error:
+        return False
+    return started_at is None or abs(created - float(started_at)) < 1.0
+
+
+def stop_serving(grace: float = 15.0) -> None:
+    stop_server((serving() or {}).get("server"), grace)
     serving_file().unlink(missing_ok=True)
 
 
-def start_serving(base: PipelineConfig, serve: ServeConfig, path: str, version: str) -> tuple[bool, dict]:
-    """Serve path (already the champion) with smoke checks; keep the server up when they pass."""
+def start_serving(base: PipelineConfig, serve: ServeConfig, path: str, version: str,
+                  publish: bool = True) -> tuple[bool, dict]:
+    """Serve path with smoke checks; keep the server up when they pass (publish: record it in serving.json)."""
     cfg = base.model_copy(update={"stages": ["serve"], "serve": serve.model_copy(
         update={"keep_alive": True, "promote": False})})
     summary, error = run_pipeline(cfg, path, use_cache=False)
     entry = stage_entry(summary, "serve") or {}
     server = entry.get("server")
     if error or entry.get("status") != "completed":
-        if server and server.get("pid"):
-            kill_group(int(server["pid"]), 10.0)
+        stop_server(server, 10.0)
         return False, {"error": error or entry.get("error"), "run_id": (summary or {}).get("run_id")}
     state = {"version": version, "checkpoint": path, "server": server, "run_id": summary["run_id"],
              "served_model_name": entry.get("served_model_name"), "api_key_file": entry.get("api_key_file"),
              "since": dt.datetime.now().isoformat(timespec="seconds")}
-    serving_file().write_text(json.dumps(state, indent=2) + "\n")
+    if publish:
+        durable.write_json(serving_file(), state)
     return True, state
 
 
@@ -147,18 +165,83 @@ def record(c, cfg: PipelineConfig, result: dict) -> None:
     logger.info("retrain decision: %s (%s)", result["decision"], result["reason"])
 
 
+def _base_config(data, finetune, serve, model, tracking, seed) -> PipelineConfig:
+    base = PipelineConfig(name="retrain", stages=["finetune"], model=model, data=data, finetune=finetune,
+                          serve=serve, tracking=tracking, seed=seed)
+    errors = base.validate_stages()
+    if errors:
+        raise ConfigError("invalid parameters:\n" + "\n".join(f"  {e}" for e in errors))
+    return base
+
+
+def _new_data(base: PipelineConfig, champ: dict, result: dict, force: bool) -> bool:
+    """Build the data; False (decision recorded as skipped) when it is the champion's lineage."""
+    summary, error = run_pipeline(base.model_copy(update={"stages": ["data"]}), None)
+    if error:
+        raise RetrainFailed(f"data stage failed: {error}")
+    result["runs"].append(summary["run_id"])
+    result["data_digest"] = digest = data_digest(stage_entry(summary, "data")["output"])
+    result["data_revision"] = base.data.revision
+    if digest == champ["data_digest"] and not force:
+        result.update(decision="skipped", reason=f"data digest {digest[:12]} is the champion's lineage: nothing new")
+        return False
+    return True
+
+
+def _train_candidate(base: PipelineConfig, champ: dict, result: dict) -> str | None:
+    """Fine-tune from the champion and convert; the scores and the candidate into result; the error, if any."""
+    summary, error = run_pipeline(base, champ["path"])
+    result["runs"].append((summary or {}).get("run_id"))
+    ft = stage_entry(summary, "finetune") or {}
+    ev = ft.get("eval") or {}
+    result.update(champion_score=ev.get("before"), candidate_score=ev.get("after"), metric=ev.get("metric"))
+    conv = stage_entry(summary, "convert") or {}
+    if conv.get("registered"):
+        result["candidate_version"] = conv["registered"]["version"]
+        result["candidate_path"] = conv.get("output")
+    if error:
+        gate_failure = "gate failed" in (ft.get("error") or "") or "gate failed" in (conv.get("error") or "")
+        result.update(decision="kept" if gate_failure else "failed", reason=f"candidate not promoted: {error}")
+    return error
+
+
+def _switch(c, base: PipelineConfig, serve: ServeConfig, policy: RetrainPolicy, champ: dict, result: dict) -> None:
+    """Smoke-test the candidate on a side port (the old server keeps serving), then compare-and-set the alias against
+    the champion this decision was made on, then retire the old server. Any step failing leaves the earlier state."""
+    name = base.tracking.registered_model
+    candidate = None
+    if policy.serve:
+        ok, candidate = start_serving(base, serve.model_copy(update={"port": 0}), result["candidate_path"],
+                                      result["candidate_version"], publish=False)
+        if not ok:
+            result.update(decision="kept", serving=candidate, reason="candidate failed its serving smoke test on a "
+                          f"side port ({candidate['error']}); champion and its server unchanged")
+            return
+    try:
+        promoted = mlt.promote_champion(c, name, result["candidate_version"], expected=champ["version"],
+                                        tags={"data_digest": result["data_digest"],
+                                              "retrain_score": result["candidate_score"]})
+    except mlt.AliasMoved as e:
+        if candidate:
+            stop_server(candidate.get("server"))
+        result.update(decision="aborted", reason=str(e))
+        return
+    result.update(decision="promoted", previous_champion=promoted["previous"],
+                  reason=f"candidate {result['metric']} {result['candidate_score']} ≥ champion's "
+                         f"{result['champion_score']} + {policy.margin}")
+    if candidate:
+        stop_serving()
+        durable.write_json(serving_file(), candidate)
+        result["serving"] = candidate
+
+
 @flow(name="baton-retrain", log_prints=True)
 def retrain(data: DataConfig = DataConfig(), finetune: FinetuneConfig = FinetuneConfig(),
             serve: ServeConfig = ServeConfig(), policy: RetrainPolicy = RetrainPolicy(),
             model: ModelConfig = ModelConfig(), tracking: TrackingConfig = TrackingConfig(),
             seed: int = 0) -> dict:
     """Retrain the champion on new data; promote the result only when it is better by `policy.margin`."""
-    logger = get_run_logger()
-    base = PipelineConfig(name="retrain", stages=["finetune"], model=model, data=data, finetune=finetune,
-                          serve=serve, tracking=tracking, seed=seed)
-    errors = base.validate_stages()
-    if errors:
-        raise ConfigError("invalid parameters:\n" + "\n".join(f"  {e}" for e in errors))
+    base = _base_config(data, finetune, serve, model, tracking, seed)
     name = tracking.registered_model
     c = mlt.client()
     champ = champion(c, name)
@@ -168,63 +251,20 @@ def retrain(data: DataConfig = DataConfig(), finetune: FinetuneConfig = Finetune
     result: dict = {"started": dt.datetime.now().strftime("%Y%m%d-%H%M%S"), "registered_model": name,
                     "champion_version": champ["version"], "champion_data_digest": champ["data_digest"],
                     "margin": policy.margin, "runs": []}
-
-    summary, error = run_pipeline(base.model_copy(update={"stages": ["data"]}), None)
-    if error:
-        raise RetrainFailed(f"data stage failed: {error}")
-    result["runs"].append(summary["run_id"])
-    result["data_digest"] = digest = data_digest(stage_entry(summary, "data")["output"])
-    result["data_revision"] = data.revision
-    if digest == champ["data_digest"] and not policy.force:
-        result.update(decision="skipped", reason=f"data digest {digest[:12]} is the champion's lineage: nothing new")
+    if not _new_data(base, champ, result, policy.force):
         record(c, base, result)
         return result
-
-    logger.info("new data (digest %s, champion trained on %s): fine-tuning version %s", digest[:12],
-                champ["data_digest"][:12] or "unknown data", champ["version"])
-    summary, error = run_pipeline(base, champ["path"])
-    result["runs"].append((summary or {}).get("run_id"))
-    ft = stage_entry(summary, "finetune") or {}
-    ev = ft.get("eval") or {}
-    result.update(champion_score=ev.get("before"), candidate_score=ev.get("after"), metric=ev.get("metric"))
-    conv = next((s for s in (summary or {}).get("stages", []) if s["name"] == "convert"), {})
-    if conv.get("registered"):
-        result["candidate_version"] = conv["registered"]["version"]
-        result["candidate_path"] = conv.get("output")
-    if error:
-        gate_failure = "gate failed" in (ft.get("error") or "") or "gate failed" in (conv.get("error") or "")
-        result.update(decision="kept" if gate_failure else "failed",
-                      reason=f"candidate not promoted: {error}")
-        record(c, base, result)
-        if not gate_failure:
-            raise RetrainFailed(result["reason"])
-        return result
-    if not better(result["candidate_score"], result["champion_score"], policy.margin):
+    get_run_logger().info("new data (digest %s, champion trained on %s): fine-tuning version %s",
+                          result["data_digest"][:12], champ["data_digest"][:12] or "unknown data", champ["version"])
+    error = _train_candidate(base, champ, result)
+    if error is None and not better(result["candidate_score"], result["champion_score"], policy.margin):
         result.update(decision="kept", reason=f"candidate {result['metric']} {result['candidate_score']} is not better "
                                               f"than the champion's {result['champion_score']} by {policy.margin}")
-        record(c, base, result)
-        return result
-
-    if not result.get("candidate_version"):
+    elif error is None and not result.get("candidate_version"):
         result.update(decision="failed", reason="the converted candidate was not registered")
-        record(c, base, result)
-        raise RetrainFailed(result["reason"])
-    promoted = mlt.promote_champion(c, name, result["candidate_version"],
-                                    tags={"data_digest": digest, "retrain_score": result["candidate_score"]})
-    result.update(decision="promoted", reason=f"candidate {result['metric']} {result['candidate_score']} ≥ "
-                                              f"champion's {result['champion_score']} + {policy.margin}",
-                  previous_champion=promoted["previous"])
-    if policy.serve:
-        previous = serving()
-        stop_serving()
-        ok, state = start_serving(base, serve, result["candidate_path"], result["candidate_version"])
-        result["serving"] = state
-        if not ok:
-            back = mlt.rollback_champion(c, name)
-            result.update(decision="rolled_back", reason=f"serving smoke failed after promotion ({state['error']}): "
-                                                         f"champion back to version {back['to']}")
-            if previous:
-                ok_prev, state_prev = start_serving(base, serve, previous["checkpoint"], previous["version"])
-                result["serving"] = state_prev if ok_prev else {"error": state_prev.get("error")}
+    elif error is None:
+        _switch(c, base, serve, policy, champ, result)
     record(c, base, result)
+    if result["decision"] == "failed":
+        raise RetrainFailed(result["reason"])
     return result

@@ -205,40 +205,70 @@ def _alias_version(c, name: str, alias: str) -> str | None:
         return None
 
 
-def promote_champion(c, name: str, version: str, tags: dict | None = None) -> dict:
-    """Move `champion` to version; the version it replaces stays registered, recorded in a tag and `previous-champion`."""
+ANY = object()  # `expected` default: move the alias whatever it points at now
+
+
+class AliasMoved(RuntimeError):
+    """The alias changed between a decision and its move: nothing was changed."""
+
+
+def alias_lock(name: str):
+    """Serializes every alias move of one registered model across processes on this BATON_HOME (MLflow itself has
+    no compare-and-set): read, compare, write happen under it."""
+    import filelock
+
+    folder = baton_home() / "locks"
+    folder.mkdir(parents=True, exist_ok=True)
+    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)
+    return filelock.FileLock(str(folder / f"alias-{safe}.lock"), timeout=300)
+
+
+def _check_unmoved(name: str, current: str | None, expected) -> None:
+    if expected is not ANY and current != (str(expected) if expected is not None else None):
+        raise AliasMoved(f"{name}@{CHAMPION} moved since this decision was made (expected version {expected}, now "
+                         f"{current}); nothing changed: decide again against the new champion")
+
+
+def promote_champion(c, name: str, version: str, tags: dict | None = None, expected=ANY) -> dict:
+    """Move `champion` to version (compare-and-set: only if it still points at `expected`, None for no champion);
+    the version it replaces stays registered, recorded in a tag and `previous-champion`."""
     version = str(version)
-    previous = _alias_version(c, name, CHAMPION)
-    for k, v in (tags or {}).items():
-        c.set_model_version_tag(name, version, k, str(v))
-    if previous == version:
-        return {"name": name, "version": version, "previous": c.get_model_version(name, version).tags.get(REPLACED_TAG)
-                or None, "changed": False}
-    c.set_model_version_tag(name, version, REPLACED_TAG, previous or "")
-    c.set_registered_model_alias(name, CHAMPION, version)
-    if previous:
-        c.set_registered_model_alias(name, PREVIOUS, previous)
+    with alias_lock(name):
+        previous = _alias_version(c, name, CHAMPION)
+        _check_unmoved(name, previous, expected)
+        for k, v in (tags or {}).items():
+            c.set_model_version_tag(name, version, k, str(v))
+        if previous == version:
+            return {"name": name, "version": version, "changed": False,
+                    "previous": c.get_model_version(name, version).tags.get(REPLACED_TAG) or None}
+        c.set_model_version_tag(name, version, REPLACED_TAG, previous or "")
+        c.set_registered_model_alias(name, CHAMPION, version)
+        if previous:
+            c.set_registered_model_alias(name, PREVIOUS, previous)
     return {"name": name, "version": version, "previous": previous, "changed": True}
 
 
-def rollback_champion(c, name: str) -> dict:
-    """Move `champion` back to the version the current champion replaced (repeatable down the chain)."""
-    current = _alias_version(c, name, CHAMPION)
-    if current is None:
-        raise ValueError(f"registered model {name!r} has no {CHAMPION!r} alias: nothing to roll back")
-    previous = c.get_model_version(name, current).tags.get(REPLACED_TAG) or None
-    if not previous:
-        raise ValueError(f"{name} version {current} is the first champion: there is no earlier one to roll back to")
-    c.set_model_version_tag(name, current, "baton.rolled_back", "true")
-    c.set_registered_model_alias(name, CHAMPION, previous)
-    before = c.get_model_version(name, previous).tags.get(REPLACED_TAG) or None
-    if before:
-        c.set_registered_model_alias(name, PREVIOUS, before)
-    else:
-        try:
-            c.delete_registered_model_alias(name, PREVIOUS)
-        except Exception:
-            pass
+def rollback_champion(c, name: str, expected=ANY) -> dict:
+    """Move `champion` back to the version the current champion replaced (repeatable down the chain); with
+    `expected`, only if the champion is still that version."""
+    with alias_lock(name):
+        current = _alias_version(c, name, CHAMPION)
+        if current is None:
+            raise ValueError(f"registered model {name!r} has no {CHAMPION!r} alias: nothing to roll back")
+        _check_unmoved(name, current, expected)
+        previous = c.get_model_version(name, current).tags.get(REPLACED_TAG) or None
+        if not previous:
+            raise ValueError(f"{name} version {current} is the first champion: there is no earlier one to roll back to")
+        c.set_model_version_tag(name, current, "baton.rolled_back", "true")
+        c.set_registered_model_alias(name, CHAMPION, previous)
+        before = c.get_model_version(name, previous).tags.get(REPLACED_TAG) or None
+        if before:
+            c.set_registered_model_alias(name, PREVIOUS, before)
+        else:
+            try:
+                c.delete_registered_model_alias(name, PREVIOUS)
+            except Exception:
+                pass
     return {"name": name, "from": current, "to": previous}
 
 

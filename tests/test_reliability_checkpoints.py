@@ -10,7 +10,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-import torch
 
 from conftest import baton
 from conversions import hf, manifest as mf, verify

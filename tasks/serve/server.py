@@ -3,7 +3,6 @@ and stop the whole group. Unlike `tasks.launch.run`, the caller keeps working wh
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import os
 import socket
@@ -134,10 +133,21 @@ class Server:
     def describe(self) -> dict:
         """What a user needs to reach or stop a detached server (no secret in it)."""
         return {"engine": self.name, "pid": self.proc.pid if self.proc else None, "base_url": self.base_url,
-                "log": str(self.log_path), "stop": f"kill -- -{self.proc.pid}" if self.proc else None}
+                "log": str(self.log_path), "stop": f"kill -- -{self.proc.pid}" if self.proc else None,
+                "started_at": self._started_at()}  # with pid: a later stop signals only this very process
+
+    def _started_at(self) -> float | None:
+        import psutil
+
+        try:
+            return psutil.Process(self.proc.pid).create_time() if self.proc else None
+        except psutil.Error:
+            return None
 
     def write_info(self, path: Path) -> None:
-        path.write_text(json.dumps(self.describe(), indent=2) + "\n")
+        from conversions import durable
+
+        durable.write_json(path, self.describe())
 
     def __enter__(self) -> "Server":
         return self.start()

@@ -204,13 +204,18 @@ def decide(cfg: ServeConfig, score: float | None, before: float | None, evaluate
                                                    + (f", champion {before:.4f}" if before is not None else "") + ")")
 
 
-def champion_score(name: str) -> float | None:
+def champion_now(name: str) -> tuple[str | None, float | None]:
+    """(version, score) of the champion this decision is made against (the promotion compares-and-sets on it)."""
     try:
         c = tracking.client()
         mv = c.get_model_version_by_alias(name, tracking.CHAMPION)
-        return float(mv.tags[EVAL_METRIC]) if EVAL_METRIC in mv.tags else None
     except Exception:
-        return None
+        return None, None
+    return str(mv.version), (float(mv.tags[EVAL_METRIC]) if EVAL_METRIC in mv.tags else None)
+
+
+def champion_score(name: str) -> float | None:
+    return champion_now(name)[1]
 
 
 def _refused(ctx: StageContext, cfg: ServeConfig, pre: list[dict]) -> StageOutput:
@@ -264,7 +269,8 @@ def _evaluation(cfg: ServeConfig, results: dict, metrics: dict, checks: list[dic
     return score, eval_result is not None
 
 
-def _promote(cfg: ServeConfig, ident: dict, gate: dict, score: float | None, metrics: dict) -> dict | None:
+def _promote(cfg: ServeConfig, ident: dict, gate: dict, score: float | None, metrics: dict,
+             decided_against: str | None) -> dict | None:
     if not (gate["passed"] and cfg.promote and ident["version"]):
         if not gate["passed"]:
             _logger().error("serve gate failed: nothing promoted")
@@ -272,7 +278,8 @@ def _promote(cfg: ServeConfig, ident: dict, gate: dict, score: float | None, met
     champion = tracking.promote_champion(
         tracking.client(), ident["name"], ident["version"],
         tags={k: v for k, v in {EVAL_METRIC: score, "served_by": "+".join(cfg.engines()),
-                                "json_valid_rate": metrics.get("json_valid_rate")}.items() if v is not None})
+                                "json_valid_rate": metrics.get("json_valid_rate")}.items() if v is not None},
+        expected=decided_against)
     _logger().info("champion: %s version %s (previous %s)", ident["name"], ident["version"], champion["previous"])
     return champion
 
@@ -307,11 +314,11 @@ def serve(ctx: StageContext, cfg: ServeConfig, hold: bool = False) -> StageOutpu
     _logger().info("serve %s as %r (API key in %s)", ctx.input, ident["served_model_name"], key_file)
     checks, metrics, results = _serve_engines(ctx, cfg, ident, key, key_file, hold)
     checks = list(pre) + checks
-    before = champion_score(ident["name"])
+    decided_against, before = champion_now(ident["name"])
     score, evaluated = _evaluation(cfg, results, metrics, checks)
     checks.append(decide(cfg, score, before, evaluated and not any(c["name"] == "lm_eval.run" for c in checks)))
     gate = verify.report(checks)
-    champion = _promote(cfg, ident, gate, score, metrics)
+    champion = _promote(cfg, ident, gate, score, metrics, decided_against)
     extra = {"served_model_name": ident["served_model_name"],
              "served_model_names": {e: r["served_model_name"] for e, r in results.items() if "served_model_name" in r},
              "served_checkpoint": str(ctx.input),
