@@ -349,6 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     _env_defaults()
+    os.umask(0o077)  # everything baton writes (BATON_HOME, runs, keys, logs) is the user's alone: dirs 0700, files 0600
     args = build_parser().parse_args(argv)
     return args.fn(args)
 

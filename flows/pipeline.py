@@ -14,6 +14,7 @@ from flows import plan as planning, report, runs
 from flows.config import ConfigError, PipelineConfig
 from flows.stages import STAGE_FLOWS, RunInfo, StageFailed
 from tasks import tracking
+from tasks.secrets import check_run_id, redact
 
 
 def resolve_input(cfg: PipelineConfig, from_ref: str | None) -> tuple[Path | None, str | None, str | None]:
@@ -60,10 +61,10 @@ def prepare(cfg: PipelineConfig, from_ref: str | None):
 
 def _open_run(cfg: PipelineConfig, steps: list, run_id: str | None) -> tuple[RunInfo, dict]:
     """The run folder (config, plan), the MLflow parent run and the summary skeleton."""
-    run_id = run_id or runs.new_run_id()
+    run_id = check_run_id(run_id or runs.new_run_id())
     run_dir = runs.runs_root() / run_id
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(redact(cfg.model_dump(mode="json")), sort_keys=False))
     (run_dir / "plan.json").write_text(json.dumps([s.to_dict() for s in steps], indent=2))
     flow_run_id = prefect_flow_run.get_id()
     c = tracking.client()

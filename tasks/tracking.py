@@ -17,7 +17,11 @@ PREFECT_TAG = "prefect.flow_run_id"
 
 
 def baton_home() -> Path:
-    return Path(os.environ.get("BATON_HOME", ".baton")).resolve()
+    """BATON_HOME, created private (0700) on first use: it holds API keys, the registry and every run's logs."""
+    home = Path(os.environ.get("BATON_HOME", ".baton")).resolve()
+    if not home.exists():
+        home.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return home
 
 
 def tracking_uri() -> str:
@@ -64,7 +68,9 @@ def flatten(d: dict, prefix: str = "") -> dict[str, str]:
 def log_params(c, run_id: str, params: dict) -> None:
     from mlflow.entities import Param
 
-    items = [Param(k[:250], v[:6000]) for k, v in flatten(params).items()]
+    from tasks.secrets import redact
+
+    items = [Param(k[:250], v[:6000]) for k, v in flatten(redact(params)).items()]
     for i in range(0, len(items), 100):
         c.log_batch(run_id, params=items[i:i + 100])
 
@@ -83,7 +89,9 @@ def end_run(c, run_id: str, ok: bool) -> None:
 
 
 def log_json(c, run_id: str, obj: Any, artifact_file: str) -> None:
-    c.log_dict(run_id, obj, artifact_file)
+    from tasks.secrets import redact
+
+    c.log_dict(run_id, redact(obj), artifact_file)
 
 
 def log_file(c, run_id: str, path: Path, artifact_path: str | None = None) -> None:

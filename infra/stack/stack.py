@@ -173,10 +173,11 @@ def up(db: str, worker: bool, deploy: bool) -> None:
     start("prefect-server", [str(bin_dir() / "prefect"), "server", "start", "--analytics-off"],
           {**env, **prefect_server_env(prefect_db)})
     # GenAI job execution off: otherwise MLflow spawns ~7 huey consumers (~2 GB) that tracking does not need
+    # the store URI (with the database password) through the environment: never on a command line (`ps`)
     start("mlflow-server", [str(bin_dir() / "mlflow"), "server", "--host", HOST, "--port", str(p["mlflow"]),
-                            "--backend-store-uri", mlflow_db or f"sqlite:///{state_dir() / 'mlflow' / 'mlflow.db'}",
                             "--artifacts-destination", str(state_dir() / "mlflow" / "artifacts"), "--workers", "1"],
-          {**env, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
+          {**env, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+           "MLFLOW_BACKEND_STORE_URI": mlflow_db or f"sqlite:///{state_dir() / 'mlflow' / 'mlflow.db'}"})
     cenv = {**env, **client_env()}
     s1 = wait_http(f"http://{HOST}:{p['prefect']}/api/health", "Prefect server", "prefect-server")
     s2 = wait_http(f"http://{HOST}:{p['mlflow']}/health", "MLflow server", "mlflow-server")

@@ -3,7 +3,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from tasks.stage import StrictModel
 
@@ -32,6 +32,17 @@ class LmEvalConfig(StrictModel):
     timeout_s: float = Field(900, gt=0)
 
 
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class ServeConfig(StrictModel):
     """Serve the input HF checkpoint with vLLM and/or SGLang, smoke-test it, and promote it to `champion`."""
 
@@ -40,7 +51,8 @@ class ServeConfig(StrictModel):
 
     engine: Literal["vllm", "sglang", "both"] = "both"
     device: Literal["cpu", "cuda"] = Field("cpu", description="cpu: the CPU runtimes and flags; cuda: GPU images")
-    host: str = "127.0.0.1"
+    host: str = Field("127.0.0.1", description="address the server listens on; other than loopback needs allow_remote")
+    allow_remote: bool = Field(False, description="let serve.host be reachable from other machines (API key only)")
     port: int = Field(0, ge=0, le=65535, description="0: pick a free port")
     api_key_file: Path | None = Field(None, description="file holding the API key; unset: generate one (0600)")
     served_model_name: str | None = Field(None, description="unset: <registered name>:<version>, else the folder name")
@@ -58,6 +70,13 @@ class ServeConfig(StrictModel):
     promote: bool = Field(True, description="move the registry alias `champion` when every check passes")
     smoke: SmokeConfig = SmokeConfig()
     lm_eval: LmEvalConfig = LmEvalConfig()
+
+    @model_validator(mode="after")
+    def _loopback_unless_allowed(self):
+        if not self.allow_remote and not _loopback(self.host):
+            raise ValueError(f"serve.host {self.host!r} is reachable from other machines; set serve.allow_remote: "
+                             "true to mean it (the API key is then the only protection)")
+        return self
 
     def engine_dtype(self) -> str:
         """The dtype name the engines take (--dtype)."""

@@ -6,6 +6,8 @@ portable flags are passed and the regular GPU packages / images are expected.
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from pathlib import Path
 
 from tasks.serve.config import ServeConfig
@@ -14,7 +16,7 @@ RUNTIME = {"vllm": "vllm", "sglang": "sglang"}
 
 
 def vllm_command(cfg: ServeConfig, python: str, model_dir: Path, port: int, served_name: str,
-                 api_key: str) -> tuple[list[str], dict]:
+                 api_key: str, secrets_dir: Path | None = None) -> tuple[list[str], dict]:
     # `vllm serve` through its module, so any runtime's python works (the CPU dist needs vllm.post.sh's alias).
     cmd = [python, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir), "--host", cfg.host,
            "--port", str(port), "--served-model-name", served_name, "--dtype", cfg.engine_dtype(), "--tensor-parallel-size", str(cfg.tensor_parallel),
@@ -30,10 +32,23 @@ def vllm_command(cfg: ServeConfig, python: str, model_dir: Path, port: int, serv
     return cmd + list(cfg.engine_args.get("vllm", [])), env
 
 
+def sglang_key_config(api_key: str, secrets_dir: Path | None) -> Path:
+    """SGLang has no API-key environment variable; it reads options from `--config FILE.yaml`: a 0600 file, so the
+    key never appears on a command line (`ps`) or in a log."""
+    folder = Path(secrets_dir) if secrets_dir else Path(tempfile.mkdtemp(prefix="baton-sglang-"))
+    path = folder / "sglang-secrets.yaml"
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"api-key: {json.dumps(api_key)}\n")
+    return path
+
+
 def sglang_command(cfg: ServeConfig, python: str, model_dir: Path, port: int, served_name: str,
-                   api_key: str) -> tuple[list[str], dict]:
+                   api_key: str, secrets_dir: Path | None = None) -> tuple[list[str], dict]:
     cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model_dir), "--host", cfg.host,
-           "--port", str(port), "--served-model-name", served_name, "--dtype", cfg.engine_dtype(), "--tp-size", str(cfg.tensor_parallel), "--api-key", api_key,
+           "--port", str(port), "--served-model-name", served_name, "--dtype", cfg.engine_dtype(),
+           "--tp-size", str(cfg.tensor_parallel), "--config", str(sglang_key_config(api_key, secrets_dir)),
            "--grammar-backend", cfg.sglang_grammar_backend, "--constrained-json-disable-any-whitespace"]
     if cfg.max_model_len:
         cmd += ["--context-length", str(cfg.max_model_len)]

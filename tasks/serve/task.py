@@ -141,7 +141,8 @@ def serve_engine(ctx: StageContext, cfg: ServeConfig, engine: str, ident: dict, 
     port = cfg.port or free_port(cfg.host)
     base_url = f"http://{cfg.host}:{port}"
     name = engines.served_name(engine, ident["served_model_name"])
-    cmd, env = engines.COMMANDS[engine](cfg, ctx.python(engines.RUNTIME[engine]), ctx.input, port, name, key)
+    cmd, env = engines.COMMANDS[engine](cfg, ctx.python(engines.RUNTIME[engine]), ctx.input, port, name, key,
+                                        secrets_dir=ctx.work_dir)
     server = Server(engine, cmd, {**ctx.worker_env(), **env}, base_url, ctx.work_dir / f"server-{engine}.log",
                     redactor(key), on_line=lambda line: log.info("[%s] %s", engine, line), managed=not detach)
     out: dict = {"checks": [], "metrics": {}, "server": server, "eval": None}

@@ -1,0 +1,33 @@
+"""What never leaves baton in clear: values of keys that look like secrets, and every value of an engine runtime's
+`env` (tokens and passwords live there). Applied to MLflow params and artifacts, the run folder's config copy, and
+Prefect parameters."""
+from __future__ import annotations
+
+import re
+
+REDACTED = "***redacted***"
+SECRET_KEY = re.compile(r"(pass(word|wd)?|secret|token|api[_-]?key|credential|private[_-]?key|auth)", re.IGNORECASE)
+RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+def is_secret_key(key: str) -> bool:
+    return bool(SECRET_KEY.search(str(key))) and not str(key).endswith(("_file", "_path"))
+
+
+def redact(obj, path: tuple = ()):
+    """A copy of obj with secret values replaced (dicts and lists walked; `runtimes.<name>.env` values all go)."""
+    if isinstance(obj, dict):
+        env_block = len(path) >= 2 and path[-1] == "env" and "runtimes" in path
+        return {k: (REDACTED if (env_block or is_secret_key(k)) and v not in (None, "", {}, [])
+                    and not isinstance(v, (dict, list)) else redact(v, path + (k,)))
+                for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(redact(v, path) for v in obj)
+    return obj
+
+
+def check_run_id(run_id: str) -> str:
+    """A run id names a folder under BATON_HOME/runs: one plain name, never a path (`../..`)."""
+    if not RUN_ID.match(run_id or "") or run_id in (".", ".."):
+        raise ValueError(f"run_id {run_id!r}: letters, digits, '.', '_' and '-' only (a folder name, not a path)")
+    return run_id

@@ -1,0 +1,124 @@
+"""Secrets and permissions (issue 12, item 8), for real: SGLang's own argument parser gets the API key from a 0600
+file (not the command line); secrets are redacted from MLflow params and artifacts; BATON_HOME and what `baton`
+writes are private; run ids and serve.host are confined; PostgreSQL asks every connection for a password."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, baton
+from tasks import secrets, tracking
+from tasks.serve import engines
+from tasks.serve.config import ServeConfig
+
+pytestmark = pytest.mark.reliability
+KEY = "baton-SECRET-key-123"
+
+
+@pytest.mark.fast
+def test_sglang_reads_its_api_key_from_a_private_file_not_the_command_line(tmp_path, record_property):
+    record_property("fault", "API key on a command line")
+    cmd, env = engines.sglang_command(ServeConfig(), sys.executable, tmp_path, 30000, "m", KEY, secrets_dir=tmp_path)
+    assert not any(KEY in part for part in cmd) and not any(KEY in v for v in env.values())
+    cfg_file = Path(cmd[cmd.index("--config") + 1])
+    assert stat.S_IMODE(cfg_file.stat().st_mode) == 0o600
+    sglang_python = Path.home() / ".cache" / "baton" / "runtimes"
+    pythons = sorted(sglang_python.glob("sglang-*/bin/python"))
+    if not pythons:
+        pytest.skip("the sglang runtime is not built (make runtimes)")
+    probe = ("import sys, argparse\nfrom sglang.srt.server_args import ServerArgs\n"
+             "from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger\n"
+             "p = argparse.ArgumentParser(); ServerArgs.add_cli_args(p)\n"
+             "argv = ConfigArgumentMerger(p).merge_config_with_args(sys.argv[1:])\n"
+             "print(p.parse_args(argv).api_key)\n")
+    out = subprocess.run([str(pythons[-1]), "-c", probe, *cmd[cmd.index("--model-path"):]], capture_output=True,
+                         text=True, timeout=300)
+    assert out.stdout.strip().splitlines()[-1:] == [KEY], out.stderr[-2000:]
+
+
+@pytest.mark.fast
+def test_secret_values_are_redacted_from_mlflow_params_and_artifacts(baton_home):
+    cfg = {"runtimes": {"vllm": {"env": {"HF_HOME": "/x", "SOME_VAR": "v"}}},
+           "tracking": {"api_token": "tok-123", "password_file": "/keys/pw"}, "serve": {"api_key": KEY}}
+    c = tracking.client()
+    run = tracking.start_run(c, "secrets", "r", tags={})
+    tracking.log_params(c, run, cfg)
+    tracking.log_json(c, run, cfg, "cfg.json")
+    params = c.get_run(run).data.params
+    assert params["runtimes.vllm.env.SOME_VAR"] == secrets.REDACTED and params["serve.api_key"] == secrets.REDACTED
+    assert params["tracking.api_token"] == secrets.REDACTED and params["tracking.password_file"] == "/keys/pw"
+    import mlflow.artifacts
+    art = mlflow.artifacts.load_dict(f"{c.get_run(run).info.artifact_uri}/cfg.json")
+    assert KEY not in json.dumps(art) and "tok-123" not in json.dumps(art)
+
+
+@pytest.mark.fast
+def test_run_ids_and_serve_host_are_confined():
+    for bad in ("../..", "..", "a/b", "/etc", ""):
+        with pytest.raises(ValueError):
+            secrets.check_run_id(bad)
+    assert secrets.check_run_id("20261201-0101-ab12") == "20261201-0101-ab12"
+    with pytest.raises(ValueError, match="allow_remote"):
+        ServeConfig(host="0.0.0.0")
+    assert ServeConfig(host="0.0.0.0", allow_remote=True).host == "0.0.0.0"
+    assert ServeConfig(host="::1").host == "::1"
+
+
+@pytest.mark.fast
+def test_baton_home_and_its_files_are_private(tmp_path, record_property):
+    record_property("fault", "world-readable BATON_HOME")
+    home = tmp_path / "home"
+    r = baton("manifest", str(REPO / "configs"), "--format", "dataset", home=home, timeout=120)
+    assert r.returncode == 0, r.stderr
+    d = tmp_path / "ck"
+    d.mkdir()
+    (d / "w.bin").write_bytes(b"1")
+    code = ("import os, sys; sys.path.insert(0, %r); from flows.cli import main; os.umask(0o022); "
+            "from tasks.tracking import baton_home; main(['manifest', %r, '--format', 'dataset']); "
+            "print(oct(os.stat(baton_home()).st_mode & 0o777))") % (str(REPO), str(d))
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, BATON_HOME=str(tmp_path / "home2")),
+                         capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip().splitlines()[-1] == "0o700", out.stderr[-1000:]
+    assert stat.S_IMODE((d / "baton_manifest.json").stat().st_mode) == 0o600
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.ops
+def test_postgres_asks_every_connection_for_a_password(tmp_path, record_property):
+    record_property("fault", "database without password auth")
+    if not Path("/usr/lib/postgresql").exists():
+        pytest.skip("PostgreSQL not installed (infra/stack/system-deps.sh postgresql)")
+    sys.path.insert(0, str(REPO / "infra" / "stack"))
+    import postgres
+
+    state = tmp_path / "stack"
+    cluster = postgres.Cluster(state, tmp_path / "home", _free_port())
+    try:
+        cluster.start()
+        assert stat.S_IMODE(cluster.root.stat().st_mode) == 0o700  # the socket folder
+        psql = [postgres.pg_bin("psql"), "-h", str(cluster.root), "-p", str(cluster.port), "-U", "postgres",
+                "-d", "postgres", "-w", "-tAc", "SELECT 1"]
+        runas = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+        env = {k: v for k, v in os.environ.items() if k != "PGPASSWORD"}
+        denied = subprocess.run(runas + psql, capture_output=True, text=True, env=env, cwd="/")
+        assert denied.returncode != 0 and "password" in denied.stderr.lower()
+        allowed = subprocess.run(runas + psql, capture_output=True, text=True, cwd="/",
+                                 env=dict(env, PGPASSWORD=cluster.admin_password))
+        assert allowed.stdout.strip() == "1", allowed.stderr
+        ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+        assert cluster.password not in ps and cluster.admin_password not in ps
+        assert stat.S_IMODE((state / "postgres.json").stat().st_mode) == 0o600
+    finally:
+        cluster.stop(purge=True)
