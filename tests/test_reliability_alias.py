@@ -58,7 +58,8 @@ def test_two_concurrent_promotions_exactly_one_lands(tmp_path, baton_home, recor
     assert "moved since this decision was made" in next(line for line in lines if line.startswith("refused"))
 
 
-def test_stale_decision_and_rollback_are_refused(tmp_path, baton_home):
+def test_stale_decision_and_rollback_are_refused(tmp_path, baton_home, record_property):
+    record_property("fault", "stale champion decision")
     c, (v1, v2, v3) = _versions(tmp_path, 3)
     tracking.promote_champion(c, "race", v1)
     decided_against = v1  # a retrain reads the champion, then trains for hours ...

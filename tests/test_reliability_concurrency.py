@@ -69,7 +69,8 @@ def test_second_run_waits_refuses_and_takes_over_only_a_dead_owner(baton_home, r
 
 
 @pytest.mark.fast
-def test_lock_held_by_a_live_process_is_never_taken(tmp_path):
+def test_lock_held_by_a_live_process_is_never_taken(tmp_path, record_property):
+    record_property("fault", "step lock: live vs dead owner")
     holder = subprocess.Popen([sys.executable, "-c", (
         "import sys, time; sys.path.insert(0, %r)\n"
         "from pathlib import Path; from flows.runs import StepLock\n"
@@ -91,7 +92,8 @@ def test_lock_held_by_a_live_process_is_never_taken(tmp_path):
 
 
 @pytest.mark.fast
-def test_torn_index_record_is_absent_with_a_warning(tmp_path, caplog):
+def test_torn_index_record_is_absent_with_a_warning(tmp_path, caplog, record_property):
+    record_property("fault", "torn index record")
     idx = Index(tmp_path)
     idx.put("fp", status="completed", output="x")
     (tmp_path / "index" / "fp.json").write_text('{"fingerprint": "fp", "stat')  # a crash mid-write (old code)
@@ -102,7 +104,8 @@ def test_torn_index_record_is_absent_with_a_warning(tmp_path, caplog):
 
 
 @pytest.mark.fast
-def test_writer_killed_mid_write_leaves_the_old_content(tmp_path):
+def test_writer_killed_mid_write_leaves_the_old_content(tmp_path, record_property):
+    record_property("fault", "writer SIGKILLed mid-write")
     """A real process SIGKILLed while writing a 64 MB record through durable.write_bytes: the target keeps its old
     content and the only trace is a uniquely named tmp file (no shared tmp name another writer could clobber)."""
     target = tmp_path / "record.json"
@@ -122,7 +125,8 @@ def test_writer_killed_mid_write_leaves_the_old_content(tmp_path):
 
 
 @pytest.mark.fast
-def test_manifest_tmp_of_a_crashed_write_is_not_part_of_the_checkpoint(tmp_path):
+def test_manifest_tmp_of_a_crashed_write_is_not_part_of_the_checkpoint(tmp_path, record_property):
+    record_property("fault", "crashed manifest write")
     (tmp_path / "w.bin").write_bytes(b"abc")
     mf.write(tmp_path, mf.build(tmp_path, format="dataset", stage="test"))
     (tmp_path / f".{mf.MANIFEST_NAME}.abcd.tmp").write_text("{")  # left by a writer killed before its rename
@@ -131,7 +135,8 @@ def test_manifest_tmp_of_a_crashed_write_is_not_part_of_the_checkpoint(tmp_path)
 
 
 @pytest.mark.fast
-def test_publish_dir_refuses_to_replace_a_published_folder(tmp_path):
+def test_publish_dir_refuses_to_replace_a_published_folder(tmp_path, record_property):
+    record_property("fault", "rewrite of a published folder")
     final = tmp_path / "ckpt"
     part = durable.partial_of(final)
     part.mkdir()

@@ -51,7 +51,8 @@ def _zero_tag(root, optim_obj=None, model_obj=None):
 
 
 @pytest.mark.parametrize("kind", ["builtins.open", "os.system", "torch.save", "builtins.exec"])
-def test_zero_optimizer_and_model_states_refused(tmp_path, kind):
+def test_zero_optimizer_and_model_states_refused(tmp_path, kind, record_property):
+    record_property("fault", "crafted ZeRO *_states.pt")
     for which in ("optim", "model"):
         target = tmp_path / f"pwned-{which}"
         payload = {"optimizer_state_dict": {"zero_stage": 1, "loss_scaler": _payloads(target)[kind]}}
@@ -96,7 +97,8 @@ def _dist_checkpoint(root):
 
 
 @pytest.mark.parametrize("kind", ["builtins.open", "os.system", "torch.save"])
-def test_megatron_common_pt_refused(tmp_path, kind):
+def test_megatron_common_pt_refused(tmp_path, kind, record_property):
+    record_property("fault", "crafted Megatron common.pt")
     target = tmp_path / "pwned"
     root = _dist_checkpoint(tmp_path / "ckpt")
     torch.save({megatron.ARCH_KEY: {"num_layers": 1}, "x": _payloads(target)[kind]}, root / megatron.COMMON_FILE)
@@ -105,7 +107,8 @@ def test_megatron_common_pt_refused(tmp_path, kind):
     assert not target.exists()
 
 
-def test_dist_checkpoint_metadata_pickle_refused(tmp_path):
+def test_dist_checkpoint_metadata_pickle_refused(tmp_path, record_property):
+    record_property("fault", "crafted DCP .metadata")
     target = tmp_path / "pwned"
     root = _dist_checkpoint(tmp_path / "ckpt")
     megatron.DistReader(root)  # the genuine one passes the allowlist
@@ -117,7 +120,8 @@ def test_dist_checkpoint_metadata_pickle_refused(tmp_path):
     assert not target.exists()
 
 
-def test_zip_with_compressed_pickle_is_not_a_bypass(tmp_path):
+def test_zip_with_compressed_pickle_is_not_a_bypass(tmp_path, record_property):
+    record_property("fault", "crafted torch.save zip")
     f = tmp_path / "evil.pt"
     with zipfile.ZipFile(f, "w") as z:
         z.writestr("archive/data.pkl", pickle.dumps(_payloads(tmp_path / "pwned")["builtins.open"], protocol=2))

@@ -44,7 +44,8 @@ def test_sglang_reads_its_api_key_from_a_private_file_not_the_command_line(tmp_p
 
 
 @pytest.mark.fast
-def test_secret_values_are_redacted_from_mlflow_params_and_artifacts(baton_home):
+def test_secret_values_are_redacted_from_mlflow_params_and_artifacts(baton_home, record_property):
+    record_property("fault", "secrets in config")
     cfg = {"runtimes": {"vllm": {"env": {"HF_HOME": "/x", "SOME_VAR": "v"}}},
            "tracking": {"api_token": "tok-123", "password_file": "/keys/pw"}, "serve": {"api_key": KEY}}
     c = tracking.client()
@@ -60,7 +61,8 @@ def test_secret_values_are_redacted_from_mlflow_params_and_artifacts(baton_home)
 
 
 @pytest.mark.fast
-def test_run_ids_and_serve_host_are_confined():
+def test_run_ids_and_serve_host_are_confined(record_property):
+    record_property("fault", "run_id ../.. / remote host")
     for bad in ("../..", "..", "a/b", "/etc", ""):
         with pytest.raises(ValueError):
             secrets.check_run_id(bad)
