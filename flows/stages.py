@@ -244,6 +244,8 @@ def _record_output(c, mlflow_run: str, step: Step, work: Path, out: StageOutput,
     from mlflow.entities import Metric
 
     sink = streaming.pop_sink(mlflow_run)
+    if sink is not None:
+        sink.close()
     history = {**(sink.history if sink else {}), **out.history}
     entry.update(engine=out.engine, backend=out.backend, output=str(out.output) if out.output else None,
                  manifest=str(Path(out.output) / mf.MANIFEST_NAME) if out.output else None,

@@ -6,6 +6,7 @@ on MLflow's global "active run". Weights are not uploaded unless asked: manifest
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 import threading
@@ -99,14 +100,23 @@ def log_file(c, run_id: str, path: Path, artifact_path: str | None = None) -> No
 
 
 class MetricSink:
-    """Buffers engine metrics and writes them in batches (one SQLite transaction per flush, not per value)."""
+    """Buffers engine metrics and writes them in batches from a background thread, so a slow or stopped tracking
+    server never blocks the engine's log reader (and through its stdout pipe, training). A failed write is retried
+    with backoff and nothing is dropped; what is still unsent when the stage ends (after BATON_TRACKING_FLUSH_S,
+    default 300 s) goes to BATON_HOME/unsent-metrics/<run>.jsonl."""
 
     def __init__(self, c, run_id: str, prefix: str = "", flush_every: float = 2.0):
         self.c, self.run_id, self.prefix, self.flush_every = c, run_id, prefix, flush_every
         self.buf: list = []
-        self.last = time.time()
         self.lock = threading.Lock()
         self.history: dict[str, list[tuple[int, float]]] = {}
+        self.sent = 0
+        self.failures = 0
+        self._send_lock = threading.Lock()  # one sender at a time: a batch is never sent twice
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"metrics-{run_id[:8]}", daemon=True)
+        self._thread.start()
 
     def add(self, step: int, values: dict[str, float]) -> None:
         from mlflow.entities import Metric
@@ -118,15 +128,64 @@ class MetricSink:
                     continue
                 self.buf.append(Metric(self.prefix + k, float(v), ts, int(step)))
                 self.history.setdefault(k, []).append((int(step), float(v)))
-        if time.time() - self.last > self.flush_every:
-            self.flush()
 
-    def flush(self) -> None:
+    def _send_some(self) -> bool:
+        with self._send_lock:
+            return self._send_buffered()
+
+    def _send_buffered(self) -> bool:
+        """Send what is buffered, oldest first; False when the server refused or failed (kept for the next try)."""
+        while True:
+            with self.lock:
+                batch = self.buf[:900]
+            if not batch:
+                return True
+            try:
+                self.c.log_batch(self.run_id, metrics=batch)
+            except Exception as e:  # an outage: keep the batch, try again later
+                self.failures += 1
+                logging.getLogger("baton.tracking").warning("metrics for run %s not sent yet (%s); retrying",
+                                                            self.run_id, str(e).splitlines()[0][:200])
+                return False
+            with self.lock:
+                del self.buf[:len(batch)]
+                self.sent += len(batch)
+
+    def _loop(self) -> None:
+        backoff = self.flush_every
+        while not self._stop.is_set():
+            self._wake.wait(backoff)
+            self._wake.clear()
+            backoff = self.flush_every if self._send_some() else min(backoff * 2, 30.0)
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Send everything buffered now, retrying until timeout (BATON_TRACKING_FLUSH_S, default 300 s); what is
+        still unsent then is saved locally, never dropped."""
+        timeout = float(os.environ.get("BATON_TRACKING_FLUSH_S", "300")) if timeout is None else timeout
+        deadline, delay = time.time() + timeout, 1.0
+        while not self._send_some() and time.time() < deadline:
+            time.sleep(delay)
+            delay = min(delay * 2, 30.0)
         with self.lock:
-            buf, self.buf = self.buf, []
-            self.last = time.time()
-        for i in range(0, len(buf), 900):
-            self.c.log_batch(self.run_id, metrics=buf[i:i + 900])
+            rest, self.buf = self.buf, []
+        if rest:
+            self._save_unsent(rest)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the background sender after a last flush (the stage's end)."""
+        self._stop.set()
+        self._wake.set()
+        self.flush(timeout)
+
+    def _save_unsent(self, metrics: list) -> None:
+        from conversions import durable
+
+        path = baton_home() / "unsent-metrics" / f"{self.run_id}.jsonl"
+        lines = "".join(json.dumps({"key": m.key, "value": m.value, "timestamp": m.timestamp, "step": m.step}) + "\n"
+                        for m in metrics)
+        durable.write_text(path, lines)
+        logging.getLogger("baton.tracking").error("tracking server unreachable: %d metrics of run %s saved to %s",
+                                                  len(metrics), self.run_id, path)
 
 
 def log_dataset(c, run_id: str, path: Path, name: str, context: str, digest: str) -> None:

@@ -43,6 +43,57 @@ def redactor(*secrets: str) -> Callable[[str], str]:
     return redact
 
 
+SHM = Path("/dev/shm")
+# What engines leave in /dev/shm when they exit without cleaning up: SGLang's weight-loading segments and the POSIX
+# semaphores of Python's multiprocessing; DeepSpeed's shm comm op (one per rank).
+LEFTOVER_PATTERNS = ("sglang_loads_*", "sem.mp-*", "deepspeed_shm_*", "psm_*")
+
+
+def shm_entries() -> set[str]:
+    try:
+        return set(os.listdir(SHM))
+    except OSError:
+        return set()
+
+
+def _mapped_shm() -> set[str]:
+    """Names under /dev/shm that some live process still maps or holds open."""
+    used: set[str] = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            for line in open(f"/proc/{pid}/maps", errors="replace"):
+                if "/dev/shm/" in line:
+                    used.add(line.rsplit("/dev/shm/", 1)[1].split()[0])
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("/dev/shm/"):
+                    used.add(target[len("/dev/shm/"):])
+        except OSError:
+            continue
+    return used
+
+
+def remove_leftover_shm(before: set[str] | None) -> list[str]:
+    """Remove engine leftovers that appeared since `before` and no live process uses (another job's are kept)."""
+    import fnmatch
+
+    if before is None:
+        return []
+    new = [n for n in shm_entries() - before if any(fnmatch.fnmatch(n, p) for p in LEFTOVER_PATTERNS)]
+    if not new:
+        return []
+    in_use = _mapped_shm()
+    removed = []
+    for name in new:
+        if name not in in_use:
+            try:
+                (SHM / name).unlink()
+                removed.append(name)
+            except OSError:
+                pass
+    return removed
+
+
 class Server:
     """One engine server. managed=True: tied to us (log relay, killed with us); False: detached (keep_alive)."""
 
@@ -54,6 +105,7 @@ class Server:
         self.tail: collections.deque[str] = collections.deque(maxlen=60)
         self.started_at = 0.0
         self.healthy_after: float | None = None
+        self._shm_before: set[str] | None = None
         self._relay: threading.Thread | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------------------------------
@@ -63,6 +115,7 @@ class Server:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log.info("start %s server: %s", self.name, self.redact(" ".join(self.cmd)))
         self.started_at = time.time()
+        self._shm_before = shm_entries()
         if self.managed:
             launch._install_signal_handlers()  # Ctrl-C / cancellation takes the server down too
             self.proc = subprocess.Popen(self.cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -129,6 +182,9 @@ class Server:
             launch._active.discard(self.proc)
         if self._relay is not None:
             self._relay.join(timeout=5)
+        removed = remove_leftover_shm(self._shm_before)
+        if removed:
+            log.info("%s: removed %d shared-memory leftovers (%s)", self.name, len(removed), ", ".join(removed[:5]))
 
     def describe(self) -> dict:
         """What a user needs to reach or stop a detached server (no secret in it)."""

@@ -1,0 +1,92 @@
+"""Tracking outage (issue 12, item 5), for real: the MLflow server (the one `make up` runs, started the same way)
+is frozen with SIGSTOP for 30 s while an engine streams metrics, then SIGCONT. The engine is never held up by the
+tracking server and every metric arrives."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tasks import launch, tracking
+
+pytestmark = [pytest.mark.ops, pytest.mark.reliability]
+
+ENGINE = """
+import json, time
+for step in range(1, {n} + 1):
+    print('@@baton ' + json.dumps({{"kind": "metric", "step": step, "loss": 1.0 / step}}), flush=True)
+    time.sleep({pause})
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_http(url: str, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            return
+        except OSError:
+            time.sleep(1)
+    raise AssertionError(f"{url} not up after {timeout}s")
+
+
+@pytest.fixture
+def mlflow_server(tmp_path, monkeypatch):
+    port = _free_port()
+    log = open(tmp_path / "mlflow.log", "wb")
+    proc = subprocess.Popen([str(Path(sys.executable).with_name("mlflow")), "server", "--host", "127.0.0.1", "--port",
+                             str(port), "--artifacts-destination", str(tmp_path / "artifacts"), "--workers", "1"],
+                            env=dict(os.environ, MLFLOW_BACKEND_STORE_URI=f"sqlite:///{tmp_path / 'mlflow.db'}",
+                                     MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false"),
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/health", 240)
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
+        yield proc
+    finally:
+        os.killpg(proc.pid, signal.SIGCONT)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        log.close()
+
+
+def test_mlflow_frozen_mid_stage_loses_no_metric(mlflow_server, baton_home, record_property):
+    record_property("fault", "MLflow server SIGSTOPped 30 s")
+    c = tracking.client()
+    run = tracking.start_run(c, "outage", "stage", tags={})
+    sink = tracking.MetricSink(c, run, flush_every=0.5)
+    n, pause = 200, 0.2  # 40 s of training, the server frozen for 30 of them
+
+    def freeze_then_thaw():
+        time.sleep(4)
+        os.killpg(mlflow_server.pid, signal.SIGSTOP)
+        time.sleep(30)
+        os.killpg(mlflow_server.pid, signal.SIGCONT)
+
+    import threading
+    t = threading.Thread(target=freeze_then_thaw)
+    t.start()
+    t0 = time.time()
+    res = launch.run([sys.executable, "-c", ENGINE.format(n=n, pause=pause)], name="engine", timeout=300,
+                     on_event=lambda e: sink.add(e["step"], {"loss": e["loss"]}) if e["kind"] == "metric" else None)
+    engine_s = time.time() - t0
+    t.join()
+    sink.close(timeout=180)
+    assert len(res.metrics()) == n
+    assert engine_s < n * pause + 15, f"the engine was held up by the frozen tracking server ({engine_s:.0f}s)"
+    assert sink.failures >= 0 and not (baton_home / "unsent-metrics").exists()
+    history = c.get_metric_history(run, "loss")
+    assert sorted(m.step for m in history) == list(range(1, n + 1))
