@@ -51,3 +51,50 @@ def test_engine_shm_leftovers_are_removed_but_not_a_live_jobs(tmp_path, record_p
                 os.unlink(SHM / n)
             except FileNotFoundError:
                 pass
+
+
+HEALTH_SERVER = """
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_held_server_is_restarted_then_gives_up_with_its_exit_code(tmp_path, record_property):
+    """`baton serve`'s supervision on a real HTTP server process: SIGKILLed three times with restarts=2, it is
+    restarted twice (healthy again each time), then the exit code comes back (non-zero)."""
+    import signal
+    import threading
+
+    from tasks.serve.server import free_port
+    from tasks.serve.task import _hold
+
+    record_property("fault", "served engine killed")
+    port = free_port("127.0.0.1")
+    server = Server("engine", [sys.executable, "-c", HEALTH_SERVER, str(port)], {}, f"http://127.0.0.1:{port}",
+                    tmp_path / "engine.log", str, managed=True)
+    server.start()
+    server.wait_healthy(60)
+    pids = []
+
+    def kill_three_times():
+        for _ in range(3):
+            deadline = time.time() + 60
+            while time.time() < deadline and (server.proc is None or server.proc.pid in pids
+                                              or server.healthy_after is None):
+                time.sleep(0.2)
+            time.sleep(0.5)
+            pids.append(server.proc.pid)
+            server.healthy_after = None
+            os.killpg(server.proc.pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_three_times)
+    killer.start()
+    code = _hold(server, "m", tmp_path / "key", restarts=2, health_timeout=60)
+    killer.join(60)
+    assert code == -signal.SIGKILL and len(set(pids)) == 3
+    assert server.proc.poll() is not None

@@ -67,6 +67,8 @@ class ServeConfig(StrictModel):
         "llguidance", description="llguidance + disable-any-whitespace gives strictly valid JSON on CPU")
     health_timeout_s: float = Field(600, gt=0, description="seconds to wait for /health")
     keep_alive: bool = Field(False, description="leave the (last) server running after the stage")
+    restarts: int = Field(2, ge=0, description="`baton serve`: times the engine is restarted after it dies, before "
+                                               "giving up (and rolling back the champion it promoted)")
     promote: bool = Field(True, description="move the registry alias `champion` when every check passes")
     smoke: SmokeConfig = SmokeConfig()
     lm_eval: LmEvalConfig = LmEvalConfig()

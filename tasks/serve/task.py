@@ -329,28 +329,56 @@ def serve(ctx: StageContext, cfg: ServeConfig, hold: bool = False) -> StageOutpu
     kept = _kept_server(ctx, cfg, results, gate, extra, hold)
     if hold and kept is not None:
         extra["engine_exit"] = _hold(kept, extra["served_model_names"].get(kept.name, ident["served_model_name"]),
-                                     key_file)
+                                     key_file, cfg.restarts, cfg.health_timeout_s)
+        if extra["engine_exit"]:
+            _roll_back_after_death(ident, champion, extra)
     return StageOutput(output=None, engine="+".join(cfg.engines()), backend=ident["served_model_name"], gate=gate,
                        metrics={k: v for k, v in metrics.items() if v is not None},
                        eval={"metric": EVAL_METRIC, "before": before, "after": score} if evaluated else None,
                        extra=extra)
 
 
-def _hold(server: Server, served: str, key_file: Path) -> int | None:
-    """Serve in the foreground until Ctrl-C (None) or until the engine dies (its exit code, never 0 for a crash)."""
-    if server.proc is None or server.proc.poll() is not None:
-        return server.proc.returncode if server.proc is not None else None
+def _hold(server: Server, served: str, key_file: Path, restarts: int = 0, health_timeout: float = 600) -> int | None:
+    """Serve in the foreground until Ctrl-C (None). An engine that dies is restarted (same command, port and key) up to
+    `restarts` times; then its exit code is returned (never 0 for a crash)."""
+    if server.proc is None:
+        return None
     print(f"\nserving {served!r} with {server.name} at {server.base_url}/v1 (API key in {key_file}; every check "
           "passed). Ctrl-C to stop.", flush=True)
+    deaths = 0
     try:
-        while server.proc.poll() is None:
-            time.sleep(1.0)
-        print(f"{server.name} server exited with code {server.proc.returncode} while serving", flush=True)
-        return server.proc.returncode or 1
+        while True:
+            while server.proc.poll() is None:
+                time.sleep(1.0)
+            code = server.proc.returncode or 1
+            if deaths >= restarts:
+                print(f"{server.name} server exited with code {code} while serving; {restarts} restarts used",
+                      flush=True)
+                return code
+            deaths += 1
+            _logger().warning("%s server died (exit %s); restart %d of %d", server.name, code, deaths, restarts)
+            server.stop()
+            server.start()
+            try:
+                server.wait_healthy(health_timeout)
+            except ServerFailed as e:
+                _logger().warning("%s restart failed: %s", server.name, str(e).splitlines()[0])
     except KeyboardInterrupt:
         return None
     finally:
         server.stop()
+
+
+def _roll_back_after_death(ident: dict, champion: dict | None, extra: dict) -> None:
+    """The champion this serve promoted kept dying: move the alias back (only if nobody moved it since)."""
+    if not champion or not champion.get("changed"):
+        return
+    try:
+        back = tracking.rollback_champion(tracking.client(), ident["name"], expected=ident["version"])
+        extra["rolled_back"] = back
+        _logger().error("champion rolled back from version %s to %s: its server kept dying", back["from"], back["to"])
+    except (tracking.AliasMoved, ValueError) as e:
+        _logger().error("champion not rolled back: %s", e)
 
 
 @task(name="serve", cache_policy=NO_CACHE)
