@@ -70,7 +70,8 @@ class ZeroStageEnum:
         return ZeroStageEnum, (self.value,)
 
 
-def test_engine_classes_stay_inert_placeholders():
+def test_engine_classes_stay_inert_placeholders(record_property):
+    record_property("fault", "(control) DeepSpeed objects read inert")
     """DeepSpeed's own objects (a stage enum, a loss scaler) are read without importing or running DeepSpeed."""
     data = pickle.dumps({"zero_stage": ZeroStageEnum(2)}, protocol=2)
     data = data.replace(b"test_reliability_hostile", b"deepspeed.runtime.zero")
@@ -78,7 +79,8 @@ def test_engine_classes_stay_inert_placeholders():
     assert type(obj["zero_stage"]).__module__.startswith("opaque.deepspeed") and int(obj["zero_stage"]) == 2
 
 
-def test_safe_tensors_and_containers_still_load(tmp_path):
+def test_safe_tensors_and_containers_still_load(tmp_path, record_property):
+    record_property("fault", "(control) genuine torch.save file loads")
     f = _torch_file(tmp_path / "ok.pt", {"w": torch.arange(6.0).view(2, 3), "d": torch.bfloat16,
                                          "s": torch.Size([2]), "set": {1, 2}})
     obj = torch_lazy.load(f)
