@@ -193,6 +193,35 @@ def _run_with_retries(step: Step, ctx: StageContext, stage_cfg) -> StageOutput:
     raise AssertionError("unreachable")
 
 
+TRAINING_STAGES = ("pretrain", "finetune", "rlhf")
+
+
+def parameter_estimate(model) -> int:
+    """Parameters of the Llama-style model (embeddings, attention, SwiGLU MLP), for disk planning."""
+    h, layers, ffn, vocab = model.hidden_size, model.num_layers, model.ffn_hidden_size, model.vocab_size
+    return vocab * h * (1 if model.tie_word_embeddings else 2) + layers * (4 * h * h + 3 * h * ffn + 2 * h)
+
+
+def disk_needed(cfg: PipelineConfig, step: Step) -> int:
+    """Bytes a step will write: each kept training checkpoint holds fp32 weights, master copy and two Adam moments
+    (16 bytes a parameter), plus the fp32 output; a conversion writes the weights once more."""
+    params = parameter_estimate(cfg.model)
+    if step.name in TRAINING_STAGES:
+        keep = getattr(cfg.stage_config(step.name), "keep_checkpoints", 1)
+        return params * (16 * keep + 4)
+    if step.name == "convert":
+        return params * 4
+    return 0
+
+
+def check_free_space(cfg: PipelineConfig, step: Step, work: Path) -> None:
+    from conversions import durable
+
+    if problem := durable.free_space_problem(work, disk_needed(cfg, step)):
+        raise StageFailed(f"{step.label}: {problem}; not started",
+                          {**_new_entry(step), "status": "failed", "error": problem})
+
+
 def _new_entry(step: Step) -> dict:
     entry = {"name": step.name, "label": step.label, "status": "running", "fingerprint": step.fingerprint,
              "implicit": step.implicit, "prefect_flow_run_id": prefect_flow_run.get_id()}
@@ -324,6 +353,7 @@ def _execute_locked(step: Step, cfg: PipelineConfig, run: RunInfo, position: int
     if use_cache and STAGES[step.name].cacheable and (rec := _cached(index, step)) is not None:
         return _reuse(rec, entry)
     get_run_logger().info("=== stage %s (%s) ===", step.label, STAGES[step.name].description)
+    check_free_space(cfg, step, run.run_dir)
     c = tracking.client()
     mlflow_run = entry["mlflow_run_id"] = _start_stage_run(c, cfg, step, run, entry)
     monitor = tracking.system_metrics(mlflow_run)

@@ -126,3 +126,22 @@ def test_flipped_byte_in_a_training_checkpoint_is_not_resumed(tmp_path, record_p
     data[100] ^= 0xFF
     newest.write_bytes(bytes(data))
     assert ckpt.latest(tmp_path).name == f"{ckpt.PREFIX}0000001"
+
+
+@pytest.mark.fast
+def test_a_stage_is_not_started_without_the_disk_its_checkpoints_need(tiny_config, tmp_path, record_property):
+    """The plan's estimate (kept checkpoints × 16 bytes a parameter + output) against a real 1 MB tmpfs."""
+    record_property("fault", "disk too small for a stage")
+    from flows.plan import Step
+    from flows.stages import StageFailed, check_free_space, disk_needed
+
+    step = Step(name="pretrain", label="pretrain", consumes=None, produces="megatron-dist", fingerprint="f" * 64)
+    assert disk_needed(tiny_config, step) > 1 << 20
+    disk = tmp_path / "disk"
+    _mount_tmpfs(disk, 1 << 20)
+    try:
+        with pytest.raises(StageFailed, match=f"not enough free space .* the disk mounted at {disk}"):
+            check_free_space(tiny_config, step, disk)
+        check_free_space(tiny_config, step, tmp_path)  # the real disk has room
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
