@@ -98,3 +98,25 @@ def test_held_server_is_restarted_then_gives_up_with_its_exit_code(tmp_path, rec
     killer.join(60)
     assert code == -signal.SIGKILL and len(set(pids)) == 3
     assert server.proc.poll() is not None
+
+
+def test_detached_server_log_is_redacted(tmp_path, record_property):
+    """A keep_alive server outlives baton: its log is still written without the API key (and 0600)."""
+    import stat
+
+    from tasks.serve.server import redactor
+
+    record_property("fault", "API key printed by a detached engine")
+    key = "baton-" + uuid.uuid4().hex
+    log = tmp_path / "server.log"
+    code = (f'import os; print("server_args api_key={key!r}", flush=True); '
+            'print("env", "BATON_REDACT" in os.environ)')
+    server = Server("vllm", [sys.executable, "-c", code], {}, "http://127.0.0.1:9", log, redactor(key), managed=False)
+    server.start()
+    try:
+        server.proc.wait(60)
+    finally:
+        server.stop()
+    text = log.read_text()
+    assert "api_key='***'" in text and key not in text and "env False" in text
+    assert stat.S_IMODE(log.stat().st_mode) == 0o600

@@ -7,6 +7,7 @@ import logging
 import os
 import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -40,6 +41,7 @@ def redactor(*secrets: str) -> Callable[[str], str]:
             line = line.replace(s, "***")
         return line
 
+    redact.secrets = secrets  # for the relay of a detached server
     return redact
 
 
@@ -125,11 +127,11 @@ class Server:
                 launch._active.add(self.proc)
             self._relay = threading.Thread(target=self._pump, name=f"{self.name}-log", daemon=True)
             self._relay.start()
-        else:  # outlives this process: the engine writes its own log (0600, beside the 0600 key file)
-            fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-            self.proc = subprocess.Popen(self.cmd, env=full_env, stdout=fd, stderr=subprocess.STDOUT,
+        else:  # outlives this process: a relay in its process group writes the log (0600), secrets redacted
+            full_env["BATON_REDACT"] = "\n".join(getattr(self.redact, "secrets", ()))
+            relay = [sys.executable, str(Path(__file__).with_name("relay.py")), str(self.log_path), "--", *self.cmd]
+            self.proc = subprocess.Popen(relay, env=full_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
-            os.close(fd)
         return self
 
     def _pump(self) -> None:
