@@ -72,19 +72,46 @@ def read_common(root: Path) -> dict:
         raise MegatronCheckpointError(f"{path}: refused: not a plain weights file ({first}); nothing in it was run")
 
 
+_RECORD_MODULES = ("torch.distributed.checkpoint.", "megatron.core.dist_checkpointing.")
+
+
+class _DcpGlobals(dict):
+    """What torch.distributed.checkpoint's `.metadata` pickle may name: paths, layouts, and the record classes
+    (dataclasses, enums, named tuples) of torch's and megatron's checkpoint modules (planner data included)."""
+
+    def __missing__(self, key):
+        module, name = key
+        if not module.startswith(_RECORD_MODULES) or name.startswith("__"):
+            raise KeyError(key)
+        import dataclasses
+        import enum
+        import importlib
+
+        try:
+            obj = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            raise KeyError(key) from None
+        # records only (their own __setstate__, e.g. TensorProperties', just decodes their fields): never functions
+        plain = isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, (enum.Enum, tuple)))
+        if not plain:
+            raise KeyError(key)
+        self[key] = obj
+        return obj
+
+    def __contains__(self, key):
+        try:
+            self[key]
+            return True
+        except KeyError:
+            return False
+
+
 def _dcp_globals() -> dict:
-    """What torch.distributed.checkpoint's `.metadata` pickle may name: its own metadata records, paths, layouts."""
     import pathlib
 
     import torch
-    from torch.distributed.checkpoint import filesystem, metadata
 
-    allowed = {("torch.distributed.checkpoint.metadata", n): getattr(metadata, n)
-               for n in ("Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "BytesStorageMetadata",
-                         "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
-               if hasattr(metadata, n)}
-    allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = filesystem._StorageInfo
-    allowed.update({("pathlib", n): getattr(pathlib, n) for n in ("PosixPath", "PurePosixPath")})
+    allowed = _DcpGlobals({("pathlib", n): getattr(pathlib, n) for n in ("PosixPath", "PurePosixPath")})
     allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
     allowed.update({("torch", n): getattr(torch, n) for n in ("strided", "sparse_coo", "contiguous_format",
                                                               "preserve_format", "channels_last")})
