@@ -13,7 +13,7 @@ import pytest
 from conftest import REPO
 from tasks import tracking
 
-pytestmark = [pytest.mark.fast, pytest.mark.reliability]
+pytestmark = pytest.mark.reliability
 
 PROMOTE = """
 import sys, time
@@ -40,6 +40,7 @@ def _versions(tmp_path, n):
     return c, out
 
 
+@pytest.mark.slow
 def test_two_concurrent_promotions_exactly_one_lands(tmp_path, baton_home, record_property):
     record_property("fault", "concurrent champion promotions")
     c, (v1, v2, v3) = _versions(tmp_path, 3)
@@ -58,6 +59,7 @@ def test_two_concurrent_promotions_exactly_one_lands(tmp_path, baton_home, recor
     assert "moved since this decision was made" in next(line for line in lines if line.startswith("refused"))
 
 
+@pytest.mark.fast
 def test_stale_decision_and_rollback_are_refused(tmp_path, baton_home, record_property):
     record_property("fault", "stale champion decision")
     c, (v1, v2, v3) = _versions(tmp_path, 3)

@@ -93,7 +93,7 @@ def test_disk_full_mid_conversion_names_the_disk_and_keeps_the_previous_checkpoi
         subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
-@pytest.mark.fast
+@pytest.mark.slow
 def test_free_space_is_checked_before_converting(hf_checkpoint, tmp_path, baton_home, record_property):
     record_property("fault", "disk too small (pre-check)")
     disk = tmp_path / "disk"

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.reliability
 KEY = "baton-SECRET-key-123"
 
 
-@pytest.mark.fast
+@pytest.mark.slow
 def test_sglang_reads_its_api_key_from_a_private_file_not_the_command_line(tmp_path, record_property):
     record_property("fault", "API key on a command line")
     cmd, env = engines.sglang_command(ServeConfig(), sys.executable, tmp_path, 30000, "m", KEY, secrets_dir=tmp_path)
@@ -73,7 +73,7 @@ def test_run_ids_and_serve_host_are_confined(record_property):
     assert ServeConfig(host="::1").host == "::1"
 
 
-@pytest.mark.fast
+@pytest.mark.slow
 def test_baton_home_and_its_files_are_private(tmp_path, record_property):
     record_property("fault", "world-readable BATON_HOME")
     home = tmp_path / "home"
