@@ -15,7 +15,6 @@ FORMATS = {
     "hf-safetensors": "Hugging Face transformers layout: config.json + *.safetensors + tokenizer",
     "megatron-dist": "megatron.core dist_checkpointing (torch_dist) of a GPTModel",
     "deepspeed-zero": "DeepSpeed engine.save_checkpoint folder (ZeRO partitions)",
-    "nemo-rl-dcp": "NeMo-RL torch DCP checkpoint",
     "dataset": "baton data stage output: datasets and tokenizer",
 }
 

@@ -265,21 +265,22 @@ def cmd_rollback(args) -> int:
     return 0
 
 
+def _config_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """What names a run: the config, the stages, overrides and the input (shared by run and config)."""
+    p.add_argument("config")
+    p.add_argument("--stages", help="comma-separated ordered subset, e.g. data,pretrain,convert")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    p.add_argument("--from", dest="from_ref", help="input checkpoint folder or registered model name@alias")
+    return p
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="baton", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run", help="run a pipeline config")
-    r.add_argument("config")
-    r.add_argument("--stages", help="comma-separated ordered subset, e.g. data,pretrain,convert")
-    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
-    r.add_argument("--from", dest="from_ref", help="input checkpoint folder or registered model name@alias")
+    r = _config_args(sub.add_parser("run", help="run a pipeline config"))
     r.add_argument("--no-cache", action="store_true", help="re-run stages even when inputs and config are unchanged")
     r.set_defaults(fn=cmd_run)
-    c = sub.add_parser("config", help="print the resolved config and the planned steps; launch nothing (dry run)")
-    c.add_argument("config")
-    c.add_argument("--stages", help="comma-separated ordered subset, e.g. data,pretrain,convert")
-    c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
-    c.add_argument("--from", dest="from_ref", help="input checkpoint folder or registered model name@alias")
+    c = _config_args(sub.add_parser("config", help="print the resolved config and the planned steps; launch nothing"))
     c.add_argument("--json", action="store_true", help="machine-readable: config, input and steps")
     c.set_defaults(fn=cmd_config)
     v = sub.add_parser("verify", help="verify a checkpoint (integrity, preflight, round trip, generation)")

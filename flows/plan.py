@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from conversions.registry import CONVERTERS, supported
 from flows.config import ConfigError, PipelineConfig

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
 from pathlib import Path
 
 from prefect import flow, get_run_logger

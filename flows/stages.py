@@ -2,7 +2,6 @@
 the checkpoint (alias `candidate`) only when the gate passed. A failed gate fails the stage: nothing is promoted."""
 from __future__ import annotations
 
-import json
 import os
 import time
 import traceback

@@ -166,7 +166,7 @@ def test_bad_settings_are_refused_before_launch(tmp_path):
         "rlhf.num_generations=8": "rlhf.num_generations: only used by algorithm grpo",
         "rlhf.algorithm=rm,rlhf.reference=precomputed": "rlhf.reference: only used by algorithm dpo",
         f"rlhf.reference_model={tmp_path}": "is not an HF checkpoint folder",
-        "rlhf.max_length=4096": "exceeds model.seq_length",
+        "rlhf.max_seq_length=4096": "exceeds model.seq_length",
         "rlhf.algorithm=ppo": "rlhf.algorithm",
         "rlhf.backend=nemo_rl,rlhf.algorithm=grpo,runtimes.nemo_rl.kind=slurm": "grpo needs a NeMo-RL environment",
     }

@@ -18,14 +18,13 @@ import os
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import postgres  # noqa: E402  (beside this file)
-from tasks.launch import kill_group  # noqa: E402  (the checkout is on .venv's path)
+from tasks.health import Unhealthy, wait_http_ok  # noqa: E402  (the checkout is on .venv's path)
+from tasks.launch import kill_group  # noqa: E402
 
 POOL = os.environ.get("BATON_WORK_POOL", "baton-local")
 HOST = "127.0.0.1"
@@ -129,21 +128,15 @@ def stop(name: str, grace: float = 15.0) -> None:
 
 
 def wait_http(url: str, name: str, pid_name: str, timeout: float = 240.0) -> float:
-    t0 = time.time()
     pid = int(pid_file(pid_name).read_text())
-    while time.time() - t0 < timeout:
-        if not alive(pid):
+    try:
+        return wait_http_ok(url, timeout, alive=lambda: alive(pid), interval=0.5)
+    except Unhealthy as e:
+        if e.exited:
             tail = (state_dir() / "logs" / f"{pid_name}.log").read_text(errors="replace").splitlines()[-25:]
-            raise SystemExit(f"[stack] {name} exited before it answered {url}:\n" + "\n".join(tail))
-        try:
-            with urllib.request.urlopen(url, timeout=5) as r:
-                if r.status == 200:
-                    return time.time() - t0
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"[stack] {name} did not answer {url} within {timeout:.0f}s "
-                     f"(log: {state_dir() / 'logs' / (pid_name + '.log')})")
+            raise SystemExit(f"[stack] {name} exited before it answered {url}:\n" + "\n".join(tail)) from None
+        raise SystemExit(f"[stack] {name} did not answer {url} within {timeout:.0f}s "
+                         f"(log: {state_dir() / 'logs' / (pid_name + '.log')})") from None
 
 
 def run_cli(cmd: list[str], env: dict, timeout: float = 600) -> str:

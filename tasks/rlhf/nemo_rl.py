@@ -237,10 +237,10 @@ def consolidated_dir(step_dir: Path) -> Path | None:
 
 def collect_hf(src: Path, out: Path, tokenizer_src: Path) -> Path:
     """Copy NeMo-RL's HF weights and config, then the input's tokenizer and chat template (NeMo-RL does not)."""
-    from conversions import hf
+    from conversions import hf, safetensors_stream
 
     out.mkdir(parents=True, exist_ok=True)
-    for f in [*src.glob("*.safetensors"), src / hf.INDEX_NAME, src / "config.json", src / "generation_config.json"]:
+    for f in [*src.glob("*.safetensors"), src / safetensors_stream.INDEX_NAME, src / "config.json", src / "generation_config.json"]:
         if f.exists():
             shutil.copy2(f, out / f.name)
     hf.copy_tokenizer(tokenizer_src, out)
