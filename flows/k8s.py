@@ -83,10 +83,16 @@ class StageJob:
     timeout_s: int
 
 
-def k8s_name(*parts: str) -> str:
-    """An RFC 1123 label short enough for the pod hostnames JobSet derives from it (<name>-node-<i>-<j>)."""
-    name = re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")
-    return name[:40].rstrip("-") or "baton"
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")
+
+
+def k8s_name(config_name: str, label: str) -> str:
+    """An RFC 1123 label short enough for the pod hostnames JobSet derives from it (<name>-node-<i>-<j> ≤ 63); the
+    config's part is shortened, never the step's, so two stages never share a name."""
+    label = _slug(label)
+    base = _slug(config_name)[:max(1, 40 - len(label) - 1)].rstrip("-") or "baton"
+    return f"{base}-{label}"
 
 
 def image_path(local: Path) -> PurePosixPath:
@@ -198,9 +204,15 @@ def _labels(job: StageJob) -> dict:
     return {"app.kubernetes.io/name": "baton", "app.kubernetes.io/component": job.stage, "baton/job": job.name}
 
 
+CONFIGMAP_LIMIT = 1 << 20  # bytes the API server stores in one ConfigMap
+
+
 def configmap(job: StageJob, cluster: Cluster, config_yaml: str) -> dict:
-    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(job, cluster),
-            "data": {**job.files, "config.yaml": config_yaml}}
+    data = {**job.files, "config.yaml": config_yaml}
+    size = sum(len(k) + len(v.encode()) for k, v in data.items())
+    if size > CONFIGMAP_LIMIT:
+        raise ConfigError(f"{job.stage}: its files take {size} bytes, more than a ConfigMap holds ({CONFIGMAP_LIMIT})")
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(job, cluster), "data": data}
 
 
 def torchrun(job: StageJob) -> list[str]:

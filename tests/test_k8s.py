@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from jsonschema import Draft202012Validator
 
 from flows.cli import main
 from k8s_schemas import CORE, CRDS, FIXTURES, errors, validator
@@ -94,6 +95,8 @@ def test_70b_recipe_writes_valid_manifests_for_8_nodes_of_8_gpus(tmp_path):
     assert workers["replicas"] == 8 and container(workers["template"])["resources"]["limits"] == {"nvidia.com/gpu": "8"}
     assert "--stages pretrain" in ray["entrypoint"]
 
+    template = json.loads((out / "prefect-work-pool.json").read_text())
+    Draft202012Validator.check_schema(template["variables"])  # the form Prefect shows for the work pool
     job = work_pool_job(out)
     assert errors(job) == []
     pod = job["spec"]["template"]["spec"]
@@ -152,6 +155,15 @@ def test_validation_rejects_broken_manifests(tmp_path):
     js = copy.deepcopy(docs["pretrain/jobset.yaml"])
     js["spec"]["replicatedJobs"][0]["template"]["spec"]["completionMode"] = 3
     assert any("completionMode" in e for e in errors(js))
+
+
+def test_names_stay_distinct_and_short():
+    from flows.k8s import k8s_name
+
+    long = "a-very-long-config-name-for-a-seventy-billion-parameter-run"
+    names = {k8s_name(long, s) for s in ("pretrain", "rlhf", "finetune")}
+    assert len(names) == 3 and all(len(n) <= 40 and n.endswith(("pretrain", "rlhf", "finetune")) for n in names)
+    assert k8s_name("Llama3_70B", "pretrain") == "llama3-70b-pretrain"
 
 
 def test_refuses_what_it_cannot_write(tmp_path, capsys):
