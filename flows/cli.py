@@ -342,7 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--namespace", default="default")
     k.add_argument("--volume-claim", default="baton", help="ReadWriteMany PersistentVolumeClaim mounted at /baton")
     k.add_argument("--image-train", help="training image (default: the name infra/docker/train.Dockerfile builds)")
-    k.add_argument("--image-orchestrator", help="image of the Prefect work pool's flow runs (default: the training image)")
+    k.add_argument("--image-orchestrator",
+                   help="image of the Prefect work pool's flow runs (default: the training image)")
     k.set_defaults(fn=cmd_k8s)
     return ap
 

@@ -12,9 +12,9 @@ Plus `prefect-work-pool.json`: prefect-kubernetes' own default base job template
 baton's image, namespace and volume.
 
 The stages share one ReadWriteMany volume (a PersistentVolumeClaim) mounted at `/baton`: a stage works in
-`/baton/<config name>/<step label>`, reads the data stage's output from `/baton/<config name>/data` and its input from
-the previous step's `checkpoint/` (conversions run between stages as in `baton run`), or `/baton/<config name>/input` for
-the first stage.
+`/baton/<config name>/<step label>`, reads the data stage's output from `/baton/<config name>/data` and its input
+from the previous step's `checkpoint/` (conversions run between stages as in `baton run`), or from
+`/baton/<config name>/input` for the first stage.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import json
 import os
 import re
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 
 import yaml
@@ -64,7 +64,7 @@ class Cluster:
 
     def with_default_images(self) -> "Cluster":
         train = self.train_image or dockerfile_images().get("train", "baton-train")
-        return Cluster(**{**self.__dict__, "train_image": train, "orchestrator_image": self.orchestrator_image or train})
+        return replace(self, train_image=train, orchestrator_image=self.orchestrator_image or train)
 
 
 @dataclass
@@ -186,7 +186,8 @@ def stage_jobs(cfg: PipelineConfig, root: PurePosixPath) -> list[StageJob]:
         if step.produces not in (None, "dataset"):
             source = step.label
     if not jobs:
-        raise ConfigError(f"stages {cfg.stages}: no training stage ({', '.join(TRAINING_STAGES)}) to write manifests for")
+        raise ConfigError(f"stages {cfg.stages}: no training stage ({', '.join(TRAINING_STAGES)}) "
+                          "to write manifests for")
     return jobs
 
 
@@ -284,6 +285,14 @@ def jobset(job: StageJob, cluster: Cluster) -> dict:
                      "replicatedJobs": [{"name": "node", "replicas": 1, "template": {"spec": node_job}}]}}
 
 
+def image_ray_version(requirements: Path = REPO_ROOT / "infra" / "runtimes" / "main.txt") -> str:
+    """The Ray the training image installs (its pip list is the main runtime's): KubeRay starts that version."""
+    m = re.search(r"^ray(\[[^\]]*\])?==([\w.]+)", requirements.read_text(), re.M)
+    if not m:
+        raise ConfigError(f"{requirements}: no pinned ray (ray==X.Y.Z) for the RayJob's rayVersion")
+    return m.group(2)
+
+
 def ray_entrypoint(job: StageJob) -> str:
     return (f"python -m flows.cli run {SPEC_DIR / 'config.yaml'} --stages {job.stage} "
             "--set runtimes.main.kind=ray")
@@ -291,8 +300,6 @@ def ray_entrypoint(job: StageJob) -> str:
 
 def rayjob(job: StageJob, cluster: Cluster, root: PurePosixPath) -> dict:
     """A head that only coordinates (no GPUs, no tasks) and nnodes GPU workers; the entrypoint runs on the head."""
-    from importlib.metadata import version
-
     env = _env_list({**job.env, **network_env(cluster), "BATON_HOME": str(root / "home")})
     head = {"name": "ray-head", "env": env, "resources": {"requests": {"cpu": "2"}}}
     worker = {"name": "ray-worker", "env": env, "resources": resources(job)}
@@ -300,7 +307,7 @@ def rayjob(job: StageJob, cluster: Cluster, root: PurePosixPath) -> dict:
             "spec": {"entrypoint": ray_entrypoint(job), "shutdownAfterJobFinishes": True,
                      "ttlSecondsAfterFinished": 600, "activeDeadlineSeconds": job.timeout_s,
                      "rayClusterSpec": {
-                         "rayVersion": version("ray"),
+                         "rayVersion": image_ray_version(),
                          "headGroupSpec": {"rayStartParams": {"num-cpus": "0"},
                                            "template": {"metadata": {"labels": _labels(job)},
                                                         "spec": pod_spec(job, cluster, head)}},

@@ -1,10 +1,10 @@
 """Offline validation of Kubernetes manifests against the published schemas kept in tests/fixtures/k8s/.
 
-Core kinds (ConfigMap, batch/v1 Job, ObjectMeta) use Kubernetes' own OpenAPI v3 schemas; PyTorchJob, JobSet and RayJob use
-the `openAPIV3Schema` their projects publish in their CRDs. Validated as the API server does for what a schema can say:
-types, enums, required fields, and unknown fields rejected (the server prunes or, with kubectl's default strict field
-validation, refuses them), plus metadata.name as an RFC 1123 label. Not checked: CEL rules (x-kubernetes-validations),
-which only concern fields these manifests don't set.
+Core kinds (ConfigMap, batch/v1 Job, ObjectMeta) use Kubernetes' own OpenAPI v3 schemas; PyTorchJob, JobSet and
+RayJob use the `openAPIV3Schema` their projects publish in their CRDs. Validated as the API server does for what a
+schema can say: types, enums, required fields, and unknown fields rejected (the server prunes or, with kubectl's
+default strict field validation, refuses them), plus metadata.name as an RFC 1123 label. Not checked: CEL rules
+(x-kubernetes-validations), which only concern fields these manifests don't set.
 """
 from __future__ import annotations
 
