@@ -101,11 +101,14 @@ class PipelineConfig(StrictModel):
     def stage_config(self, name: str):
         return getattr(self, name)
 
-    def validate_stages(self) -> list[str]:
-        """Cross-field checks each stage declares (e.g. heads divisible by TP), run before anything launches."""
+    def validate_stages(self, host: bool = True) -> list[str]:
+        """Cross-field checks each stage declares (e.g. heads divisible by TP), run before anything launches; `host`:
+        also what this machine must have to launch it (False when the stages run elsewhere, e.g. `baton k8s`)."""
         errors = []
         for name in self.stages:
             errors += STAGES[name].validate(self.stage_config(name), self)
+            if host:
+                errors += STAGES[name].validate_host(self.stage_config(name))
         return errors
 
 
@@ -144,7 +147,8 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     return raw
 
 
-def load(path: str | Path | None, overrides: list[str] | None = None, stages: list[str] | None = None) -> PipelineConfig:
+def load(path: str | Path | None, overrides: list[str] | None = None, stages: list[str] | None = None,
+         host: bool = True) -> PipelineConfig:
     raw: dict = {}
     if path is not None:
         p = Path(path)
@@ -163,7 +167,7 @@ def load(path: str | Path | None, overrides: list[str] | None = None, stages: li
         cfg = PipelineConfig.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(f"invalid config {path or ''}:\n" + _format_error(e, "  ")) from None
-    errors = cfg.validate_stages()
+    errors = cfg.validate_stages(host)
     if errors:
         raise ConfigError(f"invalid config {path or ''}:\n" + "\n".join(f"  {e}" for e in errors))
     return cfg

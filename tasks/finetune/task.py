@@ -47,6 +47,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def worker_spec(ctx: StageContext, cfg: FinetuneConfig, out: Path, ds_config_path: Path) -> dict:
+    """What the worker reads from finetune_spec.json (paths as the worker will see them)."""
+    return {
+        "input": str(Path(ctx.input).resolve()), "data_dir": str(Path(ctx.data_dir).resolve()), "output": str(out),
+        "ds_config": str(ds_config_path), "device": cfg.resolved_device(), "seed": ctx.seed, "steps": cfg.steps,
+        "checkpoint_every": cfg.checkpoint_every, "keep_checkpoints": cfg.keep_checkpoints,
+        "max_seq_length": cfg.max_seq_length or ctx.model.get("seq_length", 128),
+        "eval_max_new_tokens": cfg.eval_max_new_tokens, "log_every": cfg.log_every, "lora": cfg.lora.model_dump(),
+    }
+
+
 def prepare(ctx: StageContext, cfg: FinetuneConfig) -> tuple[list[str], dict, Path, int]:
     """Write the DeepSpeed config and the worker spec into the work dir, seed the output folder, build the command."""
     check_inputs(ctx, cfg)
@@ -59,13 +70,7 @@ def prepare(ctx: StageContext, cfg: FinetuneConfig) -> tuple[list[str], dict, Pa
             shutil.copy2(Path(ctx.input) / name, out / name)
     ds = ds_config.build(cfg)
     (work / "ds_config.json").write_text(json.dumps(ds, indent=2) + "\n")
-    spec = {
-        "input": str(Path(ctx.input).resolve()), "data_dir": str(Path(ctx.data_dir).resolve()), "output": str(out),
-        "ds_config": str(work / "ds_config.json"), "device": cfg.resolved_device(), "seed": ctx.seed, "steps": cfg.steps,
-        "checkpoint_every": cfg.checkpoint_every, "keep_checkpoints": cfg.keep_checkpoints,
-        "max_seq_length": cfg.max_seq_length or ctx.model.get("seq_length", 128),
-        "eval_max_new_tokens": cfg.eval_max_new_tokens, "log_every": cfg.log_every, "lora": cfg.lora.model_dump(),
-    }
+    spec = worker_spec(ctx, cfg, out, work / "ds_config.json")
     (work / "finetune_spec.json").write_text(json.dumps(spec, indent=2) + "\n")
     py = ctx.python("main")
     port = cfg.master_port or free_port()
