@@ -37,6 +37,9 @@ def client():
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
+EXPERIMENT_KIND = "mlflow.experimentKind"  # read by the MLflow 3 UI
+
+
 def experiment_id(c, name: str) -> str:
     exp = c.get_experiment_by_name(name)
     if exp is not None:
@@ -45,7 +48,8 @@ def experiment_id(c, name: str) -> str:
     if tracking_uri().startswith("sqlite:///"):  # keep artifacts under BATON_HOME, not the current directory
         artifacts = (baton_home() / "mlartifacts").as_uri()
     try:
-        return c.create_experiment(name, artifact_location=artifacts)
+        # the UI then opens it in the model-training layout (runs, metrics charts), not the GenAI evaluation one
+        return c.create_experiment(name, artifact_location=artifacts, tags={EXPERIMENT_KIND: "custom_model_development"})
     except Exception:  # created concurrently
         return c.get_experiment_by_name(name).experiment_id
 
