@@ -51,8 +51,10 @@ def cmd_run(args) -> int:
     out = sys.stdout if args.verbose else views.detach_process_output(run_dir / "run.log")
     title = f"baton run {run_id} · {cfg.name}"
     view = views.open_view([s.label for s in steps], title, out)
-    error = _run_pipeline(cfg, args, run_id)
-    views.close_view(view)
+    try:
+        error = _run_pipeline(cfg, args, run_id)
+    finally:  # Ctrl-C too: the terminal gets its cursor back
+        views.close_view(view)
     return _report_run(out, run_dir, error)
 
 

@@ -210,20 +210,24 @@ def run_head(summary: dict) -> Path | None:
     return Path(outputs[-1]["output"]) if outputs else None
 
 
+DESCRIPTION_LIMIT = 5000  # MLflow's model_versions.description column
+
+
 def version_description(entry: dict, nodes: list[Node]) -> str:
-    """What a registered model version's MLflow page shows: gate report, eval before/after, data digest, lineage."""
+    """What a registered model version's MLflow page shows: data digest, eval before/after, lineage, gate report."""
     gate = entry.get("gate") or {}
     lines = [f"**{entry.get('label')}** of baton run `{nodes[-1].run_id if nodes else ''}` · gate "
-             f"**{'passed' if gate.get('passed') else 'FAILED'}**", "", "| check | result | detail |", "|---|---|---|"]
-    lines += [f"| {c['name']} | {'ok' if c['passed'] else 'FAIL'} | {str(c['detail'])[:160].replace('|', '/')} |"
-              for c in gate.get("checks", [])]
-    ev = entry.get("eval") or {}
-    if ev:
-        lines += ["", f"Eval {ev.get('metric')}: before {ev.get('before')} → after {ev.get('after')}"]
+             f"**{'passed' if gate.get('passed') else 'FAILED'}**", ""]
     data = next((n for n in nodes if n.label == "data"), None)
     if data is not None:
-        lines += ["", f"Data digest: `{data.digest}`"]
-    return "\n".join(lines) + "\n\n" + markdown(nodes)
+        lines += [f"Data digest: `{data.digest}`", ""]
+    ev = entry.get("eval") or {}
+    if ev:
+        lines += [f"Eval {ev.get('metric')}: before {ev.get('before')} → after {ev.get('after')}", ""]
+    lines += [markdown(nodes), "## Gate", "", "| check | result | detail |", "|---|---|---|"]
+    lines += [f"| {c['name']} | {'ok' if c['passed'] else 'FAIL'} | {str(c['detail'])[:120].replace('|', '/')} |"
+              for c in gate.get("checks", [])]
+    return "\n".join(lines)[:DESCRIPTION_LIMIT]
 
 
 def describe_versions(summary: dict) -> None:
@@ -236,4 +240,4 @@ def describe_versions(summary: dict) -> None:
         if e.get("status") != "completed" or not reg.get("name") or not e.get("output"):
             continue
         nodes = chain(Path(e["output"]))
-        c.update_model_version(reg["name"], str(reg["version"]), description=version_description(e, nodes)[:20000])
+        c.update_model_version(reg["name"], str(reg["version"]), description=version_description(e, nodes))

@@ -116,6 +116,9 @@ def _lineage_markdown(summary: dict) -> str:
 
     try:
         lineage.describe_versions(summary)
+    except Exception as e:  # lineage explains a run; it never fails one
+        get_run_logger().warning("lineage in model version descriptions: %s", e)
+    try:
         head = lineage.run_head(summary)
         return "\n" + lineage.markdown(lineage.chain(head)) if head else ""
     except Exception as e:  # lineage explains a run; it never fails one

@@ -168,7 +168,10 @@ class LiveView(View):
             table.add_column(no_wrap=True)
         for st in self.steps.values():
             table.add_row(*self._row(st))
-        return Group(Text(self.title, style="bold", no_wrap=True, overflow="ellipsis"), table)
+        parts = [Text(self.title, style="bold", no_wrap=True, overflow="ellipsis"), table]
+        if all(st.status == "pending" for st in self.steps.values()):
+            parts.append(Text("starting Prefect and MLflow …", style="dim"))
+        return Group(*parts)
 
     def start(self) -> None:
         self.live.start()
@@ -228,7 +231,7 @@ def failure_cause(entry: dict, tail: list[str]) -> str:
     raised = [line for line in tail if _EXCEPTION_LINE.search(line)]
     if raised:
         last = raised[-1].strip()
-        if last not in error:
+        if last not in error and error not in last:
             error = f"{error} — {last[-200:]}"
     return error
 
