@@ -113,31 +113,39 @@ def _served_node(summary: dict | None, head: Path) -> Node | None:
     return None
 
 
-def chain(checkpoint: Path) -> list[Node]:
-    """Data first, then every checkpoint from the first to checkpoint, then the serving step when there is one."""
-    nodes: list[Node] = []
-    path: Path | None = Path(checkpoint)
-    seen: set[str] = set()
-    first_summary = None
-    while path is not None:
+def _checkpoints(checkpoint: Path) -> list[tuple[Node, dict | None]]:
+    """Every checkpoint from the first to checkpoint (following manifest parents), each with its run's summary."""
+    found: list[tuple[Node, dict | None]] = []
+    path, seen = Path(checkpoint), set()
+    while True:
         m = mf.read(path)
         if m is None:
             raise LineageError(f"{path}: no {mf.MANIFEST_NAME}; lineage follows manifests")
         summary = _summary_for(path)
-        nodes.insert(0, _node(path, m, summary))
-        first_summary = summary or first_summary
+        found.insert(0, (_node(path, m, summary), summary))
         parent = m.get("parent") or {}
         nxt = parent.get("path")
         if not nxt or nxt in seen or not Path(nxt).exists():
             if parent.get("digest"):
-                nodes.insert(0, Node(label=parent.get("stage") or "external", format=parent.get("format"),
-                                     digest=parent["digest"], path=nxt, notes=["not on this machine"]))
-            break
+                found.insert(0, (Node(label=parent.get("stage") or "external", format=parent.get("format"),
+                                      digest=parent["digest"], path=nxt, notes=["not on this machine"]), None))
+            return found
         seen.add(nxt)
         path = Path(nxt)
-    data = _data_node(first_summary)
-    if data is not None:
-        nodes.insert(0, data)
+
+
+def chain(checkpoint: Path) -> list[Node]:
+    """Every checkpoint from the first to checkpoint, each run's data just before the first step that used it, then
+    the serving step when there is one. A chain spanning runs (a later fine-tune of an earlier champion) shows the
+    data of each run."""
+    nodes: list[Node] = []
+    data_seen: set[str] = set()
+    for node, summary in _checkpoints(checkpoint):
+        data = _data_node(summary)
+        if data is not None and data.digest not in data_seen:
+            data_seen.add(data.digest)
+            nodes.append(data)
+        nodes.append(node)
     served = _served_node(_summary_for(Path(checkpoint)), Path(checkpoint))
     if served is not None:
         nodes.append(served)
@@ -194,9 +202,23 @@ def mermaid(nodes: list[Node]) -> str:
                  f"gate {n.gate}" if n.gate else "", n.registered or "", ", ".join(n.notes)]
         body = "<br/>".join(p.replace('"', "'") for p in parts if p)
         out.append(f'    n{i}["{body}"]')
-        if i:
-            out.append(f"    n{i - 1} --> n{i}")
+    for i, j in edges(nodes):
+        out.append(f"    n{i} --> n{j}")
     return "\n".join(out)
+
+
+def edges(nodes: list[Node]) -> list[tuple[int, int]]:
+    """Checkpoint to checkpoint in order; each data node feeds the next step (it is an input, not a checkpoint)."""
+    out, prev = [], None
+    for i, n in enumerate(nodes):
+        if n.format == "dataset":
+            if i + 1 < len(nodes):
+                out.append((i, i + 1))
+            continue
+        if prev is not None:
+            out.append((prev, i))
+        prev = i
+    return out
 
 
 def markdown(nodes: list[Node]) -> str:

@@ -56,6 +56,24 @@ def test_lineage_follows_manifests_back_to_the_data(baton_home):
     assert "baton-tiny/1" in lineage.text(nodes, what)
 
 
+def test_a_chain_across_runs_shows_each_runs_data(baton_home):
+    _, first = _run(baton_home)
+    run2 = baton_home / "runs" / "20261202-010203-ef01"
+    data2 = run2 / "00-data"
+    data2.mkdir(parents=True)
+    (data2 / "rows.jsonl").write_text('{"text": "new data"}\n')
+    mf.write(data2, mf.build(data2, format="dataset", stage="data"))
+    ft = _checkpoint(run2 / "01-finetune" / "checkpoint", "hf-safetensors", "finetune",
+                     Path(first["stages"][2]["output"]))
+    runs.write_summary(run2, {"run_id": run2.name, "status": "completed", "stages": [
+        {"name": "data", "label": "data", "status": "completed", "output": str(data2), "mlflow_run_id": "m3"},
+        {"name": "finetune", "label": "finetune", "status": "completed", "output": str(ft), "mlflow_run_id": "m4"}]})
+    nodes = lineage.chain(ft)
+    assert [n.label for n in nodes] == ["data", "pretrain", "convert-megatron-to-hf", "data", "finetune"]
+    assert nodes[0].digest != nodes[3].digest and [n.run_id for n in nodes][-2:] == [run2.name] * 2
+    assert sorted(lineage.edges(nodes)) == [(0, 1), (1, 2), (2, 4), (3, 4)]
+
+
 def test_lineage_refuses_what_it_cannot_follow(baton_home, tmp_path):
     with pytest.raises(lineage.LineageError, match="neither a checkpoint folder"):
         lineage.resolve("no-such-run")
