@@ -236,13 +236,26 @@ def failure_cause(entry: dict, tail: list[str]) -> str:
     return error
 
 
+def without_library_frames(lines: list[str]) -> list[str]:
+    """A traceback's frames inside installed libraries (Prefect's task engine, …) say nothing about the failure."""
+    out, skipping = [], False
+    for line in lines:
+        if line.startswith('  File "'):
+            skipping = "site-packages" in line or "dist-packages" in line
+        elif not line.startswith("    "):
+            skipping = False
+        if not skipping:
+            out.append(line)
+    return out
+
+
 def failure_report(entry: dict) -> list[str]:
     """The failing step, its cause in one line, the last lines of its log and the log's path."""
     log_path = Path(entry["log"]) if entry.get("log") else None
-    tail = streaming.tail(log_path, FAILURE_TAIL_LINES)
+    tail = without_library_frames(streaming.tail(log_path, 4 * FAILURE_TAIL_LINES))[-FAILURE_TAIL_LINES:]
     lines = [f"✗ {entry.get('label', entry.get('name'))} failed: {failure_cause(entry, tail)}"]
     if tail:
-        lines.append(f"--- last {len(tail)} lines of {log_path} ---")
+        lines.append(f"--- last {len(tail)} lines of {log_path} (library traceback frames left out) ---")
         lines += tail
         lines.append(f"--- full log: {log_path}")
     return lines

@@ -108,6 +108,25 @@ def test_failure_report_names_the_cause_and_shows_the_log_tail(tmp_path):
     assert len(report) == 1 + 1 + view.FAILURE_TAIL_LINES + 1
 
 
+def test_failure_tail_leaves_out_library_frames(tmp_path):
+    log = tmp_path / "step.log"
+    log.write_text("\n".join([
+        "12:00:00 ERROR   prefect.task_runs: Task run failed with exception: LaunchError('x')",
+        "Traceback (most recent call last):",
+        '  File "/venv/lib/python3.11/site-packages/prefect/task_engine.py", line 1, in run',
+        "    engine.call_task_fn(txn)",
+        "    ^^^^^^^^^^^^^^^^^^^^^^^^",
+        '  File "/repo/tasks/pretrain/task.py", line 150, in run_pretrain',
+        "    res = ctx.launch(cmd)",
+        "tasks.launch.LaunchError: pretrain timed out after 4.0s"]) + "\n")
+    report = view.failure_report({"label": "pretrain", "error": "pretrain timed out after 4.0s", "log": str(log)})
+    assert report[0] == "✗ pretrain failed: pretrain timed out after 4.0s"
+    assert report[2:-1] == ["12:00:00 ERROR   prefect.task_runs: Task run failed with exception: LaunchError('x')",
+                            "Traceback (most recent call last):",
+                            '  File "/repo/tasks/pretrain/task.py", line 150, in run_pretrain',
+                            "    res = ctx.launch(cmd)", "tasks.launch.LaunchError: pretrain timed out after 4.0s"]
+
+
 def test_runs_table_marks_the_champion(baton_home):
     _, summary = _run(baton_home)
     table = runs.runs_table(runs.list_runs(), {summary["run_id"]})
