@@ -50,7 +50,7 @@ def cmd_run(args) -> int:
     run_dir = runs.runs_root() / run_id
     out = sys.stdout if args.verbose else views.detach_process_output(run_dir / "run.log")
     title = f"baton run {run_id} · {cfg.name}"
-    view = views.open_view([s.label for s in steps], title, out)
+    view = views.open_view([s.label for s in steps], title, out, live=not args.verbose)
     try:
         error = _run_pipeline(cfg, args, run_id)
     finally:  # Ctrl-C too: the terminal gets its cursor back

@@ -212,8 +212,9 @@ def _plain_prefect_console() -> None:
                                           width=200)
 
 
-def open_view(labels: list[str], title: str, out: TextIO) -> View:
-    cls = LiveView if out.isatty() and os.environ.get("TERM") != "dumb" else PlainView
+def open_view(labels: list[str], title: str, out: TextIO, live: bool = True) -> View:
+    """A live view on a terminal (unless the logs stream there too), plain lines otherwise."""
+    cls = LiveView if live and out.isatty() and os.environ.get("TERM") != "dumb" else PlainView
     view = cls(labels, out, title)
     streaming.observe(view)
     view.start()
