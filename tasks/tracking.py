@@ -43,6 +43,8 @@ EXPERIMENT_KIND = "mlflow.experimentKind"  # read by the MLflow 3 UI
 def experiment_id(c, name: str) -> str:
     exp = c.get_experiment_by_name(name)
     if exp is not None:
+        if EXPERIMENT_KIND not in exp.tags:  # made before baton set it
+            c.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND, "custom_model_development")
         return exp.experiment_id
     artifacts = None
     if tracking_uri().startswith("sqlite:///"):  # keep artifacts under BATON_HOME, not the current directory
