@@ -142,8 +142,10 @@ def test_lineage_names_every_step_back_to_the_data_digest(tty_run, monkeypatch):
 
     monkeypatch.setenv("BATON_HOME", str(home))  # the registry of that run
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    mv = tracking.client().get_model_version("baton-tiny", hf["registered"]["version"])
+    c = tracking.client()
+    mv = c.get_model_version("baton-tiny", hf["registered"]["version"])
     assert "L2.logits_parity" in mv.description and "flowchart LR" in mv.description and digest in mv.description
+    assert c.get_experiment_by_name("baton").tags[tracking.EXPERIMENT_KIND] == "custom_model_development"
 
 
 def test_file_output_is_plain_and_a_failure_shows_cause_and_tail(tmp_path):
