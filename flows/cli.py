@@ -38,26 +38,51 @@ def cmd_run(args) -> int:
     try:
         stages = [s.strip() for s in args.stages.split(",") if s.strip()] if args.stages else None
         cfg = load(args.config, args.set, stages)
-        from flows.pipeline import pipeline, prepare
+        from flows.pipeline import prepare
 
-        prepare(cfg, args.from_ref)  # input checks before any flow run is created
+        _, _, steps = prepare(cfg, args.from_ref)  # input checks before any flow run is created
     except ConfigError as e:
         print(f"baton: {e}", file=sys.stderr)
         return 2
-    try:
-        summary = pipeline(cfg, from_ref=args.from_ref, use_cache=not args.no_cache)
-    except Exception as e:
-        print(f"baton: {e}", file=sys.stderr)
-        from flows.runs import list_runs
+    from flows import runs, view as views
 
-        latest = list_runs(1)
-        if latest:
-            print(latest[0]["run_dir"])
-        return 1
-    for s in summary["stages"]:
-        print(f"  {s['label']:<28} {s['status']}")
-    print(summary["run_dir"])
-    return 0
+    run_id = runs.new_run_id()
+    run_dir = runs.runs_root() / run_id
+    out = sys.stdout if args.verbose else views.detach_process_output(run_dir / "run.log")
+    title = f"baton run {run_id} · {cfg.name}"
+    view = views.open_view([s.label for s in steps], title, out, live=not args.verbose)
+    try:
+        error = _run_pipeline(cfg, args, run_id)
+    finally:  # Ctrl-C too: the terminal gets its cursor back
+        views.close_view(view)
+    return _report_run(out, run_dir, error)
+
+
+def _run_pipeline(cfg, args, run_id: str) -> Exception | None:
+    from flows.pipeline import pipeline
+
+    try:
+        pipeline(cfg, from_ref=args.from_ref, use_cache=not args.no_cache, run_id=run_id)
+    except Exception as e:
+        return e
+    return None
+
+
+def _report_run(out, run_dir: Path, error: Exception | None) -> int:
+    """The summary table, each failed step's cause and log tail, and the run folder (always the last line)."""
+    from flows import view as views
+
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {"stages": []}
+    lines = views.summary_lines(summary)
+    failed = [s for s in summary["stages"] if s.get("status") == "failed"]
+    for entry in failed:
+        lines += [""] + views.failure_report(entry)
+    if error is not None and not failed:
+        lines += ["", f"baton: {str(error).splitlines()[0]}"]
+    out.write("\n".join(lines + [str(run_dir)]) + "\n")
+    out.flush()
+    return 1 if error is not None else 0
 
 
 def _planned_input(cfg, from_ref: str | None) -> tuple[str | None, str | None, str]:
@@ -183,15 +208,62 @@ def cmd_convert(args) -> int:
 
 
 def cmd_runs(args) -> int:
-    from flows.runs import list_runs
+    """A table: run, config, each step's status, the champion marker, age."""
+    from flows.runs import list_runs, runs_table
 
     rows = list_runs(args.limit)
     if not rows:
         print("no runs yet")
         return 0
-    for r in rows:
-        stages = " ".join(f"{s['label']}:{s['status']}" for s in r.get("stages", []))
-        print(f"{r['run_id']}  {r.get('status', '?'):<9}  {stages}")
+    print(runs_table(rows, _champion_run_ids()))
+    return 0
+
+
+def _champion_run_ids() -> set[str]:
+    """baton runs whose checkpoint is some registered model's `champion` (empty when MLflow has none)."""
+    try:
+        from tasks import tracking
+
+        c = tracking.client()
+        found = set()
+        for rm in c.search_registered_models():
+            if "champion" in (rm.aliases or {}):
+                mv = c.get_model_version(rm.name, rm.aliases["champion"])
+                found.add(mv.tags.get("baton.run_id", ""))
+        return found - {""}
+    except Exception:
+        return set()
+
+
+def cmd_show(args) -> int:
+    """One run's summary (the content of its summary.md, without the embedded plots)."""
+    from flows.runs import runs_root
+
+    summary = runs_root() / args.run / "summary.md"
+    if not summary.exists():
+        print(f"baton show: no run {args.run!r} with a summary in {runs_root()}", file=sys.stderr)
+        return 2
+    text = summary.read_text()
+    print("\n".join(line for line in text.splitlines() if "data:image/png;base64," not in line))
+    return 0
+
+
+def cmd_lineage(args) -> int:
+    """The chain from the data digest through every stage and conversion to REF (and its serving)."""
+    from flows import lineage
+
+    try:
+        path, what = lineage.resolve(args.ref)
+        nodes = lineage.chain(path)
+    except lineage.LineageError as e:
+        print(f"baton lineage: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps([n.to_dict() for n in nodes], indent=2))
+    elif args.mermaid:
+        print(lineage.mermaid(nodes))
+    else:
+        print(lineage.text(nodes, what))
     return 0
 
 
@@ -298,6 +370,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = _config_args(sub.add_parser("run", help="run a pipeline config"))
     r.add_argument("--no-cache", action="store_true", help="re-run stages even when inputs and config are unchanged")
+    r.add_argument("-v", "--verbose", action="store_true",
+                   help="stream Prefect, library and engine logs to the terminal (default: one line per step; the "
+                        "logs go to run.log and each step's step.log)")
     r.set_defaults(fn=cmd_run)
     c = _config_args(sub.add_parser("config", help="print the resolved config and the planned steps; launch nothing"))
     c.add_argument("--json", action="store_true", help="machine-readable: config, input and steps")
@@ -321,6 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("runs", help="list recent runs")
     ls.add_argument("--limit", type=int, default=20)
     ls.set_defaults(fn=cmd_runs)
+    _add_show_and_lineage(sub)
     sv = sub.add_parser("serve", help="serve name@champion or a checkpoint folder (vLLM or SGLang) until Ctrl-C")
     sv.add_argument("ref", help="checkpoint folder, name@alias or name/version")
     sv.add_argument("--engine", choices=["vllm", "sglang"], default="vllm")
@@ -347,6 +423,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="image of the Prefect work pool's flow runs (default: the training image)")
     k.set_defaults(fn=cmd_k8s)
     return ap
+
+
+def _add_show_and_lineage(sub) -> None:
+    sh = sub.add_parser("show", help="print one run's summary (summary.md)")
+    sh.add_argument("run", help="run id (see `baton runs`)")
+    sh.set_defaults(fn=cmd_show)
+    li = sub.add_parser("lineage", help="where a checkpoint came from: data digest → every step → serving")
+    li.add_argument("ref", help="name@alias, name/version, a run id or a checkpoint folder")
+    li.add_argument("--json", action="store_true")
+    li.add_argument("--mermaid", action="store_true", help="the chain as a Mermaid flowchart")
+    li.set_defaults(fn=cmd_lineage)
 
 
 def main(argv: list[str] | None = None) -> int:

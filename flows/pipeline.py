@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 import yaml
-from prefect import flow, get_run_logger
+from prefect import flow, get_run_logger, tags
 from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.runtime import flow_run as prefect_flow_run
 
@@ -110,6 +110,22 @@ def _run_steps(cfg: PipelineConfig, steps: list, run: RunInfo, summary: dict, in
     return failed
 
 
+def _lineage_markdown(summary: dict) -> str:
+    """The run's chain from data to its last checkpoint as a Mermaid diagram; registered versions get theirs too."""
+    from flows import lineage
+
+    try:
+        lineage.describe_versions(summary)
+    except Exception as e:  # lineage explains a run; it never fails one
+        get_run_logger().warning("lineage in model version descriptions: %s", e)
+    try:
+        head = lineage.run_head(summary)
+        return "\n" + lineage.markdown(lineage.chain(head)) if head else ""
+    except Exception as e:  # lineage explains a run; it never fails one
+        get_run_logger().warning("lineage: %s", e)
+        return ""
+
+
 def _close_run(run: RunInfo, summary: dict, failed: str | None) -> None:
     """summary.json and summary.md, the MLflow parent run's end, the Prefect summary artifact."""
     summary["status"] = "failed" if failed else "completed"
@@ -117,7 +133,7 @@ def _close_run(run: RunInfo, summary: dict, failed: str | None) -> None:
     c = tracking.client()
     c.log_artifact(run.mlflow_parent, str(run.run_dir / "summary.json"))
     c.set_terminated(run.mlflow_parent, "FAILED" if failed else "FINISHED")
-    md = report.markdown(summary)
+    md = report.markdown(summary) + _lineage_markdown(summary)
     (run.run_dir / "summary.md").write_text(md)
     try:
         create_markdown_artifact(markdown=md, key="baton-run-summary", description=f"baton run {run.run_id}")
@@ -125,15 +141,50 @@ def _close_run(run: RunInfo, summary: dict, failed: str | None) -> None:
         get_run_logger().warning("could not create the summary artifact: %s", e)
 
 
-@flow(name="baton-pipeline", log_prints=True)
+def _flow_run_name() -> str:
+    """`<config>-<run id>` (e.g. tiny-20261201-010533-ab12); a run started without a run id gets a new one here."""
+    params = prefect_flow_run.get_parameters()
+    cfg = params.get("config")
+    name = getattr(cfg, "name", None) or (cfg.get("name") if isinstance(cfg, dict) else None) or "baton"
+    return f"{name}-{params.get('run_id') or runs.new_run_id()}"
+
+
+def _run_id_from_flow_run(cfg: PipelineConfig) -> str:
+    name = prefect_flow_run.get_name() or ""
+    return name.removeprefix(f"{cfg.name}-") if name.startswith(f"{cfg.name}-") else runs.new_run_id()
+
+
+def run_tags(cfg: PipelineConfig, steps: list) -> list[str]:
+    """Prefect tags that make runs findable by config, stage and registered model."""
+    return [f"config:{cfg.name}", *(f"stage:{s.label}" for s in steps), f"model:{cfg.tracking.registered_model}"]
+
+
+def _tag_flow_run(tag_list: list[str]) -> None:
+    flow_run_id = prefect_flow_run.get_id()
+    if not flow_run_id:
+        return
+    try:
+        from prefect.client.orchestration import get_client
+
+        with get_client(sync_client=True) as client:
+            current = client.read_flow_run(flow_run_id).tags
+            client.update_flow_run(flow_run_id, tags=sorted(set(current) | set(tag_list)))
+    except Exception as e:  # tags help finding runs; they never fail one
+        get_run_logger().warning("could not tag the flow run: %s", e)
+
+
+@flow(name="baton-pipeline", log_prints=True, flow_run_name=_flow_run_name)
 def pipeline(config: PipelineConfig, from_ref: str | None = None, use_cache: bool = True,
              run_id: str | None = None) -> dict:
     """Run the configured stages (data → pretrain → rlhf → finetune → serve by default) and gate every hand-off."""
     cfg = config
     input_path, input_format, steps = prepare(cfg, from_ref)
-    run, summary = _open_run(cfg, steps, run_id)
+    run, summary = _open_run(cfg, steps, run_id or _run_id_from_flow_run(cfg))
     get_run_logger().info("baton run %s: %s", run.run_id, " → ".join(s.label for s in steps))
-    failed = _run_steps(cfg, steps, run, summary, input_path, input_format, use_cache)
+    tag_list = run_tags(cfg, steps)
+    _tag_flow_run(tag_list)
+    with tags(*tag_list):  # the stage subflows carry them too
+        failed = _run_steps(cfg, steps, run, summary, input_path, input_format, use_cache)
     _close_run(run, summary, failed)
     if failed:
         raise RuntimeError(f"baton run {run.run_id} failed: {failed}\nrun dir: {run.run_dir}")

@@ -69,3 +69,16 @@ def prefect_link_tags(flow_run_id: str | None) -> dict:
         return {}
     url = f"{ui.rstrip('/')}/runs/flow-run/{flow_run_id}"
     return {"prefect.flow_run_url": url, "mlflow.note.content": f"Prefect flow run: [{flow_run_id}]({url})"}
+
+
+def link_mlflow_run(mlflow_run_id: str, text: str) -> None:
+    """A Prefect link artifact from the current flow run to its MLflow run (the MLflow run links back by its tags)."""
+    from prefect.artifacts import create_link_artifact
+
+    from tasks import tracking
+
+    try:
+        create_link_artifact(link=f"{tracking.tracking_uri()}#/experiments/-/runs/{mlflow_run_id}", link_text=text,
+                             description=f"MLflow run {mlflow_run_id}")
+    except Exception:  # outside a flow run there is nowhere to put it
+        pass

@@ -146,6 +146,7 @@ def _reuse(rec: dict, entry: dict) -> dict:
     get_run_logger().info("=== %s: unchanged inputs and config; reusing %s ===", entry["label"], rec.get("output"))
     cached = dict(rec["entry"])
     cached.update(status="cached", prefect_flow_run_id=entry["prefect_flow_run_id"], cached_from=rec.get("run_id"))
+    streaming.step_finished(entry["label"], cached)
     return cached
 
 
@@ -160,6 +161,7 @@ def _start_stage_run(c, cfg: PipelineConfig, step: Step, run: RunInfo, entry: di
         parent_run_id=run.mlflow_parent)
     tracking.log_params(c, mlflow_run, {"stage": cfg.stage_config(step.name).model_dump(), "model": cfg.model.model_dump(),
                                         **({"convert": step.extra} if step.name == "convert" else {})})
+    report.link_mlflow_run(mlflow_run, f"{step.label}: MLflow run")
     return mlflow_run
 
 
@@ -223,13 +225,15 @@ def _failure(step: Step, entry: dict, e: Exception) -> StageFailed:
     return StageFailed(f"{step.label}: {type(e).__name__}: {e}", entry)
 
 
-def _close(c, mlflow_run: str, monitor, entry: dict, ok: bool) -> None:
+def _close(c, mlflow_run: str, monitor, entry: dict, ok: bool, log_path: Path) -> None:
     if monitor is not None:
         try:
             monitor.finish()
         except Exception:
             pass
     tracking.log_json(c, mlflow_run, entry, "stage.json")
+    if log_path.exists():
+        tracking.log_file(c, mlflow_run, log_path)
     tracking.end_run(c, mlflow_run, ok)
 
 
@@ -248,24 +252,33 @@ def execute_step(step: Step, cfg: PipelineConfig, run: RunInfo, position: int, i
     index.put(step.fingerprint, status="running", work_dir=str(work), run_id=run.run_id, output=None, entry=entry)
     ctx = _context(cfg, step, run, work, mlflow_run, input_path, input_format, data_dir)
     t0, ok = time.time(), False
-    try:
-        out = _run_with_retries(step, ctx, cfg.stage_config(step.name))
-        _record_output(c, mlflow_run, step, work, out, entry)
-        _apply_gate(out, step, entry)
-        if out.output:
-            entry["registered"] = _register(c, cfg, step, Path(out.output), run.run_id, mlflow_run, data_dir)
-        entry["status"], ok = "completed", True
-    except Exception as e:
-        raise _failure(step, entry, e) from (None if isinstance(e, (StageFailed, LaunchError)) else e)
-    finally:
-        entry["seconds"] = round(time.time() - t0, 2)
-        _close(c, mlflow_run, monitor, entry, ok)
-        index.put(step.fingerprint, status=entry["status"], work_dir=str(work), run_id=run.run_id,
-                  output=entry.get("output"), entry=entry)
+    with streaming.step_log(step.label, work) as log_path:
+        entry["log"] = str(log_path)
+        try:
+            out = _run_with_retries(step, ctx, cfg.stage_config(step.name))
+            _record_output(c, mlflow_run, step, work, out, entry)
+            _apply_gate(out, step, entry)
+            if out.output:
+                entry["registered"] = _register(c, cfg, step, Path(out.output), run.run_id, mlflow_run, data_dir)
+            entry["status"], ok = "completed", True
+        except Exception as e:
+            raise _failure(step, entry, e) from (None if isinstance(e, (StageFailed, LaunchError)) else e)
+        finally:
+            entry["seconds"] = round(time.time() - t0, 2)
+            _close(c, mlflow_run, monitor, entry, ok, log_path)
+            index.put(step.fingerprint, status=entry["status"], work_dir=str(work), run_id=run.run_id,
+                      output=entry.get("output"), entry=entry)
+            streaming.step_finished(step.label, entry, log_path)
     return entry
 
 
+def _step_run_name() -> str:
+    """A stage subflow is named after its step label (`pretrain`, `convert-megatron-to-hf`)."""
+    step = prefect_flow_run.get_parameters().get("step")
+    return getattr(step, "label", None) or (step.get("label") if isinstance(step, dict) else None) or "step"
+
+
 STAGE_FLOWS = {
-    name: flow(name=f"stage-{name}", flow_run_name=f"{name}", validate_parameters=False)(execute_step)
+    name: flow(name=f"stage-{name}", flow_run_name=_step_run_name, validate_parameters=False)(execute_step)
     for name in STAGES
 }

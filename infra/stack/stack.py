@@ -187,8 +187,52 @@ def up(db: str, worker: bool, deploy: bool) -> None:
         print(run_cli(boot, cenv), end="", flush=True)
     if deploy:
         deploy_all(cenv)
+    previous = activate_profile()
+    log(f"Prefect profile '{PROFILE}' active (the `prefect` CLI now talks to this stack; `make down` makes "
+        f"'{previous or 'ephemeral'}' active again)")
     log(f"up in {time.time() - t0:.0f}s (db: {db}); client settings in {home() / 'stack.env'}")
     print_addresses()
+
+
+PROFILE = "baton"
+
+
+def activate_profile() -> str:
+    """A `baton` Prefect profile pointing at the stack, made active, so `prefect ...` in any fresh shell talks to it
+    (instead of starting its own temporary server). The profile it replaces is remembered for `down`."""
+    from prefect.settings import load_profiles, save_profiles
+
+    profiles = load_profiles()
+    previous = profiles.active_name if profiles.active_name != PROFILE else _previous_profile()
+    env = client_env()
+    profiles.update_profile(PROFILE, settings={"PREFECT_API_URL": env["PREFECT_API_URL"],
+                                               "PREFECT_UI_URL": env["PREFECT_UI_URL"]})
+    profiles.set_active(PROFILE)
+    save_profiles(profiles)
+    state_dir().mkdir(parents=True, exist_ok=True)
+    (state_dir() / "previous_prefect_profile").write_text(previous or "")
+    return previous or ""
+
+
+def _previous_profile() -> str:
+    f = state_dir() / "previous_prefect_profile"
+    return f.read_text().strip() if f.exists() else ""
+
+
+def restore_profile() -> str | None:
+    """Make the profile that was active before `up` active again; the `baton` profile goes away."""
+    from prefect.settings import load_profiles, save_profiles
+
+    profiles = load_profiles()
+    if PROFILE not in profiles.names:
+        return None
+    previous = _previous_profile() or "ephemeral"
+    if profiles.active_name == PROFILE:
+        profiles.set_active(previous if previous in profiles.names else "ephemeral", check=False)
+    profiles.remove_profile(PROFILE)
+    save_profiles(profiles)
+    (state_dir() / "previous_prefect_profile").unlink(missing_ok=True)
+    return profiles.active_name
 
 
 def deploy_all(cenv: dict) -> None:
@@ -223,6 +267,9 @@ def down(purge: bool) -> None:
     if postgres.Cluster.exists(state_dir(), home()):
         postgres.Cluster(state_dir(), home(), ports()["postgres"]).stop(purge=purge)
     (home() / "stack.env").unlink(missing_ok=True)
+    restored = restore_profile()
+    if restored:
+        log(f"Prefect profile '{restored}' active again")
     if purge:
         import shutil
 

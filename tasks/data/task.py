@@ -91,7 +91,9 @@ def write_data(ctx: StageContext, cfg: DataConfig) -> tuple[Path, dict]:
     return out, info
 
 
-@task(name="data", cache_policy=NO_CACHE)
+# log_prints off: dill (under `datasets`) finds globals by capturing print() from dis.dis; Prefect would log every
+# bytecode line instead (and dill would see none).
+@task(name="data", cache_policy=NO_CACHE, log_prints=False)
 def run_data(ctx: StageContext, cfg: DataConfig) -> StageOutput:
     out, info = write_data(ctx, cfg)
     write_lm_eval_task(out)
