@@ -315,6 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
     rb = sub.add_parser("rollback", help="move the `champion` alias back to the version it replaced")
     rb.add_argument("name", help="registered model name")
     rb.set_defaults(fn=cmd_rollback)
+    from flows import playbook
+
+    playbook.add_plan_parser(sub)
     return ap
 
 

@@ -1,0 +1,158 @@
+"""`baton plan` and `baton doctor`: the operator's playbook, checked before anything launches.
+
+Both read configs only (no Prefect, MLflow or engine import), so they answer in about a second.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import yaml
+
+from tasks import memory_plan as mp
+
+TRAINING_STAGES = ("pretrain", "rlhf", "finetune")
+
+
+def add_plan_parser(sub) -> None:
+    p = sub.add_parser("plan", help="choose a parallel layout and show per-rank memory (no launch)")
+    p.add_argument("config", nargs="?", help="run config: its model and stage sections are planned")
+    p.add_argument("--params", type=float, help="parameter count (e.g. 8e9): a Llama-like shape is chosen")
+    p.add_argument("--layers", type=int)
+    p.add_argument("--hidden", type=int)
+    p.add_argument("--heads", type=int)
+    p.add_argument("--query-groups", type=int)
+    p.add_argument("--ffn", type=int, help="MLP width (default: 3.5 × hidden, rounded to 256)")
+    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpu-memory-gb", type=float, help="per GPU (default: probed; 80 without a GPU)")
+    p.add_argument("--cpu", action="store_true", help="plan CPU ranks sharing this machine's RAM")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--global-batch", type=int)
+    p.add_argument("--stage", choices=TRAINING_STAGES, help="default: pretrain, or the config's first training stage")
+    p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--headroom", type=float, default=mp.DEFAULT_HEADROOM, help="fraction of memory left free")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    p.add_argument("--write", nargs="?", const="-", metavar="FILE",
+                   help="emit the chosen stage config block (YAML) to stdout or FILE")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_plan)
+
+
+class PlanInputError(ValueError):
+    pass
+
+
+def shape_from_args(a) -> mp.Shape:
+    explicit = [a.layers, a.hidden, a.heads]
+    if all(v is not None for v in explicit):
+        groups = a.query_groups or a.heads
+        ffn = a.ffn or int(round(3.5 * a.hidden / 256) * 256)
+        if a.hidden % a.heads or a.heads % groups:
+            raise PlanInputError(f"--hidden {a.hidden}, --heads {a.heads}, --query-groups {groups}: hidden must be "
+                                 "divisible by heads and heads by query groups")
+        return mp.Shape(a.layers, a.hidden, a.heads, groups, ffn, a.vocab)
+    if any(v is not None for v in explicit):
+        raise PlanInputError("give --layers, --hidden and --heads together (or --params alone)")
+    if a.params is None:
+        raise PlanInputError("give a CONFIG, --params N, or --layers/--hidden/--heads")
+    if a.params <= 0:
+        raise PlanInputError(f"--params {a.params}: must be positive")
+    return mp.shape_for_params(a.params)
+
+
+def hardware_from_args(a, nodes: int | None = None, per_node: int | None = None, device: str | None = None):
+    from tasks.hardware import gpu_memory_gb, host_memory_gb
+
+    device = device or ("cpu" if a.cpu else "cuda")
+    if device == "cpu":
+        memory = host_memory_gb()
+    else:
+        memory = a.gpu_memory_gb or gpu_memory_gb() or 80.0
+    return mp.Hardware(nodes or a.nodes, per_node or a.gpus_per_node, memory, device)
+
+
+def plan_from_config(a):
+    """(plan of the configured layout, search result or None) for the config's training stage."""
+    from flows.config import load
+
+    cfg = load(a.config, a.set, check_stages=False)  # the plan itself checks the layout
+    stage = a.stage or next((s for s in cfg.stages if s in TRAINING_STAGES), None)
+    if stage is None:
+        raise PlanInputError(f"{a.config}: no training stage ({', '.join(TRAINING_STAGES)}) in stages {cfg.stages}")
+    sc = cfg.stage_config(stage)
+    device = sc.resolved_device()
+    hw = hardware_from_args(a, sc.nnodes, sc.nproc_per_node, device)
+    shape = mp.shape_of_model(cfg.model)
+    seq = sc.max_seq_length or cfg.model.seq_length
+    layout = mp.layout_of_stage(stage, sc, device)
+    precision = sc.precision
+    configured = mp.Plan(shape, hw, stage, seq, precision, a.headroom, mp.strategy_for(shape.params()), layout,
+                         mp.breakdown(shape, layout, seq, precision, device))
+    if configured.memory.total() <= configured.budget():
+        return configured, None
+    search = mp.plan(shape, hw, stage, seq, sc.micro_batch_size, sc.global_batch_size, precision, a.headroom)
+    return configured, search
+
+
+def cmd_plan(a) -> int:
+    from flows.config import ConfigError
+
+    try:
+        if a.config:
+            configured, search = plan_from_config(a)
+        else:
+            configured = None
+            hw = hardware_from_args(a)
+            search = mp.plan(shape_from_args(a), hw, a.stage or "pretrain", a.seq_len, a.micro_batch,
+                             a.global_batch, a.precision, a.headroom)
+    except (ConfigError, PlanInputError) as e:
+        print(f"baton plan: {e}", file=sys.stderr)
+        return 2
+    chosen = search if configured is None or search is not None else configured
+    if a.json:
+        print(json.dumps(plan_json(configured, search), indent=2))
+    else:
+        if configured is not None:
+            print("# the configured layout")
+            print(mp.format_plan(configured))
+            if search is not None:
+                print(f"\n# it does not fit with {a.headroom:.0%} headroom; searching this hardware:")
+        if search is not None:
+            print(mp.format_plan(search))
+    if chosen.layout is None:
+        return 1
+    if a.write:
+        write_block(chosen, a.write, with_model=a.config is None)
+    return 0 if configured is None or search is None else 1
+
+
+def plan_json(configured, search) -> dict:
+    def one(p):
+        if p is None:
+            return None
+        return {"stage": p.stage, "strategy": p.strategy, "parameters": p.shape.params(),
+                "layout": p.layout.__dict__ if p.layout else None, "memory_gib": p.memory.as_gib() if p.memory else None,
+                "capacity_gib": p.hardware.per_rank_bytes() / mp.GiB, "reason": p.reason, "rejected": p.rejected}
+    return {"configured": one(configured), "search": one(search)}
+
+
+def write_block(p: mp.Plan, dest: str, with_model: bool) -> None:
+    block = {**(mp.model_block(p.shape, p.seq) if with_model else {}), **mp.stage_block(p)}
+    text = f"# baton plan: {p.layout.describe()}; {p.memory.total() / mp.GiB:.1f} GiB per rank estimated\n"
+    text += yaml.safe_dump(block, sort_keys=False)
+    if dest == "-":
+        print(text, end="")
+        return
+    path = Path(dest)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    print(f"wrote {path}")
