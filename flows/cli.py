@@ -44,8 +44,15 @@ def cmd_run(args) -> int:
     except ConfigError as e:
         print(f"baton: {e}", file=sys.stderr)
         return 2
+    from flows.playbook import preflight
+
+    ok, findings = preflight(cfg) if not args.no_doctor else (True, [])
+    if not ok:
+        print("baton: `baton doctor` found errors; nothing was launched (--no-doctor skips the checks)",
+              file=sys.stderr)
+        return 2
     try:
-        summary = pipeline(cfg, from_ref=args.from_ref, use_cache=not args.no_cache)
+        summary = pipeline(cfg, from_ref=args.from_ref, use_cache=not args.no_cache, doctor=findings)
     except Exception as e:
         print(f"baton: {e}", file=sys.stderr)
         from flows.runs import list_runs
@@ -274,6 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     r.add_argument("--from", dest="from_ref", help="input checkpoint folder or registered model name@alias")
     r.add_argument("--no-cache", action="store_true", help="re-run stages even when inputs and config are unchanged")
+    r.add_argument("--no-doctor", action="store_true", help="skip the pre-launch checks of `baton doctor`")
     r.set_defaults(fn=cmd_run)
     c = sub.add_parser("config", help="print the resolved config and the planned steps; launch nothing (dry run)")
     c.add_argument("config")
@@ -318,6 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     from flows import playbook
 
     playbook.add_plan_parser(sub)
+    playbook.add_doctor_parser(sub)
     return ap
 
 

@@ -156,3 +156,41 @@ def write_block(p: mp.Plan, dest: str, with_model: bool) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     print(f"wrote {path}")
+
+
+def add_doctor_parser(sub) -> None:
+    d = sub.add_parser("doctor", help="check the environment and a config against known causes of failed runs")
+    d.add_argument("config", nargs="?")
+    d.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    d.add_argument("--stages", help="comma-separated ordered subset")
+    d.add_argument("--launch-command", help="also lint your own launch line, e.g. 'deepspeed train.py ...'")
+    d.add_argument("--shm-dir", default="/dev/shm", help="shared-memory file system the ranks use")
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(fn=cmd_doctor)
+
+
+def cmd_doctor(a) -> int:
+    from flows import doctor
+    from flows.config import ConfigError, load
+
+    cfg = None
+    if a.config:
+        try:
+            stages = [s.strip() for s in a.stages.split(",") if s.strip()] if a.stages else None
+            cfg = load(a.config, a.set, stages, check_stages=False)  # stage errors come back as findings
+        except ConfigError as e:
+            print(f"baton doctor: {e}", file=sys.stderr)
+            return 2
+    found = doctor.doctor(cfg, doctor.Probe(shm_dir=Path(a.shm_dir), launch_command=a.launch_command))
+    print(json.dumps(doctor.as_dicts(found), indent=2) if a.json else doctor.format_findings(found))
+    return 1 if any(f.severity == "error" for f in found) else 0
+
+
+def preflight(cfg) -> tuple[bool, list[dict]]:
+    """`baton run`'s doctor pass: prints the findings; (ok to launch, findings as dicts for MLflow)."""
+    from flows import doctor
+
+    found = doctor.doctor(cfg)
+    if found:
+        print(doctor.format_findings(found), file=sys.stderr)
+    return not any(f.severity == "error" for f in found), doctor.as_dicts(found)

@@ -121,6 +121,7 @@ def worker_command(ctx: StageContext, cfg: RlhfConfig, out: Path) -> list[str]:
             "--algorithm", cfg.algorithm, "--steps", str(cfg.steps), "--micro-batch-size", str(cfg.micro_batch_size),
             "--gradient-accumulation-steps", str(cfg.accumulation()), "--lr", str(cfg.lr),
             "--lr-schedule", cfg.lr_schedule, "--warmup-steps", str(cfg.warmup_steps), "--grad-clip", str(cfg.grad_clip),
+            "--dataloader-workers", str(cfg.dataloader_workers),
             "--weight-decay", str(cfg.weight_decay), "--precision", cfg.precision,
             "--beta", str(cfg.beta), "--sft-weight", str(cfg.sft_weight),
             "--max-seq-length", str(cfg.max_seq_length or ctx.model.get("seq_length", 128)), "--reference", cfg.reference,
