@@ -61,8 +61,10 @@ def cmd_run(args) -> int:
         if latest:
             print(latest[0]["run_dir"])
         return 1
+    from flows.playbook import memory_line
+
     for s in summary["stages"]:
-        print(f"  {s['label']:<28} {s['status']}")
+        print(f"  {s['label']:<28} {s['status']:<10} {memory_line(s)}".rstrip())
     print(summary["run_dir"])
     return 0
 

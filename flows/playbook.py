@@ -194,3 +194,19 @@ def preflight(cfg) -> tuple[bool, list[dict]]:
     if found:
         print(doctor.format_findings(found), file=sys.stderr)
     return not any(f.severity == "error" for f in found), doctor.as_dicts(found)
+
+
+def predicted_peak_mb(cfg, stage: str) -> float:
+    """`baton plan`'s per-rank estimate for the configured layout of a training stage, in MiB."""
+    sc = cfg.stage_config(stage)
+    device = sc.resolved_device()
+    layout = mp.layout_of_stage(stage, sc, device)
+    seq = sc.max_seq_length or cfg.model.seq_length
+    return mp.breakdown(mp.shape_of_model(cfg.model), layout, seq, sc.precision, device).total() / 2**20
+
+
+def memory_line(entry: dict) -> str:
+    m = entry.get("memory") or {}
+    if not m.get("measured_mb_max"):
+        return ""
+    return f"peak {m['measured_mb_max']:.0f} MiB/rank {m['kind']} (plan {m['predicted_mb_per_rank']})"

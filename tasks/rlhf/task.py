@@ -152,7 +152,8 @@ def run_trl(ctx: StageContext, cfg: RlhfConfig) -> StageOutput:
         pass_through_policy(Path(ctx.input), out, trained, ctx.stage, backend="trl")
     margins = _series(res, "rewards/margins") or _series(res, "margin") or _series(res, "reward")
     metrics = {"seconds": facts.get("seconds"), "heldout_kl_to_reference": facts.get("heldout_kl_to_reference"),
-               "train_pairs": facts.get("train_pairs"), "heldout_pairs": facts.get("heldout_pairs")}
+               "train_pairs": facts.get("train_pairs"), "heldout_pairs": facts.get("heldout_pairs"),
+               "peak_mem_mb_max": facts.get("peak_mem_mb")}
     if margins:
         metrics.update(margin_first=margins[0], margin_last=margins[-1])
     return StageOutput(

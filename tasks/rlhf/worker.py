@@ -10,6 +10,7 @@ the input's tokenizer and chat template; measure the same accuracy on the saved 
 from __future__ import annotations
 
 import argparse
+import resource
 import json
 import os
 import time
@@ -306,7 +307,8 @@ def main(argv=None) -> None:
         model.save_pretrained(str(a.output), safe_serialization=True)
         hf.copy_tokenizer(a.input, a.output)
         seconds = round(time.time() - t0, 2)
-        facts = {**evaluate(a, tok, held_pairs, before), "train_pairs": len(train_pairs), "seconds": seconds}
+        facts = {**evaluate(a, tok, held_pairs, before), "train_pairs": len(train_pairs), "seconds": seconds,
+                 "peak_mem_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # rank 0's peak RSS
         final = {facts["metric"]: facts["after"]}
         if "heldout_kl_to_reference" in facts:
             final["heldout_kl_to_reference"] = facts["heldout_kl_to_reference"]
