@@ -329,6 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     playbook.add_plan_parser(sub)
     playbook.add_doctor_parser(sub)
+    playbook.add_batch_parser(sub)
     return ap
 
 

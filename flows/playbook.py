@@ -210,3 +210,87 @@ def memory_line(entry: dict) -> str:
     if not m.get("measured_mb_max"):
         return ""
     return f"peak {m['measured_mb_max']:.0f} MiB/rank {m['kind']} (plan {m['predicted_mb_per_rank']})"
+
+
+def add_batch_parser(sub) -> None:
+    b = sub.add_parser("batch", help="find the largest micro-batch that fits (real probes, doubling then bisection)")
+    b.add_argument("config")
+    b.add_argument("--stage", choices=TRAINING_STAGES, default="finetune")
+    b.add_argument("--budget-mb", type=float, help="CPU: peak RSS per rank allowed (GPU: default the device memory)")
+    b.add_argument("--margin", type=float, default=0.1, help="fraction of the budget kept free")
+    b.add_argument("--limit", type=int, default=1024, help="largest micro-batch tried")
+    b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    b.add_argument("--write", metavar="FILE", help="write the resolved config with the chosen micro_batch_size")
+    b.set_defaults(fn=cmd_batch)
+
+
+def cmd_batch(a) -> int:
+    from flows.config import ConfigError, load
+    from tasks.batch_finder import Prober, find
+    from tasks.hardware import gpu_memory_gb
+
+    try:
+        cfg = load(a.config, a.set)
+    except ConfigError as e:
+        print(f"baton batch: {e}", file=sys.stderr)
+        return 2
+    sc = cfg.stage_config(a.stage)
+    device = sc.resolved_device()
+    budget = a.budget_mb or ((gpu_memory_gb() or 0) * 1024 if device == "cuda" else None)
+    if device == "cpu" and not budget:
+        print("baton batch: on CPU give --budget-mb (peak RSS per rank)", file=sys.stderr)
+        return 2
+    seq = sc.max_seq_length or cfg.model.seq_length
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with Prober(sys.executable, cfg.model.model_dump(), seq, device, env=env) as prober:
+        chosen = find(prober, budget, a.margin, a.limit)
+    chosen = _batch_compatible(cfg, a.stage, chosen)
+    for m, r in sorted(prober.measured.items()):
+        peak = r["gpu_peak_mb"] if device == "cuda" else r["peak_rss_mb"]
+        print(f"  micro-batch {m:>5}: " + ("out of memory" if r["oom"] else f"peak {peak:.0f} MiB"))
+    if not chosen:
+        print(f"baton batch: even micro-batch 1 exceeds {budget:.0f} MiB less {a.margin:.0%}", file=sys.stderr)
+        return 1
+    print(f"{a.stage}.micro_batch_size={chosen}  (budget {budget:.0f} MiB, margin {a.margin:.0%})")
+    _log_batch_choice(cfg, a.stage, chosen, budget, a.margin, prober.measured, device)
+    if a.write:
+        resolved = cfg.model_dump(mode="json")
+        resolved[a.stage]["micro_batch_size"] = chosen
+        text = yaml.safe_dump(resolved, sort_keys=False)
+        path = Path(a.write)
+        tmp = path.with_name(f".{path.name}.tmp")
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        print(f"wrote {path}")
+    return 0
+
+
+def _batch_compatible(cfg, stage: str, m: int) -> int:
+    """The largest micro-batch ≤ m that keeps the stage's global batch valid (global = micro × DP × accumulation)."""
+    from tasks.vocabulary import batch_errors
+
+    sc = cfg.stage_config(stage)
+    while m > 0 and batch_errors(sc.model_copy(update={"micro_batch_size": m}), stage):
+        m -= 1
+    return m
+
+
+def _log_batch_choice(cfg, stage, chosen, budget, margin, measured, device) -> None:
+    """One MLflow run per search: the choice, the budget and every probe."""
+    from mlflow.entities import Metric
+
+    from tasks import tracking
+
+    c = tracking.client()
+    run = tracking.start_run(c, cfg.tracking.experiment, f"batch-finder-{stage}", tags={"baton.stage": stage,
+                                                                                         "baton.kind": "batch-finder"})
+    tracking.log_params(c, run, {"stage": stage, "budget_mb": budget, "margin": margin, "device": device})
+    now = int(__import__("time").time() * 1000)
+    key = "gpu_peak_mb" if device == "cuda" else "peak_rss_mb"
+    metrics = [Metric("chosen_micro_batch_size", chosen, now, 0)]
+    metrics += [Metric("probe_peak_mb", r[key] or 0.0, now, m) for m, r in sorted(measured.items())]
+    c.log_batch(run, metrics=metrics)
+    tracking.end_run(c, run, True)

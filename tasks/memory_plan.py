@@ -18,7 +18,9 @@ Pure arithmetic (no torch import), used by `baton plan`, `baton doctor` and the 
   the output layer and cross-entropy add 4·s·b·v/t. We generalise the 34 to Llama blocks: attention 7 + 4·g/a (GQA
   shrinks K and V), two norms 4, SwiGLU MLP 3 + 6·f/h (the paper's GELU MLP, 3 + 4·f/h, is 19 at f = 4h).
 - Engine buffers: CUDA context, NCCL and allocator reserve (a fixed allowance), plus DeepSpeed's reduce/all-gather buckets
-  (elements × 2 bytes each) — DeepSpeed docs, "ZeRO optimizations: reduce_bucket_size, allgather_bucket_size".
+  (elements × 2 bytes each) — DeepSpeed docs, "ZeRO optimizations: reduce_bucket_size, allgather_bucket_size"; ZeRO-3
+  also gathers whole parameters for each forward/backward, up to stage3_max_live_parameters (1e9 by default): we count
+  two copies of the live parameters (the all-gather's flat buffer and the unflattened weights).
 - CPU: everything fp32, no flash attention, plus the runtime the engine imports (torch, Megatron or DeepSpeed), fitted
   against peak RSS measured on real runs (benchmarks/memory_calibration.py; table in the README).
 """
@@ -37,12 +39,21 @@ SIZE_GUIDE = [
     (math.inf, "100B+: Megatron / NeMo 3D parallelism (plus context or expert parallel)"),
 ]
 GPU_CONTEXT_BYTES = int(1.5 * GiB)    # CUDA context + NCCL communicators + allocator reserve, per GPU (allowance)
+ZERO3_MAX_LIVE_PARAMETERS = 1_000_000_000   # DeepSpeed's stage3_max_live_parameters default (docs, ZeRO config)
 DOCTOR_BUFFER = 0.5                   # doctor: estimates run 50-75% low, so want 1.5× the estimate free
 DEFAULT_HEADROOM = 0.2                # plan: pick layouts whose estimate leaves 20% of the device free
 
-# CPU runtime baselines (MiB of RSS before the model: interpreter, torch, the engine's imports), fitted on real runs.
-CPU_BASE_MB = {"megatron": 395.0, "deepspeed": 500.0, "trl": 600.0}
-CPU_ACTIVATION_FACTOR = 1.0           # fp32 activations relative to the formula above (fitted)
+# CPU constants per engine, fitted by least squares on measured peak RSS of real runs
+# (benchmarks/memory_calibration.py; the table and residuals are in the README):
+#   base_mb: the runtime before the model (interpreter, torch, the engine's imports, data loading);
+#   activation_factor: unfused fp32 CPU kernels keep more intermediates than the paper's fused GPU count;
+#   staging_bytes_per_param: what grows with the model beyond its training states — the checkpoint save's copies, the
+#   reload check's fresh model, the input weights read from disk.
+CPU_FIT = {
+    "megatron": {"base_mb": 415.4, "activation_factor": 1.108, "staging_bytes_per_param": 24.5},
+    "deepspeed": {"base_mb": 651.5, "activation_factor": 1.0, "staging_bytes_per_param": 7.73},
+    "trl": {"base_mb": 600.0, "activation_factor": 1.0, "staging_bytes_per_param": 8.0},   # not calibrated
+}
 
 
 @dataclass(frozen=True)
@@ -234,13 +245,16 @@ def breakdown(shape: Shape, layout: Layout, seq: int, precision: str, device: st
         weights += ref
     act_bytes = 4 if on_cpu else 2
     flash = not on_cpu
-    acts = activation_bytes(shape, seq, layout, flash, act_bytes) * (CPU_ACTIVATION_FACTOR if on_cpu else 1)
+    fit = CPU_FIT[engine_of(layout)]
+    acts = activation_bytes(shape, seq, layout, flash, act_bytes) * (fit["activation_factor"] if on_cpu else 1)
     no_rc = activation_bytes(shape, seq, replace(layout, recompute="none"), flash, act_bytes)
     if on_cpu:
-        buffers = CPU_BASE_MB[engine_of(layout)] * 2**20
+        buffers = fit["base_mb"] * 2**20 + fit["staging_bytes_per_param"] * n
     else:
         buckets = 0 if layout.stage == "pretrain" else 2 * bucket_elements * 2
         buffers = GPU_CONTEXT_BYTES + buckets
+    if layout.zero_stage == 3:  # gathered working set: the all-gather's flat buffer and the unflattened parameters
+        buffers += 2 * min(n, ZERO3_MAX_LIVE_PARAMETERS) * (4 if on_cpu or precision == "fp32" else 2)
     offloaded = (shape.params() * 12 / layout.dp if layout.offload_optimizer else 0)
     return Breakdown(weights, n * g, n * o, acts, no_rc, buffers,
                      extra={"params_per_rank": int(n), "cpu_offload_bytes_per_rank": offloaded})
