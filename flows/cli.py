@@ -38,6 +38,15 @@ def cmd_run(args) -> int:
     try:
         stages = [s.strip() for s in args.stages.split(",") if s.strip()] if args.stages else None
         cfg = load(args.config, args.set, stages)
+        from flows import smoke
+
+        full = cfg
+        if args.smoke:
+            cfg = smoke.smoke_config(cfg)
+        elif cfg.require_smoke and smoke.passing_smoke(cfg) is None:
+            raise ConfigError(f"require_smoke: no passing smoke run of this config (fingerprint "
+                              f"{smoke.fingerprint(cfg)[:12]}); run `baton run {args.config} --smoke` with the same "
+                              "--set/--stages first")
         from flows.pipeline import pipeline, prepare
 
         prepare(cfg, args.from_ref)  # input checks before any flow run is created
@@ -63,6 +72,8 @@ def cmd_run(args) -> int:
         return 1
     from flows.playbook import memory_line
 
+    if args.smoke:
+        print(f"smoke passed; recorded {smoke.record(full, summary)}")
     for s in summary["stages"]:
         print(f"  {s['label']:<28} {s['status']:<10} {memory_line(s)}".rstrip())
     print(summary["run_dir"])
@@ -284,6 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--from", dest="from_ref", help="input checkpoint folder or registered model name@alias")
     r.add_argument("--no-cache", action="store_true", help="re-run stages even when inputs and config are unchanged")
     r.add_argument("--no-doctor", action="store_true", help="skip the pre-launch checks of `baton doctor`")
+    r.add_argument("--smoke", action="store_true",
+                   help="every stage a few steps on its smallest layout, with its gates (require_smoke needs one)")
     r.set_defaults(fn=cmd_run)
     c = sub.add_parser("config", help="print the resolved config and the planned steps; launch nothing (dry run)")
     c.add_argument("config")
