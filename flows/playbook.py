@@ -136,7 +136,8 @@ def plan_json(configured, search) -> dict:
         if p is None:
             return None
         return {"stage": p.stage, "strategy": p.strategy, "parameters": p.shape.params(),
-                "layout": p.layout.__dict__ if p.layout else None, "memory_gib": p.memory.as_gib() if p.memory else None,
+                "layout": p.layout.__dict__ if p.layout else None,
+                "memory_gib": p.memory.as_gib() if p.memory else None,
                 "capacity_gib": p.hardware.per_rank_bytes() / mp.GiB, "reason": p.reason, "rejected": p.rejected}
     return {"configured": one(configured), "search": one(search)}
 

@@ -1,12 +1,14 @@
-"""Memory and layout planning: which parallel layout fits a model on given hardware, and how much memory each rank needs.
+"""Memory and layout planning: which parallel layout fits a model on given hardware, and how much memory each rank
+needs.
 
 Pure arithmetic (no torch import), used by `baton plan`, `baton doctor` and the run summary. Sources of the formulas:
 
 - Model states (ZeRO paper, Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
   Models", §3.1 and Fig. 1): mixed-precision Adam keeps 2Ψ bytes of fp16/bf16 weights, 2Ψ of gradients and KΨ = 12Ψ of
   optimizer state (fp32 master weights, momentum, variance). ZeRO-1 divides the 12Ψ by the data-parallel size N, ZeRO-2
-  also the gradients, ZeRO-3 also the weights. DeepSpeed docs ("Memory Requirements", estimate_zero2/3_model_states_mem_needs)
-  use the same numbers and count model states only — one reason its estimates run 50–75% low in practice.
+  also the gradients, ZeRO-3 also the weights. DeepSpeed docs ("Memory Requirements",
+  estimate_zero2/3_model_states_mem_needs) use the same numbers and count model states only — one reason its
+  estimates run 50–75% low in practice.
 - Megatron-Core keeps fp32 main gradients: bf16 weights 2 + fp32 grads 4 + optimizer 12 = 18 bytes/param; the
   distributed optimizer shards the 12 over DP: 6 + 12/d (Megatron-LM docs, "Distributed Optimizer", table of bytes per
   parameter; fp32 training: 16 → 8 + 8/d).
@@ -17,9 +19,9 @@ Pure arithmetic (no torch import), used by `baton plan`, `baton doctor` and the 
   With 1F1B pipelining the first stage holds min(p, m) micro-batches of L/p layers (§4.2.3), i.e. up to L layers' worth;
   the output layer and cross-entropy add 4·s·b·v/t. We generalise the 34 to Llama blocks: attention 7 + 4·g/a (GQA
   shrinks K and V), two norms 4, SwiGLU MLP 3 + 6·f/h (the paper's GELU MLP, 3 + 4·f/h, is 19 at f = 4h).
-- Engine buffers: CUDA context, NCCL and allocator reserve (a fixed allowance), plus DeepSpeed's reduce/all-gather buckets
-  (elements × 2 bytes each) — DeepSpeed docs, "ZeRO optimizations: reduce_bucket_size, allgather_bucket_size"; ZeRO-3
-  also gathers whole parameters for each forward/backward, up to stage3_max_live_parameters (1e9 by default): we count
+- Engine buffers: CUDA context, NCCL and allocator reserve (a fixed allowance), plus DeepSpeed's reduce/all-gather
+  buckets (elements × 2 bytes each) — DeepSpeed docs, "ZeRO optimizations: reduce_bucket_size,
+  allgather_bucket_size"; ZeRO-3 also gathers whole parameters for each forward/backward, up to stage3_max_live_parameters (1e9 by default): we count
   two copies of the live parameters (the all-gather's flat buffer and the unflattened weights).
 - CPU: everything fp32, no flash attention, plus the runtime the engine imports (torch, Megatron or DeepSpeed), fitted
   against peak RSS measured on real runs (benchmarks/memory_calibration.py; table in the README).
@@ -136,8 +138,9 @@ class Layout:
 
     def describe(self) -> str:
         if self.stage == "pretrain":
-            extra = [f"recompute {self.recompute}"] + (["distributed optimizer"] if self.distributed_optimizer else []) \
-                + (["sequence parallel"] if self.sequence_parallel else [])
+            extra = [f"recompute {self.recompute}"]
+            extra += ["distributed optimizer"] if self.distributed_optimizer else []
+            extra += ["sequence parallel"] if self.sequence_parallel else []
             return f"TP{self.tp} × PP{self.pp} × DP{self.dp}, " + ", ".join(extra)
         off = [n for n, on in (("optimizer", self.offload_optimizer), ("params", self.offload_params)) if on]
         return (f"ZeRO-{self.zero_stage} × DP{self.dp}, recompute {self.recompute}"
