@@ -21,8 +21,9 @@ Pure arithmetic (no torch import), used by `baton plan`, `baton doctor` and the 
   shrinks K and V), two norms 4, SwiGLU MLP 3 + 6·f/h (the paper's GELU MLP, 3 + 4·f/h, is 19 at f = 4h).
 - Engine buffers: CUDA context, NCCL and allocator reserve (a fixed allowance), plus DeepSpeed's reduce/all-gather
   buckets (elements × 2 bytes each) — DeepSpeed docs, "ZeRO optimizations: reduce_bucket_size,
-  allgather_bucket_size"; ZeRO-3 also gathers whole parameters for each forward/backward, up to stage3_max_live_parameters (1e9 by default): we count
-  two copies of the live parameters (the all-gather's flat buffer and the unflattened weights).
+  allgather_bucket_size"; ZeRO-3 also gathers whole parameters for each forward/backward, up to
+  stage3_max_live_parameters (1e9 by default): we count two copies of the live parameters (the all-gather's flat
+  buffer and the unflattened weights).
 - CPU: everything fp32, no flash attention, plus the runtime the engine imports (torch, Megatron or DeepSpeed), fitted
   against peak RSS measured on real runs (benchmarks/memory_calibration.py; table in the README).
 """
