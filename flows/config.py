@@ -87,7 +87,7 @@ class PipelineConfig(StrictModel):
     tracking: TrackingConfig = TrackingConfig()
     runtimes: dict[str, RuntimeConfig] = Field(default_factory=dict)
     smoke: bool = Field(False, description="set by `baton run --smoke`: a few steps per stage on its smallest layout; "
-                                           "quality gates (eval.*) are reported but do not fail the stage")
+                                           "quality gates (eval.*, L3.generation) are reported but do not fail the stage")
     require_smoke: bool = Field(False, description="a full run refuses to start without a passing smoke run of the "
                                                    "same config (same fingerprint)")
 

@@ -216,7 +216,7 @@ def _memory_vs_plan(c, mlflow_run: str, cfg: PipelineConfig, step: Step, entry: 
 
 
 def _apply_gate(out: StageOutput, step: Step, entry: dict, smoke: bool = False) -> None:
-    """A failed gate fails the stage; in a smoke run only the quality checks (eval.*) may fail, and are reported."""
+    """A failed gate fails the stage; in a smoke run only the quality checks may fail (reported)."""
     from flows.smoke import smoke_gate_passed
 
     logger = get_run_logger()
