@@ -32,17 +32,37 @@ def _env_defaults() -> None:
                 os.environ.setdefault(k.strip(), v.strip())
 
 
-def cmd_run(args) -> int:
+def _prepare_run(args):
+    """(the config to run, the config as written, the planned steps); smoke size when --smoke. Raises ConfigError."""
+    from flows import smoke
     from flows.config import ConfigError, load
+    from flows.pipeline import prepare
+
+    stages = [s.strip() for s in args.stages.split(",") if s.strip()] if args.stages else None
+    full = cfg = load(args.config, args.set, stages)
+    if args.smoke:
+        cfg = smoke.smoke_config(cfg)
+    elif cfg.require_smoke and smoke.passing_smoke(cfg) is None:
+        raise ConfigError(f"require_smoke: no passing smoke run of this config (fingerprint "
+                          f"{smoke.fingerprint(cfg)[:12]}); run `baton run {args.config} --smoke` with the same "
+                          "--set/--stages first")
+    _, _, steps = prepare(cfg, args.from_ref)  # input checks before any flow run is created
+    return cfg, full, steps
+
+
+def cmd_run(args) -> int:
+    from flows.config import ConfigError
+    from flows.playbook import preflight
 
     try:
-        stages = [s.strip() for s in args.stages.split(",") if s.strip()] if args.stages else None
-        cfg = load(args.config, args.set, stages)
-        from flows.pipeline import prepare
-
-        _, _, steps = prepare(cfg, args.from_ref)  # input checks before any flow run is created
+        cfg, full, steps = _prepare_run(args)
     except ConfigError as e:
         print(f"baton: {e}", file=sys.stderr)
+        return 2
+    ok, findings = preflight(cfg) if not args.no_doctor else (True, [])
+    if not ok:
+        print("baton: `baton doctor` found errors; nothing was launched (--no-doctor skips the checks)",
+              file=sys.stderr)
         return 2
     from flows import runs, view as views
 
@@ -52,17 +72,21 @@ def cmd_run(args) -> int:
     title = f"baton run {run_id} · {cfg.name}"
     view = views.open_view([s.label for s in steps], title, out, live=not args.verbose)
     try:
-        error = _run_pipeline(cfg, args, run_id)
+        error = _run_pipeline(cfg, args, run_id, findings)
     finally:  # Ctrl-C too: the terminal gets its cursor back
         views.close_view(view)
+    if args.smoke and error is None:
+        from flows import smoke
+
+        out.write(f"smoke passed; recorded {smoke.record(full, json.loads((run_dir / 'summary.json').read_text()))}\n")
     return _report_run(out, run_dir, error)
 
 
-def _run_pipeline(cfg, args, run_id: str) -> Exception | None:
+def _run_pipeline(cfg, args, run_id: str, findings: list) -> Exception | None:
     from flows.pipeline import pipeline
 
     try:
-        pipeline(cfg, from_ref=args.from_ref, use_cache=not args.no_cache, run_id=run_id)
+        pipeline(cfg, from_ref=args.from_ref, use_cache=not args.no_cache, run_id=run_id, doctor=findings)
     except Exception as e:
         return e
     return None
@@ -373,6 +397,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("-v", "--verbose", action="store_true",
                    help="stream Prefect, library and engine logs to the terminal (default: one line per step; the "
                         "logs go to run.log and each step's step.log)")
+    r.add_argument("--no-doctor", action="store_true", help="skip the pre-launch checks of `baton doctor`")
+    r.add_argument("--smoke", action="store_true",
+                   help="every stage a few steps on its smallest layout, with its gates (require_smoke needs one)")
     r.set_defaults(fn=cmd_run)
     c = _config_args(sub.add_parser("config", help="print the resolved config and the planned steps; launch nothing"))
     c.add_argument("--json", action="store_true", help="machine-readable: config, input and steps")
@@ -422,6 +449,11 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--image-orchestrator",
                    help="image of the Prefect work pool's flow runs (default: the training image)")
     k.set_defaults(fn=cmd_k8s)
+    from flows import playbook
+
+    playbook.add_plan_parser(sub)
+    playbook.add_doctor_parser(sub)
+    playbook.add_batch_parser(sub)
     return ap
 
 

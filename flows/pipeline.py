@@ -58,7 +58,8 @@ def prepare(cfg: PipelineConfig, from_ref: str | None):
     return input_path, input_format, steps
 
 
-def _open_run(cfg: PipelineConfig, steps: list, run_id: str | None) -> tuple[RunInfo, dict]:
+def _open_run(cfg: PipelineConfig, steps: list, run_id: str | None,
+              doctor: list | None = None) -> tuple[RunInfo, dict]:
     """The run folder (config, plan), the MLflow parent run and the summary skeleton."""
     run_id = run_id or runs.new_run_id()
     run_dir = runs.runs_root() / run_id
@@ -73,6 +74,9 @@ def _open_run(cfg: PipelineConfig, steps: list, run_id: str | None) -> tuple[Run
                                       **report.prefect_link_tags(flow_run_id)})
     tracking.log_params(c, parent, cfg.model_dump(mode="json"))
     c.log_artifact(parent, str(run_dir / "config.yaml"))
+    if doctor:  # `baton doctor`'s warnings (errors never get this far)
+        tracking.log_json(c, parent, doctor, "doctor.json")
+        c.set_tag(parent, "baton.doctor_warnings", str(len(doctor)))
     try:
         create_link_artifact(link=f"{tracking.tracking_uri()}#/experiments/-/runs/{parent}", link_text=f"MLflow run {parent}",
                              key="mlflow-run", description="this pipeline's MLflow parent run")
@@ -175,11 +179,11 @@ def _tag_flow_run(tag_list: list[str]) -> None:
 
 @flow(name="baton-pipeline", log_prints=True, flow_run_name=_flow_run_name)
 def pipeline(config: PipelineConfig, from_ref: str | None = None, use_cache: bool = True,
-             run_id: str | None = None) -> dict:
+             run_id: str | None = None, doctor: list | None = None) -> dict:
     """Run the configured stages (data → pretrain → rlhf → finetune → serve by default) and gate every hand-off."""
     cfg = config
     input_path, input_format, steps = prepare(cfg, from_ref)
-    run, summary = _open_run(cfg, steps, run_id or _run_id_from_flow_run(cfg))
+    run, summary = _open_run(cfg, steps, run_id or _run_id_from_flow_run(cfg), doctor)
     get_run_logger().info("baton run %s: %s", run.run_id, " → ".join(s.label for s in steps))
     tag_list = run_tags(cfg, steps)
     _tag_flow_run(tag_list)

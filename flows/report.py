@@ -48,6 +48,12 @@ def markdown(summary: dict) -> str:
         ev_s = f"{ev.get('metric')}: {_fmt(ev.get('before'))} → {_fmt(ev.get('after'))}" if ev else ""
         lines.append(f"| {s['label']} | {s['status']} | {s.get('engine', '')} {s.get('backend', '')} | {g} | "
                      f"{metrics} | {ev_s} | `{s.get('output') or ''}` |")
+    mem = [s for s in summary["stages"] if (s.get("memory") or {}).get("measured_mb_max")]
+    if mem:
+        lines += ["", "## Memory per rank (measured peak vs `baton plan`)", "", "| stage | measured MiB | planned MiB |",
+                  "|---|---|---|"]
+        lines += [f"| {s['label']} | {s['memory']['measured_mb_max']:.0f} ({s['memory']['kind']}) | "
+                  f"{s['memory']['predicted_mb_per_rank']} |" for s in mem]
     errors = [s for s in summary["stages"] if s.get("error")]
     if errors:
         lines += ["", "## Errors"] + [f"- **{s['label']}**: {s['error']}" for s in errors]

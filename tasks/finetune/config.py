@@ -19,6 +19,8 @@ class ZeroConfig(StrictModel):
     reduce_bucket_size: int = Field(50_000_000, ge=1)
     allgather_bucket_size: int = Field(50_000_000, ge=1, description="ZeRO-1/2")
     prefetch_bucket_size: int = Field(50_000_000, ge=1, description="ZeRO-3")
+    init: bool = Field(True, description="ZeRO-3: build the model inside deepspeed.zero.Init() so no rank ever holds "
+                                         "the whole model (off: every rank materialises it first)")
     param_persistence_threshold: int = Field(0, ge=0, description="ZeRO-3: smaller params stay unpartitioned")
 
 

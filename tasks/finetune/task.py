@@ -54,7 +54,8 @@ def worker_spec(ctx: StageContext, cfg: FinetuneConfig, out: Path, ds_config_pat
         "ds_config": str(ds_config_path), "device": cfg.resolved_device(), "seed": ctx.seed, "steps": cfg.steps,
         "checkpoint_every": cfg.checkpoint_every, "keep_checkpoints": cfg.keep_checkpoints,
         "max_seq_length": cfg.max_seq_length or ctx.model.get("seq_length", 128),
-        "eval_max_new_tokens": cfg.eval_max_new_tokens, "log_every": cfg.log_every, "lora": cfg.lora.model_dump(),
+        "eval_max_new_tokens": cfg.eval_max_new_tokens, "zero_init": cfg.zero.init, "log_every": cfg.log_every,
+        "lora": cfg.lora.model_dump(),
     }
 
 

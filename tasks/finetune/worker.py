@@ -104,7 +104,8 @@ def build_model(input_dir: Path, ds_config: dict, zero3: bool):
     config = AutoConfig.from_pretrained(str(input_dir))
     cls = model_class(config)
     # Random init is skipped: every weight is loaded below (and HF init cannot index ZeRO-3's empty partitions).
-    # Each parameter is partitioned as soon as its module is built (ZeRO-3): no rank ever holds the whole model.
+    # Each parameter is partitioned as soon as its module is built (ZeRO-3 with zero.init): no rank ever holds the
+    # whole model. Without it (zero3 False here) deepspeed.initialize partitions the fully built model afterwards.
     with deepspeed.zero.Init(config_dict_or_path=ds_config, enabled=zero3), no_init_weights():
         model = cls(config)
         if getattr(config, "tie_word_embeddings", False):
@@ -284,7 +285,7 @@ def main() -> None:
         raise SystemExit(f"no training example fits in max_seq_length {spec['max_seq_length']}")
 
     t = time.time()
-    model = build_model(input_dir, ds_config, zero3=stage == 3)
+    model = build_model(input_dir, ds_config, zero3=stage == 3 and spec.get("zero_init", True))
     if spec["lora"]["enabled"]:
         model = add_lora(model, spec["lora"])
     groups = param_groups(model, ds_config["optimizer"]["params"]["weight_decay"])

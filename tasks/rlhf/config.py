@@ -44,4 +44,6 @@ class RlhfConfig(TrainingConfig):
     reference_model: str | None = Field(None, description="another HF checkpoint folder as the dpo reference")
     num_generations: int = Field(4, ge=2, description="grpo: completions sampled per prompt")
     max_completion_length: int = Field(16, ge=1, description="grpo: new tokens per completion")
+    dataloader_workers: int = Field(0, ge=0, description="trl: data-loader worker processes per rank (each copies "
+                                                      "the dataset; above ~8 CPU RAM blows up)")
     nemo_rl: NemoRlConfig = NemoRlConfig()

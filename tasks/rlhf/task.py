@@ -121,6 +121,7 @@ def worker_command(ctx: StageContext, cfg: RlhfConfig, out: Path) -> list[str]:
             "--algorithm", cfg.algorithm, "--steps", str(cfg.steps), "--micro-batch-size", str(cfg.micro_batch_size),
             "--gradient-accumulation-steps", str(cfg.accumulation()), "--lr", str(cfg.lr),
             "--lr-schedule", cfg.lr_schedule, "--warmup-steps", str(cfg.warmup_steps), "--grad-clip", str(cfg.grad_clip),
+            "--dataloader-workers", str(cfg.dataloader_workers),
             "--weight-decay", str(cfg.weight_decay), "--precision", cfg.precision,
             "--beta", str(cfg.beta), "--sft-weight", str(cfg.sft_weight),
             "--max-seq-length", str(cfg.max_seq_length or ctx.model.get("seq_length", 128)), "--reference", cfg.reference,
@@ -151,7 +152,8 @@ def run_trl(ctx: StageContext, cfg: RlhfConfig) -> StageOutput:
         pass_through_policy(Path(ctx.input), out, trained, ctx.stage, backend="trl")
     margins = _series(res, "rewards/margins") or _series(res, "margin") or _series(res, "reward")
     metrics = {"seconds": facts.get("seconds"), "heldout_kl_to_reference": facts.get("heldout_kl_to_reference"),
-               "train_pairs": facts.get("train_pairs"), "heldout_pairs": facts.get("heldout_pairs")}
+               "train_pairs": facts.get("train_pairs"), "heldout_pairs": facts.get("heldout_pairs"),
+               "peak_mem_mb_max": facts.get("peak_mem_mb")}
     if margins:
         metrics.update(margin_first=margins[0], margin_last=margins[-1])
     return StageOutput(

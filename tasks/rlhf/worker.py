@@ -10,6 +10,7 @@ the input's tokenizer and chat template; measure the same accuracy on the saved 
 from __future__ import annotations
 
 import argparse
+import resource
 import json
 import os
 import time
@@ -48,6 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--num-generations", type=int, default=4)
     ap.add_argument("--max-completion-length", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dataloader-workers", type=int, default=0)
     ap.add_argument("--stage", default="rlhf")
     ap.add_argument("--evaluate", action="store_true", help="only measure --output against --input (no training)")
     return ap.parse_args(argv)
@@ -143,7 +145,7 @@ def common_args(a: argparse.Namespace, work: Path) -> dict:
                 gradient_accumulation_steps=a.gradient_accumulation_steps, learning_rate=a.lr,
                 lr_scheduler_type=a.lr_schedule, warmup_steps=a.warmup_steps, weight_decay=a.weight_decay,
                 max_grad_norm=a.grad_clip if a.grad_clip > 0 else None, logging_steps=1, save_strategy="no", report_to=[], seed=a.seed, data_seed=a.seed,
-                disable_tqdm=True, dataloader_num_workers=0, use_cpu=cpu,
+                disable_tqdm=True, dataloader_num_workers=a.dataloader_workers, use_cpu=cpu,
                 # TRL defaults to bf16 autocast and activation checkpointing: on CPU that is ~10x slower and inexact
                 bf16=a.precision == "bf16", fp16=a.precision == "fp16", gradient_checkpointing=False,
                 ddp_backend="gloo" if WORLD_SIZE > 1 and cpu else None,
@@ -305,7 +307,8 @@ def main(argv=None) -> None:
         model.save_pretrained(str(a.output), safe_serialization=True)
         hf.copy_tokenizer(a.input, a.output)
         seconds = round(time.time() - t0, 2)
-        facts = {**evaluate(a, tok, held_pairs, before), "train_pairs": len(train_pairs), "seconds": seconds}
+        facts = {**evaluate(a, tok, held_pairs, before), "train_pairs": len(train_pairs), "seconds": seconds,
+                 "peak_mem_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # rank 0's peak RSS
         final = {facts["metric"]: facts["after"]}
         if "heldout_kl_to_reference" in facts:
             final["heldout_kl_to_reference"] = facts["heldout_kl_to_reference"]
