@@ -66,7 +66,7 @@ def _planned_input(cfg, from_ref: str | None) -> tuple[str | None, str | None, s
     from flows import plan as planning
     from flows.config import ConfigError
 
-    if from_ref and Path(from_ref).is_dir():
+    if from_ref and not from_ref.startswith("hf:") and Path(from_ref).is_dir():
         m = mf.read(Path(from_ref))
         if m is None:
             raise ConfigError(f"--from {from_ref}: no {mf.MANIFEST_NAME}; write one first with `baton manifest {from_ref}`")
@@ -132,7 +132,7 @@ def cmd_verify(args) -> int:
 
 
 def cmd_manifest(args) -> int:
-    from conversions import hf, manifest as mf
+    from conversions import manifest as mf
 
     path = Path(args.path)
     if not path.is_dir():
@@ -142,16 +142,12 @@ def cmd_manifest(args) -> int:
     if fmt is None:
         print("baton manifest: cannot tell the format; pass --format", file=sys.stderr)
         return 2
-    arch = {}
     if fmt == "hf-safetensors" and (path / "config.json").exists():
-        arch = {k: v for k, v in json.loads((path / "config.json").read_text()).items()
-                if k in ("architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                         "num_key_value_heads", "intermediate_size", "vocab_size", "tie_word_embeddings",
-                         "max_position_embeddings")}
-    m = mf.build(path, format=fmt, stage=args.stage, architecture=arch,
-                 parameter_count=hf.parameter_count(path) if fmt == "hf-safetensors" else None,
-                 dtype=hf.dominant_dtype(path) if fmt == "hf-safetensors" else None,
-                 engine={"name": "external"}, tokenizer_dir=path if fmt == "hf-safetensors" else path / "tokenizer")
+        from flows.hub import hf_manifest
+
+        m = hf_manifest(path, stage=args.stage)
+    else:
+        m = mf.build(path, format=fmt, stage=args.stage, engine={"name": "external"}, tokenizer_dir=path / "tokenizer")
     out = mf.write(path, m)
     print(f"{out}: {len(m['files'])} files, {m['parameter_count']} parameters, format {fmt}")
     return 0
@@ -272,14 +268,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("config")
     r.add_argument("--stages", help="comma-separated ordered subset, e.g. data,pretrain,convert")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
-    r.add_argument("--from", dest="from_ref", help="input checkpoint folder or registered model name@alias")
+    r.add_argument("--from", dest="from_ref", help="input checkpoint folder, registered model name@alias, or hf:ORG/NAME[@REVISION]")
     r.add_argument("--no-cache", action="store_true", help="re-run stages even when inputs and config are unchanged")
     r.set_defaults(fn=cmd_run)
     c = sub.add_parser("config", help="print the resolved config and the planned steps; launch nothing (dry run)")
     c.add_argument("config")
     c.add_argument("--stages", help="comma-separated ordered subset, e.g. data,pretrain,convert")
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
-    c.add_argument("--from", dest="from_ref", help="input checkpoint folder or registered model name@alias")
+    c.add_argument("--from", dest="from_ref", help="input checkpoint folder, registered model name@alias, or hf:ORG/NAME[@REVISION]")
     c.add_argument("--json", action="store_true", help="machine-readable: config, input and steps")
     c.set_defaults(fn=cmd_config)
     v = sub.add_parser("verify", help="verify a checkpoint (integrity, preflight, round trip, generation)")
