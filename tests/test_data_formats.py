@@ -286,3 +286,18 @@ def test_data_fingerprint_follows_file_contents(tmp_path, baton_home):
     assert data_fp() not in (first, added)                      # a changed file too
     steps = plan(cfg)
     assert all(s.fingerprint != "" for s in steps) and steps[1].fingerprint != plan(load(TINY))[1].fingerprint
+
+
+def test_nemo_rl_reads_the_canonical_pairs_as_binary_preferences(tmp_path):
+    from tasks.rlhf import nemo_rl
+
+    pair = {"prompt": [SYSTEM, {"role": "user", "content": "2+3?"}],
+            "chosen": [{"role": "assistant", "content": "5"}], "rejected": [{"role": "assistant", "content": "6"}]}
+    for split in ("train", "heldout"):
+        write_jsonl(tmp_path / "data" / "preference" / f"{split}.jsonl", [pair])
+    paths = nemo_rl.preference_files(tmp_path / "data", tmp_path / "nr")
+    assert json.loads(paths["train"].read_text()) == {"prompt": pair["prompt"], "chosen": "5", "rejected": "6"}
+    two = dict(pair, chosen=pair["chosen"] * 2)
+    write_jsonl(tmp_path / "data" / "preference" / "train.jsonl", [pair, two])
+    with pytest.raises(ValueError, match=r"train\.jsonl:2: NeMo-RL's BinaryPreferenceDataset takes one reply"):
+        nemo_rl.preference_files(tmp_path / "data", tmp_path / "nr")

@@ -183,6 +183,7 @@ def run_nemo_rl(ctx: StageContext, cfg: RlhfConfig) -> StageOutput:
 
     work = Path(ctx.work_dir)
     nr_dir = work / "nemo_rl"
+    nemo_rl.preference_files(Path(ctx.data_dir), nr_dir)
     config = nemo_rl.build_config(
         algorithm=cfg.algorithm, runtime=runtime, input_dir=Path(ctx.input), data_dir=Path(ctx.data_dir),
         out_dir=nr_dir, cfg=cfg, seed=ctx.seed, max_length=cfg.max_seq_length or ctx.model.get("seq_length", 128),
