@@ -4,10 +4,10 @@
 
 The recipe, top to bottom: read the spec and the DeepSpeed JSON config; build the model (inside zero.Init for ZeRO-3)
 and load the input HF weights; tokenize the canonical conversations with the checkpoint's chat template (loss on every
-assistant turn and its closing eos only; over-long ones dropped or truncated, counted); score the held-out set (loss on
-answer tokens, and exact match of the final reply when that is the gate's metric); resume from the newest complete checkpoint; train, saving a
-checkpoint every N steps (a tag counts only once every rank finished writing it); score again; write the probe
-logits of the in-memory model. Rank 0 prints @@baton events (metrics, checkpoints, the result).
+assistant turn and its closing eos only; over-long ones dropped or truncated, counted); score the held-out set (loss
+on answer tokens, and exact match of the final reply when that is the gate's metric); resume from the newest complete
+checkpoint; train, saving a checkpoint every N steps (a tag counts only once every rank finished writing it); score
+again; write the probe logits of the in-memory model. Rank 0 prints @@baton events (metrics, checkpoints, the result).
 """
 from __future__ import annotations
 
