@@ -107,7 +107,7 @@ def workspace(tmp_path, baton_home):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen2"])
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
 def test_own_model_and_files_through_rlhf_finetune_convert(workspace, baton_home, family):
     tmp_path, files, texts = workspace
     ckpt = own_model(tmp_path / family, family, texts)
@@ -124,16 +124,22 @@ def test_own_model_and_files_through_rlhf_finetune_convert(workspace, baton_home
     assert data["tokenizer"].startswith("model:")  # the checkpoint's own tokenizer, no new BPE
     for label in ("rlhf", "finetune"):
         ev = stages[label]["eval"]
+        print(f"{family} {label}: {ev} in {stages[label].get('seconds')} s")
         assert stages[label]["gate"]["passed"] and ev["metric"] == "heldout_loss" and ev["after"] < ev["before"], ev
     conv = stages["convert-zero-to-hf"]
     assert conv["gate"]["passed"], conv["gate"]
     out = Path(conv["output"])
     config = json.loads((out / "config.json").read_text())
-    assert config["architectures"] == ["Qwen2ForCausalLM"] and config["tie_word_embeddings"] is True
     from conversions import hf
 
     names = {n for n, _ in hf.iter_tensors(out)}
-    assert {"model.layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.k_proj.bias"} <= names
+    if family == "qwen2":  # q/k/v biases, tied embeddings
+        assert config["architectures"] == ["Qwen2ForCausalLM"] and config["tie_word_embeddings"] is True
+        assert {"model.layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.k_proj.bias"} <= names
+        assert "lm_head.weight" not in names
+    else:
+        assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"] is False
+        assert "lm_head.weight" in names and not any(n.endswith(".bias") for n in names)
     assert (out / "tokenizer_config.json").exists() or (out / "tokenizer" / "tokenizer_config.json").exists()
 
 
