@@ -162,3 +162,37 @@ def test_bad_rows_fail_the_data_stage_before_any_engine(workspace, baton_home):
         next((baton_home / "runs").glob("*/summary.json")).read_text())
     assert [s["status"] for s in summary["stages"]] == ["failed", "skipped", "skipped", "skipped"]
     assert not any(s.get("registered") for s in summary["stages"])
+
+
+@pytest.mark.slow
+def test_continue_pretraining_an_own_model_with_its_own_tokenizer(workspace, baton_home):
+    """data (the model's tokenizer, no new BPE) → HF → Megatron → pretrain → HF."""
+    tmp_path, files, texts = workspace
+    ckpt = own_model(tmp_path / "llama", "llama", texts)
+    assert baton("manifest", str(ckpt), home=baton_home, timeout=300).returncode == 0
+    cfg = tmp_path / "cont.yaml"
+    cfg.write_text(f"""
+name: cont
+stages: [data, pretrain]
+model: {{num_layers: 2, hidden_size: 64, num_attention_heads: 4, num_query_groups: 2, ffn_hidden_size: 128,
+        seq_length: 256, vocab_size: 512, norm_eps: 1.0e-6}}
+data:
+  pretrain: {{kind: files, train: "{files['corpus']}"}}
+  preference_pairs: 20
+  sft_examples: 20
+pretrain: {{steps: 4, micro_batch_size: 2, global_batch_size: 2, max_seq_length: 32, lr: 1.0e-3, min_lr: 1.0e-4,
+           warmup_steps: 1, checkpoint_every: 4, eval_interval: 4}}
+tracking: {{experiment: cont, registered_model: cont-model}}
+""")
+    r = baton("run", str(cfg), "--from", str(ckpt), home=baton_home, timeout=3000)
+    summary = summary_of(baton_home, r.stdout)
+    assert r.returncode == 0, (r.stderr[-3000:], json.dumps(summary, indent=1)[-4000:])
+    stages = {s["label"]: s for s in summary["stages"]}
+    assert list(stages) == ["data", "convert-hf-to-megatron", "pretrain", "convert-megatron-to-hf"]
+    assert stages["data"]["tokenizer"].startswith("model:")
+    out = Path(stages["convert-megatron-to-hf"]["output"])
+    from conversions import manifest as mf
+
+    assert mf.sha256_file(out / "tokenizer.json") == mf.sha256_file(ckpt / "tokenizer.json")
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == json.loads(
+        (ckpt / "config.json").read_text())["vocab_size"]
