@@ -115,7 +115,7 @@ def _planned_input(cfg, from_ref: str | None) -> tuple[str | None, str | None, s
     from flows import plan as planning
     from flows.config import ConfigError
 
-    if from_ref and Path(from_ref).is_dir():
+    if from_ref and not from_ref.startswith("hf:") and Path(from_ref).is_dir():
         m = mf.read(Path(from_ref))
         if m is None:
             raise ConfigError(f"--from {from_ref}: no {mf.MANIFEST_NAME}; write one first with `baton manifest {from_ref}`")
@@ -181,7 +181,7 @@ def cmd_verify(args) -> int:
 
 
 def cmd_manifest(args) -> int:
-    from conversions import hf, manifest as mf
+    from conversions import manifest as mf
 
     path = Path(args.path)
     if not path.is_dir():
@@ -191,16 +191,12 @@ def cmd_manifest(args) -> int:
     if fmt is None:
         print("baton manifest: cannot tell the format; pass --format", file=sys.stderr)
         return 2
-    arch = {}
     if fmt == "hf-safetensors" and (path / "config.json").exists():
-        arch = {k: v for k, v in json.loads((path / "config.json").read_text()).items()
-                if k in ("architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                         "num_key_value_heads", "intermediate_size", "vocab_size", "tie_word_embeddings",
-                         "max_position_embeddings")}
-    m = mf.build(path, format=fmt, stage=args.stage, architecture=arch,
-                 parameter_count=hf.parameter_count(path) if fmt == "hf-safetensors" else None,
-                 dtype=hf.dominant_dtype(path) if fmt == "hf-safetensors" else None,
-                 engine={"name": "external"}, tokenizer_dir=path if fmt == "hf-safetensors" else path / "tokenizer")
+        from flows.hub import hf_manifest
+
+        m = hf_manifest(path, stage=args.stage)
+    else:
+        m = mf.build(path, format=fmt, stage=args.stage, engine={"name": "external"}, tokenizer_dir=path / "tokenizer")
     out = mf.write(path, m)
     print(f"{out}: {len(m['files'])} files, {m['parameter_count']} parameters, format {fmt}")
     return 0
@@ -366,7 +362,8 @@ def _config_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("config")
     p.add_argument("--stages", help="comma-separated ordered subset, e.g. data,pretrain,convert")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
-    p.add_argument("--from", dest="from_ref", help="input checkpoint folder or registered model name@alias")
+    p.add_argument("--from", dest="from_ref",
+                   help="input checkpoint folder, registered model name@alias, or hf:ORG/NAME[@REVISION]")
     return p
 
 

@@ -10,7 +10,7 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.runtime import flow_run as prefect_flow_run
 
 from conversions import manifest as mf
-from flows import plan as planning, report, runs
+from flows import hub, plan as planning, report, runs
 from flows.config import ConfigError, PipelineConfig
 from flows.stages import STAGE_FLOWS, RunInfo, StageFailed
 from tasks import tracking
@@ -19,7 +19,9 @@ from tasks import tracking
 def resolve_input(cfg: PipelineConfig, from_ref: str | None) -> tuple[Path | None, str | None, str | None]:
     """(checkpoint folder, its format, its fingerprint) for the first stage, or (None, None, None)."""
     if from_ref:
-        if Path(from_ref).exists():
+        if from_ref.startswith(hub.PREFIX):
+            path = hub.fetch(from_ref, tracking.baton_home())
+        elif Path(from_ref).exists():
             path = Path(from_ref).resolve()
         elif "@" in from_ref or "/" in from_ref:
             path, _, _ = tracking.resolve_model_ref(from_ref)
@@ -40,6 +42,21 @@ def resolve_input(cfg: PipelineConfig, from_ref: str | None) -> tuple[Path | Non
                       f"earlier stages first (no completed '{prev.label}' with this config in {tracking.baton_home()})")
 
 
+CHAT_STAGES = ("rlhf", "finetune")
+
+
+def check_chat_template(steps: list, input_path: Path | None, input_format: str | None) -> None:
+    """A chat stage straight on an HF input without a chat template is refused now, with the fix."""
+    first = next((s for s in steps if s.name != "data"), None)
+    if first is None or first.name not in CHAT_STAGES or input_format != planning.HF or input_path is None:
+        return
+    if not mf.chat_template_present(input_path):
+        raise ConfigError(f"--from {input_path}: the model has no chat template, and stage '{first.name}' renders "
+                          "conversations with it; put the template in the checkpoint (chat_template.jinja beside "
+                          "tokenizer_config.json, or its 'chat_template' key), then `baton manifest "
+                          f"{input_path}` again")
+
+
 def prepare(cfg: PipelineConfig, from_ref: str | None):
     input_path, input_format, input_fp = resolve_input(cfg, from_ref)
     steps = planning.plan(cfg, input_format, input_fp)
@@ -48,6 +65,7 @@ def prepare(cfg: PipelineConfig, from_ref: str | None):
     for st in steps:
         if st.name == "convert" and not supported(st.consumes, st.produces):
             raise ConfigError(f"step {st.label}: no converter from {st.consumes} to {st.produces}")
+    check_chat_template(steps, input_path, input_format)
     first_real = next((s for s in steps if s.name != "data"), None)
     if first_real is not None and input_path is None and first_real.consumes is not None:
         from tasks.registry import STAGES

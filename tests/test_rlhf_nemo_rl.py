@@ -75,7 +75,7 @@ def test_yaml_loads_inherits_and_defines_every_dpo_key(tmp_path):
     for split, name in (("train", "train"), ("validation", "heldout")):
         d = cfg["data"][split]
         assert d["split"] is None and d["dataset_name"] == "BinaryPreferenceDataset"
-        assert d["data_path"] == str(DATA / "preference" / f"{name}.jsonl")
+        assert d["data_path"] == str(OUT / "data" / f"{name}.jsonl")
         assert (d["prompt_key"], d["chosen_key"], d["rejected_key"]) == ("prompt", "chosen", "rejected")
     assert cfg["checkpointing"]["model_save_format"] == "safetensors" and cfg["checkpointing"]["save_consolidated"]
     assert cfg["checkpointing"]["checkpoint_dir"] == str(OUT / "results")
