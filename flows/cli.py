@@ -34,12 +34,13 @@ def _env_defaults() -> None:
 
 def _prepare_run(args):
     """(the config to run, the config as written, the planned steps); smoke size when --smoke. Raises ConfigError."""
-    from flows import smoke
     from flows.config import ConfigError, load
-    from flows.pipeline import prepare
 
     stages = [s.strip() for s in args.stages.split(",") if s.strip()] if args.stages else None
-    full = cfg = load(args.config, args.set, stages)
+    full = cfg = load(args.config, args.set, stages)  # before Prefect is imported: config errors come back in ~1 s
+    from flows import smoke
+    from flows.pipeline import prepare
+
     if args.smoke:
         cfg = smoke.smoke_config(cfg)
     elif cfg.require_smoke and smoke.passing_smoke(cfg) is None:
