@@ -2,18 +2,15 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import struct
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterator
 
 from . import manifest as mf
 
 KNOWN_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                        "GPT2LMHeadModel", "GPTNeoXForCausalLM"}
-SAFETENSORS_METADATA = {"format": "pt"}
-INDEX_NAME = "model.safetensors.index.json"
 
 
 def llama_config(arch: dict, vocab_size: int | None = None, **special_tokens):
@@ -93,59 +90,6 @@ def iter_tensors(root: Path) -> Iterator[tuple[str, "object"]]:
 
 def load_state_dict(root: Path) -> dict:
     return dict(iter_tensors(root))
-
-
-class ShardedWriter:
-    """Write tensors one by one into safetensors shards of at most max_shard_bytes, plus the index JSON.
-
-    Only the current shard is held in memory, so a converter that feeds it tensor by tensor peaks near one shard.
-    """
-
-    def __init__(self, root: Path, max_shard_bytes: int = 2 << 30):
-        self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.max = max_shard_bytes
-        self.current: dict = {}
-        self.current_bytes = 0
-        self.shards: list[dict] = []
-
-    def add(self, name: str, tensor) -> None:
-        nbytes = tensor.numel() * tensor.element_size()
-        if self.current and self.current_bytes + nbytes > self.max:
-            self._flush()
-        self.current[name] = tensor.contiguous()
-        self.current_bytes += nbytes
-
-    def _flush(self) -> None:
-        from safetensors.torch import save_file
-
-        tmp = self.root / f".shard-{len(self.shards):05d}.tmp"
-        save_file(self.current, str(tmp), metadata=SAFETENSORS_METADATA)
-        self.shards.append({"tmp": tmp, "names": list(self.current)})
-        self.current, self.current_bytes = {}, 0
-
-    def close(self) -> list[Path]:
-        if self.current or not self.shards:
-            self._flush()
-        n = len(self.shards)
-        files, weight_map = [], {}
-        for i, shard in enumerate(self.shards):
-            name = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            os.replace(shard["tmp"], self.root / name)
-            files.append(self.root / name)
-            weight_map.update({t: name for t in shard["names"]})
-        if n > 1:
-            total = sum(f.stat().st_size for f in files)
-            (self.root / INDEX_NAME).write_text(json.dumps(
-                {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
-        return files
-
-
-def save_state_dict(root: Path, tensors: Iterable[tuple[str, "object"]] | dict, max_shard_bytes: int = 2 << 30):
-    w = ShardedWriter(root, max_shard_bytes)
-    for name, t in (tensors.items() if isinstance(tensors, dict) else tensors):
-        w.add(name, t)
-    return w.close()
 
 
 def copy_tokenizer(src: Path, dst: Path) -> list[str]:

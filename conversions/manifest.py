@@ -17,7 +17,6 @@ FORMATS = {
     "hf-safetensors": "Hugging Face transformers layout: config.json + *.safetensors + tokenizer",
     "megatron-dist": "megatron.core dist_checkpointing (torch_dist) of a GPTModel",
     "deepspeed-zero": "DeepSpeed engine.save_checkpoint folder (ZeRO partitions)",
-    "nemo-rl-dcp": "NeMo-RL torch DCP checkpoint",
     "dataset": "baton data stage output: datasets and tokenizer",
 }
 
@@ -37,14 +36,19 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+# The step's own log may sit beside the files a step writes (the data stage writes into its step folder); it grows
+# while the step runs, so it is never part of what a manifest describes.
+NOT_CONTENT = (MANIFEST_NAME, "step.log")
+
+
 def list_files(root: Path) -> list[Path]:
-    """Every regular file below root except the manifest, sorted, relative to root."""
+    """Every regular file below root except the manifest and the step log, sorted, relative to root."""
     out = []
     for dirpath, _, names in os.walk(root):
         for n in names:
             p = Path(dirpath, n)
             rel = p.relative_to(root)
-            if rel.as_posix() == MANIFEST_NAME or p.is_symlink() or _manifest_tmp(rel):
+            if rel.as_posix() in NOT_CONTENT or p.is_symlink() or _manifest_tmp(rel):
                 continue
             out.append(rel)
     return sorted(out, key=lambda p: p.as_posix())

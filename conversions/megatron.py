@@ -20,7 +20,7 @@ import math
 import warnings
 from pathlib import Path
 
-from . import hf, manifest as mf, probe
+from . import hf, manifest as mf, probe, safetensors_stream
 
 EMBEDDING = "embedding.word_embeddings.weight"
 FINAL_NORM = "decoder.final_layernorm.weight"
@@ -195,11 +195,6 @@ class DistReader:
         shape = self.shape(key)
         return self.read({key: ((0,) * len(shape), shape)})[key]
 
-    def read_layer(self, key: str, layer: int):
-        shape = self.shape(key)
-        box = ((layer,) + (0,) * (len(shape) - 1), (1,) + shape[1:])
-        return self.read({key: box})[key][0]
-
 
 def _BoxPlanner(boxes):
     import torch
@@ -278,7 +273,7 @@ def to_hf(src: Path, dst: Path, *, max_shard_bytes: int = 2 << 30) -> dict:
     if not tied and r.shape(OUTPUT) is None:
         raise MegatronCheckpointError(f"{src}: untied embeddings but no {OUTPUT} in the checkpoint")
 
-    w = hf.ShardedWriter(dst, max_shard_bytes)
+    w = safetensors_stream.ShardedWriter(dst, max_shard_bytes)
     rows = ((0, 0), (vocab, hidden))  # the tokenizer's rows only: padding is dropped here
     w.add("model.embed_tokens.weight", r.read({EMBEDDING: rows})[EMBEDDING])
     for i in range(layers):

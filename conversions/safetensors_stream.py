@@ -1,7 +1,9 @@
-"""Write safetensors shards one tensor at a time from a plan known up front (names, dtypes, shapes).
+"""The one safetensors writer: shard names, the index, and two ways to fill the shards.
 
-Because every shape is known before any data is read, each shard's header (with all offsets) is written first and
-tensors are then produced and written one by one: peak memory is one tensor, not one shard or one model.
+- `write(root, plan)`: from a plan known up front (names, dtypes, shapes); each shard's header (with all offsets) is
+  written first and tensors are produced and written one by one: peak memory is one tensor.
+- `ShardedWriter`: tensors added one by one when shapes are only known as they come; peak memory is one shard.
+torch is imported only when tensors are written, so reading INDEX_NAME costs nothing.
 """
 from __future__ import annotations
 
@@ -11,26 +13,35 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
-
-import torch
+from typing import Any, Callable
 
 INDEX_NAME = "model.safetensors.index.json"
-DTYPE_CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-               torch.bool: "BOOL"}
+METADATA = {"format": "pt"}  # what servers (vLLM, SGLang) require in every shard
+DTYPE_CODES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64", "int64": "I64",
+               "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+
+
+def shard_name(i: int, n: int) -> str:
+    return "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+def write_index(root: Path, weight_map: dict[str, str], total_size: int) -> Path:
+    path = Path(root) / INDEX_NAME
+    path.write_text(json.dumps({"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))},
+                               indent=2) + "\n")
+    return path
 
 
 @dataclass
 class PlannedTensor:
     name: str
-    dtype: torch.dtype
+    dtype: Any                           # a torch.dtype
     shape: tuple[int, ...]
-    produce: Callable[[], torch.Tensor]  # called once, when the tensor is written
+    produce: Callable[[], Any]           # called once, when the tensor is written; returns a torch.Tensor
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def plan_shards(tensors: list[PlannedTensor], max_shard_bytes: int) -> list[list[PlannedTensor]]:
@@ -49,7 +60,7 @@ def _header(shard: list[PlannedTensor], metadata: dict) -> bytes:
     entries: dict = {"__metadata__": metadata}
     offset = 0
     for t in shard:
-        entries[t.name] = {"dtype": DTYPE_CODES[t.dtype], "shape": list(t.shape),
+        entries[t.name] = {"dtype": DTYPE_CODES[str(t.dtype).removeprefix("torch.")], "shape": list(t.shape),
                            "data_offsets": [offset, offset + t.nbytes]}
         offset += t.nbytes
     raw = json.dumps(entries, separators=(",", ":")).encode()
@@ -57,6 +68,8 @@ def _header(shard: list[PlannedTensor], metadata: dict) -> bytes:
 
 
 def _write_shard(path: Path, shard: list[PlannedTensor], metadata: dict) -> None:
+    import torch
+
     header = _header(shard, metadata)
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
@@ -83,12 +96,51 @@ def write(root: Path, tensors: list[PlannedTensor], max_shard_bytes: int, metada
     n = len(shards)
     files, weight_map = [], {}
     for i, shard in enumerate(shards):
-        path = root / ("model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors")
-        _write_shard(path, shard, metadata or {"format": "pt"})
+        path = root / shard_name(i, n)
+        _write_shard(path, shard, metadata or METADATA)
         files.append(path)
         weight_map.update({t.name: path.name for t in shard})
     if n > 1:
-        total = sum(t.nbytes for t in tensors)
-        (root / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                                  indent=2, sort_keys=True) + "\n")
+        write_index(root, weight_map, sum(t.nbytes for t in tensors))
     return files
+
+
+class ShardedWriter:
+    """Tensors added one by one into shards of at most max_shard_bytes, plus the index. Only the current shard is
+    held in memory, so a converter that feeds it tensor by tensor peaks near one shard."""
+
+    def __init__(self, root: Path, max_shard_bytes: int = 2 << 30):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.max = max_shard_bytes
+        self.current: dict = {}
+        self.current_bytes = 0
+        self.shards: list[dict] = []
+
+    def add(self, name: str, tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.current and self.current_bytes + nbytes > self.max:
+            self._flush()
+        self.current[name] = tensor.contiguous()
+        self.current_bytes += nbytes
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        tmp = self.root / f".shard-{len(self.shards):05d}.tmp"
+        save_file(self.current, str(tmp), metadata=METADATA)
+        self.shards.append({"tmp": tmp, "names": list(self.current)})
+        self.current, self.current_bytes = {}, 0
+
+    def close(self) -> list[Path]:
+        if self.current or not self.shards:
+            self._flush()
+        n = len(self.shards)
+        files, weight_map = [], {}
+        for i, shard in enumerate(self.shards):
+            files.append(self.root / shard_name(i, n))
+            os.replace(shard["tmp"], files[-1])
+            weight_map.update({t: files[-1].name for t in shard["names"]})
+        if n > 1:
+            write_index(self.root, weight_map, sum(f.stat().st_size for f in files))
+        return files

@@ -247,8 +247,49 @@ def generation_smoke(root: Path, max_new_tokens: int = 12) -> list[dict]:
 
 
 # ---- everything ----------------------------------------------------------------------------------------------------
+def _read_back(fmt: str, root: Path):
+    """(name, tensor) for every tensor of an engine checkpoint, read through its format's own reader."""
+    if fmt == "megatron-dist":
+        from conversions import megatron
+
+        reader = megatron.DistReader(root)
+        for key, md in reader.metadata.state_dict_metadata.items():
+            if hasattr(md, "size") and not key.startswith(("optimizer.", "rng_state")):  # the model's weights
+                yield key, reader.read_full(key)
+    elif fmt == "deepspeed-zero":
+        from conversions import zero
+
+        for t in zero.planned_tensors(zero.open_checkpoint(root)):
+            yield t.name, t.produce()
+    else:
+        raise ValueError(f"no reader for format {fmt!r}")
+
+
+def engine_reload(root: Path, fmt: str) -> list[dict]:
+    """An engine checkpoint (no HF weights to serve): every tensor reads back through its format's reader, with the
+    shape its metadata promises and only finite values."""
+    n, bad = 0, []
+    for name, t in _read_back(fmt, root):
+        n += 1
+        if t.is_floating_point() and not bool(t.isfinite().all()):
+            bad.append(name)
+    if n == 0:
+        return [check("L1.reload", False, f"no tensors could be read from the {fmt} checkpoint")]
+    detail = f"{n} tensors read back" + (f"; non-finite values in {', '.join(bad[:5])}" if bad else ", all finite")
+    return [check("L1.reload", not bad, detail)]
+
+
+def _format_of(root: Path) -> str:
+    m = mf.read(root)
+    if m is not None:
+        return m["format"]
+    return "hf-safetensors" if (root / "config.json").exists() else "unknown"
+
+
 def verify(root: Path, against: Path | None = None, *, levels: tuple[str, ...] = ("L0", "preflight", "L1", "L2", "L3")) -> dict:
-    """Run every applicable check on an HF checkpoint. Later checks are skipped once the files are known bad."""
+    """The checks that fit the checkpoint's format: L0 for every format; an HF checkpoint also gets the serving
+    preflight, the save/load round trip, logits parity (with `against`) and generation; an engine checkpoint
+    (Megatron dist, DeepSpeed ZeRO) gets an exact read-back instead. Later checks stop once the files are known bad."""
     root = Path(root)
     checks: list[dict] = []
     if "L0" in levels:
@@ -258,6 +299,11 @@ def verify(root: Path, against: Path | None = None, *, levels: tuple[str, ...] =
             checks.append(check("L0.integrity", False, str(e)))
     if checks and not checks[-1]["passed"]:
         return report(checks)  # corrupted files: loading them would only add confusing errors
+    fmt = _format_of(root)
+    if fmt in ("megatron-dist", "deepspeed-zero"):
+        return report(checks + (_guarded("L1", lambda: engine_reload(root, fmt)) if "L1" in levels else []))
+    if fmt == "dataset":
+        return report(checks)
     if "preflight" in levels:
         checks += preflight(root)
     if any(c["name"] in ("preflight.config", "preflight.safetensors") and not c["passed"] for c in checks):
@@ -267,11 +313,15 @@ def verify(root: Path, against: Path | None = None, *, levels: tuple[str, ...] =
         steps.insert(1, ("L2", lambda: logits_parity(root, against)))
     for level, fn in steps:
         if level in levels:
-            try:
-                checks += fn()
-            except Exception as e:
-                checks.append(check(f"{level}", False, f"{type(e).__name__}: {e}"))
+            checks += _guarded(level, fn)
     return report(checks)
+
+
+def _guarded(level: str, fn) -> list[dict]:
+    try:
+        return fn()
+    except Exception as e:
+        return [check(f"{level}", False, f"{type(e).__name__}: {e}")]
 
 
 def format_report(rep: dict) -> str:

@@ -32,34 +32,84 @@ def _env_defaults() -> None:
                 os.environ.setdefault(k.strip(), v.strip())
 
 
-def cmd_run(args) -> int:
+def _prepare_run(args):
+    """(the config to run, the config as written, the planned steps); smoke size when --smoke. Raises ConfigError."""
     from flows.config import ConfigError, load
 
-    try:
-        stages = [s.strip() for s in args.stages.split(",") if s.strip()] if args.stages else None
-        cfg = load(args.config, args.set, stages)
-        from flows.pipeline import pipeline, prepare
+    stages = [s.strip() for s in args.stages.split(",") if s.strip()] if args.stages else None
+    full = cfg = load(args.config, args.set, stages)  # before Prefect is imported: config errors come back in ~1 s
+    from flows import smoke
+    from flows.pipeline import prepare
 
-        prepare(cfg, args.from_ref)  # input checks before any flow run is created
+    if args.smoke:
+        cfg = smoke.smoke_config(cfg)
+    elif cfg.require_smoke and smoke.passing_smoke(cfg) is None:
+        raise ConfigError(f"require_smoke: no passing smoke run of this config (fingerprint "
+                          f"{smoke.fingerprint(cfg)[:12]}); run `baton run {args.config} --smoke` with the same "
+                          "--set/--stages first")
+    _, _, steps = prepare(cfg, args.from_ref)  # input checks before any flow run is created
+    return cfg, full, steps
+
+
+def cmd_run(args) -> int:
+    from flows.config import ConfigError
+    from flows.playbook import preflight
+
+    try:
+        cfg, full, steps = _prepare_run(args)
     except ConfigError as e:
         print(f"baton: {e}", file=sys.stderr)
         return 2
     if args.no_wait:  # read by each step as it takes its lock (also inside Prefect's task threads)
         os.environ["BATON_NO_WAIT"] = "1"
-    try:
-        summary = pipeline(cfg, from_ref=args.from_ref, use_cache=not args.no_cache)
-    except Exception as e:
-        print(f"baton: {e}", file=sys.stderr)
-        from flows.runs import list_runs
+    ok, findings = preflight(cfg) if not args.no_doctor else (True, [])
+    if not ok:
+        print("baton: `baton doctor` found errors; nothing was launched (--no-doctor skips the checks)",
+              file=sys.stderr)
+        return 2
+    from flows import runs, view as views
 
-        latest = list_runs(1)
-        if latest:
-            print(latest[0]["run_dir"])
-        return 1
-    for s in summary["stages"]:
-        print(f"  {s['label']:<28} {s['status']}")
-    print(summary["run_dir"])
-    return 0
+    run_id = runs.new_run_id()
+    run_dir = runs.runs_root() / run_id
+    out = sys.stdout if args.verbose else views.detach_process_output(run_dir / "run.log")
+    title = f"baton run {run_id} · {cfg.name}"
+    view = views.open_view([s.label for s in steps], title, out, live=not args.verbose)
+    try:
+        error = _run_pipeline(cfg, args, run_id, findings)
+    finally:  # Ctrl-C too: the terminal gets its cursor back
+        views.close_view(view)
+    if args.smoke and error is None:
+        from flows import smoke
+
+        out.write(f"smoke passed; recorded {smoke.record(full, json.loads((run_dir / 'summary.json').read_text()))}\n")
+    return _report_run(out, run_dir, error)
+
+
+def _run_pipeline(cfg, args, run_id: str, findings: list) -> Exception | None:
+    from flows.pipeline import pipeline
+
+    try:
+        pipeline(cfg, from_ref=args.from_ref, use_cache=not args.no_cache, run_id=run_id, doctor=findings)
+    except Exception as e:
+        return e
+    return None
+
+
+def _report_run(out, run_dir: Path, error: Exception | None) -> int:
+    """The summary table, each failed step's cause and log tail, and the run folder (always the last line)."""
+    from flows import view as views
+
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {"stages": []}
+    lines = views.summary_lines(summary)
+    failed = [s for s in summary["stages"] if s.get("status") == "failed"]
+    for entry in failed:
+        lines += [""] + views.failure_report(entry)
+    if error is not None and not failed:
+        lines += ["", f"baton: {str(error).splitlines()[0]}"]
+    out.write("\n".join(lines + [str(run_dir)]) + "\n")
+    out.flush()
+    return 1 if error is not None else 0
 
 
 def _planned_input(cfg, from_ref: str | None) -> tuple[str | None, str | None, str]:
@@ -68,7 +118,7 @@ def _planned_input(cfg, from_ref: str | None) -> tuple[str | None, str | None, s
     from flows import plan as planning
     from flows.config import ConfigError
 
-    if from_ref and Path(from_ref).is_dir():
+    if from_ref and not from_ref.startswith("hf:") and Path(from_ref).is_dir():
         m = mf.read(Path(from_ref))
         if m is None:
             raise ConfigError(f"--from {from_ref}: no {mf.MANIFEST_NAME}; write one first with `baton manifest {from_ref}`")
@@ -134,7 +184,7 @@ def cmd_verify(args) -> int:
 
 
 def cmd_manifest(args) -> int:
-    from conversions import hf, manifest as mf
+    from conversions import manifest as mf
 
     path = Path(args.path)
     if not path.is_dir():
@@ -144,16 +194,12 @@ def cmd_manifest(args) -> int:
     if fmt is None:
         print("baton manifest: cannot tell the format; pass --format", file=sys.stderr)
         return 2
-    arch = {}
     if fmt == "hf-safetensors" and (path / "config.json").exists():
-        arch = {k: v for k, v in json.loads((path / "config.json").read_text()).items()
-                if k in ("architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                         "num_key_value_heads", "intermediate_size", "vocab_size", "tie_word_embeddings",
-                         "max_position_embeddings")}
-    m = mf.build(path, format=fmt, stage=args.stage, architecture=arch,
-                 parameter_count=hf.parameter_count(path) if fmt == "hf-safetensors" else None,
-                 dtype=hf.dominant_dtype(path) if fmt == "hf-safetensors" else None,
-                 engine={"name": "external"}, tokenizer_dir=path if fmt == "hf-safetensors" else path / "tokenizer")
+        from flows.hub import hf_manifest
+
+        m = hf_manifest(path, stage=args.stage)
+    else:
+        m = mf.build(path, format=fmt, stage=args.stage, engine={"name": "external"}, tokenizer_dir=path / "tokenizer")
     out = mf.write(path, m)
     print(f"{out}: {len(m['files'])} files, {m['parameter_count']} parameters, format {fmt}")
     return 0
@@ -207,15 +253,62 @@ def cmd_convert(args) -> int:
 
 
 def cmd_runs(args) -> int:
-    from flows.runs import list_runs
+    """A table: run, config, each step's status, the champion marker, age."""
+    from flows.runs import list_runs, runs_table
 
     rows = list_runs(args.limit)
     if not rows:
         print("no runs yet")
         return 0
-    for r in rows:
-        stages = " ".join(f"{s['label']}:{s['status']}" for s in r.get("stages", []))
-        print(f"{r['run_id']}  {r.get('status', '?'):<9}  {stages}")
+    print(runs_table(rows, _champion_run_ids()))
+    return 0
+
+
+def _champion_run_ids() -> set[str]:
+    """baton runs whose checkpoint is some registered model's `champion` (empty when MLflow has none)."""
+    try:
+        from tasks import tracking
+
+        c = tracking.client()
+        found = set()
+        for rm in c.search_registered_models():
+            if "champion" in (rm.aliases or {}):
+                mv = c.get_model_version(rm.name, rm.aliases["champion"])
+                found.add(mv.tags.get("baton.run_id", ""))
+        return found - {""}
+    except Exception:
+        return set()
+
+
+def cmd_show(args) -> int:
+    """One run's summary (the content of its summary.md, without the embedded plots)."""
+    from flows.runs import runs_root
+
+    summary = runs_root() / args.run / "summary.md"
+    if not summary.exists():
+        print(f"baton show: no run {args.run!r} with a summary in {runs_root()}", file=sys.stderr)
+        return 2
+    text = summary.read_text()
+    print("\n".join(line for line in text.splitlines() if "data:image/png;base64," not in line))
+    return 0
+
+
+def cmd_lineage(args) -> int:
+    """The chain from the data digest through every stage and conversion to REF (and its serving)."""
+    from flows import lineage
+
+    try:
+        path, what = lineage.resolve(args.ref)
+        nodes = lineage.chain(path)
+    except lineage.LineageError as e:
+        print(f"baton lineage: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps([n.to_dict() for n in nodes], indent=2))
+    elif args.mermaid:
+        print(lineage.mermaid(nodes))
+    else:
+        print(lineage.text(nodes, what))
     return 0
 
 
@@ -292,23 +385,50 @@ def cmd_rollback(args) -> int:
     return 0
 
 
+def _config_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """What names a run: the config, the stages, overrides and the input (shared by run and config)."""
+    p.add_argument("config")
+    p.add_argument("--stages", help="comma-separated ordered subset, e.g. data,pretrain,convert")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    p.add_argument("--from", dest="from_ref",
+                   help="input checkpoint folder, registered model name@alias, or hf:ORG/NAME[@REVISION]")
+    return p
+
+
+def cmd_k8s(args) -> int:
+    """Kubernetes manifests for the config's training stages (written, not applied)."""
+    from flows.config import ConfigError, load
+    from flows.k8s import Cluster, write_manifests
+
+    try:
+        stages = [s.strip() for s in args.stages.split(",") if s.strip()] if args.stages else None
+        cfg = load(args.config, args.set, stages, host=False)  # the cluster's nodes host the ranks, not this machine
+        cluster = Cluster(namespace=args.namespace, volume_claim=args.volume_claim, train_image=args.image_train or "",
+                          orchestrator_image=args.image_orchestrator or "")
+        written = write_manifests(cfg, Path(args.out or Path("infra") / "k8s" / cfg.name), cluster)
+    except ConfigError as e:
+        print(f"baton k8s: {e}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(path)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="baton", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run", help="run a pipeline config")
-    r.add_argument("config")
-    r.add_argument("--stages", help="comma-separated ordered subset, e.g. data,pretrain,convert")
-    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
-    r.add_argument("--from", dest="from_ref", help="input checkpoint folder or registered model name@alias")
+    r = _config_args(sub.add_parser("run", help="run a pipeline config"))
     r.add_argument("--no-cache", action="store_true", help="re-run stages even when inputs and config are unchanged")
     r.add_argument("--no-wait", action="store_true",
                    help="fail at once when another live run holds a step's lock (default: wait for it)")
+    r.add_argument("-v", "--verbose", action="store_true",
+                   help="stream Prefect, library and engine logs to the terminal (default: one line per step; the "
+                        "logs go to run.log and each step's step.log)")
+    r.add_argument("--no-doctor", action="store_true", help="skip the pre-launch checks of `baton doctor`")
+    r.add_argument("--smoke", action="store_true",
+                   help="every stage a few steps on its smallest layout, with its gates (require_smoke needs one)")
     r.set_defaults(fn=cmd_run)
-    c = sub.add_parser("config", help="print the resolved config and the planned steps; launch nothing (dry run)")
-    c.add_argument("config")
-    c.add_argument("--stages", help="comma-separated ordered subset, e.g. data,pretrain,convert")
-    c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
-    c.add_argument("--from", dest="from_ref", help="input checkpoint folder or registered model name@alias")
+    c = _config_args(sub.add_parser("config", help="print the resolved config and the planned steps; launch nothing"))
     c.add_argument("--json", action="store_true", help="machine-readable: config, input and steps")
     c.set_defaults(fn=cmd_config)
     v = sub.add_parser("verify", help="verify a checkpoint (integrity, preflight, round trip, generation)")
@@ -330,6 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("runs", help="list recent runs")
     ls.add_argument("--limit", type=int, default=20)
     ls.set_defaults(fn=cmd_runs)
+    _add_show_and_lineage(sub)
     sv = sub.add_parser("serve", help="serve name@champion or a checkpoint folder (vLLM or SGLang) until Ctrl-C")
     sv.add_argument("ref", help="checkpoint folder, name@alias or name/version")
     sv.add_argument("--engine", choices=["vllm", "sglang"], default="vllm")
@@ -344,7 +465,34 @@ def build_parser() -> argparse.ArgumentParser:
     rb = sub.add_parser("rollback", help="move the `champion` alias back to the version it replaced")
     rb.add_argument("name", help="registered model name")
     rb.set_defaults(fn=cmd_rollback)
+    k = sub.add_parser("k8s", help="write Kubernetes manifests (PyTorchJob, JobSet, RayJob, Prefect work pool)")
+    k.add_argument("config")
+    k.add_argument("--stages", help="comma-separated ordered subset, e.g. pretrain,finetune")
+    k.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    k.add_argument("--out", help="output folder (default: infra/k8s/<config name>)")
+    k.add_argument("--namespace", default="default")
+    k.add_argument("--volume-claim", default="baton", help="ReadWriteMany PersistentVolumeClaim mounted at /baton")
+    k.add_argument("--image-train", help="training image (default: the name infra/docker/train.Dockerfile builds)")
+    k.add_argument("--image-orchestrator",
+                   help="image of the Prefect work pool's flow runs (default: the training image)")
+    k.set_defaults(fn=cmd_k8s)
+    from flows import playbook
+
+    playbook.add_plan_parser(sub)
+    playbook.add_doctor_parser(sub)
+    playbook.add_batch_parser(sub)
     return ap
+
+
+def _add_show_and_lineage(sub) -> None:
+    sh = sub.add_parser("show", help="print one run's summary (summary.md)")
+    sh.add_argument("run", help="run id (see `baton runs`)")
+    sh.set_defaults(fn=cmd_show)
+    li = sub.add_parser("lineage", help="where a checkpoint came from: data digest → every step → serving")
+    li.add_argument("ref", help="name@alias, name/version, a run id or a checkpoint folder")
+    li.add_argument("--json", action="store_true")
+    li.add_argument("--mermaid", action="store_true", help="the chain as a Mermaid flowchart")
+    li.set_defaults(fn=cmd_lineage)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -86,6 +86,10 @@ class PipelineConfig(StrictModel):
     serve: ServeConfig = ServeConfig()
     tracking: TrackingConfig = TrackingConfig()
     runtimes: dict[str, RuntimeConfig] = Field(default_factory=dict)
+    smoke: bool = Field(False, description="set by `baton run --smoke`: a few steps per stage on its smallest layout; "
+                                           "quality gates (eval.*, L3.generation) are reported but do not fail the stage")
+    require_smoke: bool = Field(False, description="a full run refuses to start without a passing smoke run of the "
+                                                   "same config (same fingerprint)")
 
     @model_validator(mode="after")
     def _stage_order(self):
@@ -101,11 +105,14 @@ class PipelineConfig(StrictModel):
     def stage_config(self, name: str):
         return getattr(self, name)
 
-    def validate_stages(self) -> list[str]:
-        """Cross-field checks each stage declares (e.g. heads divisible by TP), run before anything launches."""
+    def validate_stages(self, host: bool = True) -> list[str]:
+        """Cross-field checks each stage declares (e.g. heads divisible by TP), run before anything launches; `host`:
+        also what this machine must have to launch it (False when the stages run elsewhere, e.g. `baton k8s`)."""
         errors = []
         for name in self.stages:
             errors += STAGES[name].validate(self.stage_config(name), self)
+            if host:
+                errors += STAGES[name].validate_host(self.stage_config(name))
         return errors
 
 
@@ -144,7 +151,10 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     return raw
 
 
-def load(path: str | Path | None, overrides: list[str] | None = None, stages: list[str] | None = None) -> PipelineConfig:
+def load(path: str | Path | None, overrides: list[str] | None = None, stages: list[str] | None = None,
+         host: bool = True, check_stages: bool = True) -> PipelineConfig:
+    """The validated config. `host=False` skips the checks against this machine (the cluster's nodes host the ranks);
+    `check_stages=False` skips the stages' cross-field checks too (planning for other hardware)."""
     raw: dict = {}
     if path is not None:
         p = Path(path)
@@ -163,7 +173,7 @@ def load(path: str | Path | None, overrides: list[str] | None = None, stages: li
         cfg = PipelineConfig.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(f"invalid config {path or ''}:\n" + _format_error(e, "  ")) from None
-    errors = cfg.validate_stages()
+    errors = cfg.validate_stages(host) if check_stages else []
     if errors:
         raise ConfigError(f"invalid config {path or ''}:\n" + "\n".join(f"  {e}" for e in errors))
     return cfg

@@ -5,12 +5,12 @@ import json
 from pathlib import Path
 
 import yaml
-from prefect import flow, get_run_logger
+from prefect import flow, get_run_logger, tags
 from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.runtime import flow_run as prefect_flow_run
 
 from conversions import manifest as mf
-from flows import plan as planning, report, runs
+from flows import hub, plan as planning, report, runs
 from flows.config import ConfigError, PipelineConfig
 from flows.stages import STAGE_FLOWS, RunInfo, StageFailed
 from tasks import tracking
@@ -20,7 +20,9 @@ from tasks.secrets import check_run_id, redact
 def resolve_input(cfg: PipelineConfig, from_ref: str | None) -> tuple[Path | None, str | None, str | None]:
     """(checkpoint folder, its format, its fingerprint) for the first stage, or (None, None, None)."""
     if from_ref:
-        if Path(from_ref).exists():
+        if from_ref.startswith(hub.PREFIX):
+            path = hub.fetch(from_ref, tracking.baton_home())
+        elif Path(from_ref).exists():
             path = Path(from_ref).resolve()
         elif "@" in from_ref or "/" in from_ref:
             path, _, _ = tracking.resolve_model_ref(from_ref)
@@ -41,6 +43,21 @@ def resolve_input(cfg: PipelineConfig, from_ref: str | None) -> tuple[Path | Non
                       f"earlier stages first (no completed '{prev.label}' with this config in {tracking.baton_home()})")
 
 
+CHAT_STAGES = ("rlhf", "finetune")
+
+
+def check_chat_template(steps: list, input_path: Path | None, input_format: str | None) -> None:
+    """A chat stage straight on an HF input without a chat template is refused now, with the fix."""
+    first = next((s for s in steps if s.name != "data"), None)
+    if first is None or first.name not in CHAT_STAGES or input_format != planning.HF or input_path is None:
+        return
+    if not mf.chat_template_present(input_path):
+        raise ConfigError(f"--from {input_path}: the model has no chat template, and stage '{first.name}' renders "
+                          "conversations with it; put the template in the checkpoint (chat_template.jinja beside "
+                          "tokenizer_config.json, or its 'chat_template' key), then `baton manifest "
+                          f"{input_path}` again")
+
+
 def prepare(cfg: PipelineConfig, from_ref: str | None):
     input_path, input_format, input_fp = resolve_input(cfg, from_ref)
     steps = planning.plan(cfg, input_format, input_fp)
@@ -49,6 +66,7 @@ def prepare(cfg: PipelineConfig, from_ref: str | None):
     for st in steps:
         if st.name == "convert" and not supported(st.consumes, st.produces):
             raise ConfigError(f"step {st.label}: no converter from {st.consumes} to {st.produces}")
+    check_chat_template(steps, input_path, input_format)
     first_real = next((s for s in steps if s.name != "data"), None)
     if first_real is not None and input_path is None and first_real.consumes is not None:
         from tasks.registry import STAGES
@@ -59,7 +77,8 @@ def prepare(cfg: PipelineConfig, from_ref: str | None):
     return input_path, input_format, steps
 
 
-def _open_run(cfg: PipelineConfig, steps: list, run_id: str | None) -> tuple[RunInfo, dict]:
+def _open_run(cfg: PipelineConfig, steps: list, run_id: str | None,
+              doctor: list | None = None) -> tuple[RunInfo, dict]:
     """The run folder (config, plan), the MLflow parent run and the summary skeleton."""
     run_id = check_run_id(run_id or runs.new_run_id())
     run_dir = runs.runs_root() / run_id
@@ -74,6 +93,9 @@ def _open_run(cfg: PipelineConfig, steps: list, run_id: str | None) -> tuple[Run
                                       **report.prefect_link_tags(flow_run_id)})
     tracking.log_params(c, parent, cfg.model_dump(mode="json"))
     c.log_artifact(parent, str(run_dir / "config.yaml"))
+    if doctor:  # `baton doctor`'s warnings (errors never get this far)
+        tracking.log_json(c, parent, doctor, "doctor.json")
+        c.set_tag(parent, "baton.doctor_warnings", str(len(doctor)))
     try:
         create_link_artifact(link=f"{tracking.tracking_uri()}#/experiments/-/runs/{parent}", link_text=f"MLflow run {parent}",
                              key="mlflow-run", description="this pipeline's MLflow parent run")
@@ -111,6 +133,22 @@ def _run_steps(cfg: PipelineConfig, steps: list, run: RunInfo, summary: dict, in
     return failed
 
 
+def _lineage_markdown(summary: dict) -> str:
+    """The run's chain from data to its last checkpoint as a Mermaid diagram; registered versions get theirs too."""
+    from flows import lineage
+
+    try:
+        lineage.describe_versions(summary)
+    except Exception as e:  # lineage explains a run; it never fails one
+        get_run_logger().warning("lineage in model version descriptions: %s", e)
+    try:
+        head = lineage.run_head(summary)
+        return "\n" + lineage.markdown(lineage.chain(head)) if head else ""
+    except Exception as e:  # lineage explains a run; it never fails one
+        get_run_logger().warning("lineage: %s", e)
+        return ""
+
+
 def _close_run(run: RunInfo, summary: dict, failed: str | None) -> None:
     """summary.json and summary.md, the MLflow parent run's end, the Prefect summary artifact."""
     summary["status"] = "failed" if failed else "completed"
@@ -118,7 +156,7 @@ def _close_run(run: RunInfo, summary: dict, failed: str | None) -> None:
     c = tracking.client()
     c.log_artifact(run.mlflow_parent, str(run.run_dir / "summary.json"))
     c.set_terminated(run.mlflow_parent, "FAILED" if failed else "FINISHED")
-    md = report.markdown(summary)
+    md = report.markdown(summary) + _lineage_markdown(summary)
     (run.run_dir / "summary.md").write_text(md)
     try:
         create_markdown_artifact(markdown=md, key="baton-run-summary", description=f"baton run {run.run_id}")
@@ -126,15 +164,50 @@ def _close_run(run: RunInfo, summary: dict, failed: str | None) -> None:
         get_run_logger().warning("could not create the summary artifact: %s", e)
 
 
-@flow(name="baton-pipeline", log_prints=True)
+def _flow_run_name() -> str:
+    """`<config>-<run id>` (e.g. tiny-20261201-010533-ab12); a run started without a run id gets a new one here."""
+    params = prefect_flow_run.get_parameters()
+    cfg = params.get("config")
+    name = getattr(cfg, "name", None) or (cfg.get("name") if isinstance(cfg, dict) else None) or "baton"
+    return f"{name}-{params.get('run_id') or runs.new_run_id()}"
+
+
+def _run_id_from_flow_run(cfg: PipelineConfig) -> str:
+    name = prefect_flow_run.get_name() or ""
+    return name.removeprefix(f"{cfg.name}-") if name.startswith(f"{cfg.name}-") else runs.new_run_id()
+
+
+def run_tags(cfg: PipelineConfig, steps: list) -> list[str]:
+    """Prefect tags that make runs findable by config, stage and registered model."""
+    return [f"config:{cfg.name}", *(f"stage:{s.label}" for s in steps), f"model:{cfg.tracking.registered_model}"]
+
+
+def _tag_flow_run(tag_list: list[str]) -> None:
+    flow_run_id = prefect_flow_run.get_id()
+    if not flow_run_id:
+        return
+    try:
+        from prefect.client.orchestration import get_client
+
+        with get_client(sync_client=True) as client:
+            current = client.read_flow_run(flow_run_id).tags
+            client.update_flow_run(flow_run_id, tags=sorted(set(current) | set(tag_list)))
+    except Exception as e:  # tags help finding runs; they never fail one
+        get_run_logger().warning("could not tag the flow run: %s", e)
+
+
+@flow(name="baton-pipeline", log_prints=True, flow_run_name=_flow_run_name)
 def pipeline(config: PipelineConfig, from_ref: str | None = None, use_cache: bool = True,
-             run_id: str | None = None) -> dict:
+             run_id: str | None = None, doctor: list | None = None) -> dict:
     """Run the configured stages (data → pretrain → rlhf → finetune → serve by default) and gate every hand-off."""
     cfg = config
     input_path, input_format, steps = prepare(cfg, from_ref)
-    run, summary = _open_run(cfg, steps, run_id)
+    run, summary = _open_run(cfg, steps, run_id or _run_id_from_flow_run(cfg), doctor)
     get_run_logger().info("baton run %s: %s", run.run_id, " → ".join(s.label for s in steps))
-    failed = _run_steps(cfg, steps, run, summary, input_path, input_format, use_cache)
+    tag_list = run_tags(cfg, steps)
+    _tag_flow_run(tag_list)
+    with tags(*tag_list):  # the stage subflows carry them too
+        failed = _run_steps(cfg, steps, run, summary, input_path, input_format, use_cache)
     _close_run(run, summary, failed)
     if failed:
         raise RuntimeError(f"baton run {run.run_id} failed: {failed}\nrun dir: {run.run_dir}")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from conversions.registry import CONVERTERS, supported
 from flows.config import ConfigError, PipelineConfig
@@ -45,7 +44,7 @@ def _convert(src_fmt: str, dst_fmt: str, source_stage: str | None, implicit: boo
 
 
 CORE_CODE = ("conversions/manifest.py", "conversions/hf.py", "conversions/probe.py", "conversions/verify.py",
-             "conversions/events.py", "tasks/launch.py", "tasks/stage.py")
+             "conversions/events.py", "conversions/chat.py", "tasks/launch.py", "tasks/stage.py", "tasks/gates.py")
 
 
 def _code_digest(*paths: str) -> str:
@@ -97,9 +96,20 @@ def build_steps(cfg: PipelineConfig, stages: list[str], input_format: str | None
     return steps
 
 
-def fingerprint_steps(cfg: PipelineConfig, steps: list[Step], input_fingerprint: str | None) -> None:
+def data_fingerprint(cfg: PipelineConfig, common: str, input_format: str | None, input_fingerprint: str | None) -> str:
+    """The data step's config and code, the contents of every file its sources match, and the input checkpoint when
+    its tokenizer is used (an HF input and data.tokenizer not 'train')."""
+    from tasks.data.digest import file_digests
+
+    tokenizer_from = input_fingerprint if input_format == HF and cfg.data.tokenizer != "train" else None
+    return _hash(["data", cfg.data.model_dump(), cfg.model.vocab_size, cfg.seed, _code_digest("tasks/data"), common,
+                  file_digests(cfg.data), tokenizer_from])
+
+
+def fingerprint_steps(cfg: PipelineConfig, steps: list[Step], input_fingerprint: str | None,
+                      input_format: str | None = None) -> None:
     common = _code_digest(*CORE_CODE)
-    data_fp = _hash(["data", cfg.data.model_dump(), cfg.model.vocab_size, cfg.seed, _code_digest("tasks/data"), common])
+    data_fp = data_fingerprint(cfg, common, input_format, input_fingerprint)
     prev = input_fingerprint
     for st in steps:
         if st.name == "data":
@@ -124,7 +134,7 @@ def plan(cfg: PipelineConfig, input_format: str | None = None, input_fingerprint
     steps = build_steps(cfg, stages, input_format)
     if "data" not in cfg.stages:
         steps[0].implicit = True
-    fingerprint_steps(cfg, steps, input_fingerprint)
+    fingerprint_steps(cfg, steps, input_fingerprint, input_format)
     return steps
 
 

@@ -48,6 +48,12 @@ def markdown(summary: dict) -> str:
         ev_s = f"{ev.get('metric')}: {_fmt(ev.get('before'))} → {_fmt(ev.get('after'))}" if ev else ""
         lines.append(f"| {s['label']} | {s['status']} | {s.get('engine', '')} {s.get('backend', '')} | {g} | "
                      f"{metrics} | {ev_s} | `{s.get('output') or ''}` |")
+    mem = [s for s in summary["stages"] if (s.get("memory") or {}).get("measured_mb_max")]
+    if mem:
+        lines += ["", "## Memory per rank (measured peak vs `baton plan`)", "", "| stage | measured MiB | planned MiB |",
+                  "|---|---|---|"]
+        lines += [f"| {s['label']} | {s['memory']['measured_mb_max']:.0f} ({s['memory']['kind']}) | "
+                  f"{s['memory']['predicted_mb_per_rank']} |" for s in mem]
     errors = [s for s in summary["stages"] if s.get("error")]
     if errors:
         lines += ["", "## Errors"] + [f"- **{s['label']}**: {s['error']}" for s in errors]
@@ -69,3 +75,16 @@ def prefect_link_tags(flow_run_id: str | None) -> dict:
         return {}
     url = f"{ui.rstrip('/')}/runs/flow-run/{flow_run_id}"
     return {"prefect.flow_run_url": url, "mlflow.note.content": f"Prefect flow run: [{flow_run_id}]({url})"}
+
+
+def link_mlflow_run(mlflow_run_id: str, text: str) -> None:
+    """A Prefect link artifact from the current flow run to its MLflow run (the MLflow run links back by its tags)."""
+    from prefect.artifacts import create_link_artifact
+
+    from tasks import tracking
+
+    try:
+        create_link_artifact(link=f"{tracking.tracking_uri()}#/experiments/-/runs/{mlflow_run_id}", link_text=text,
+                             description=f"MLflow run {mlflow_run_id}")
+    except Exception:  # outside a flow run there is nowhere to put it
+        pass

@@ -1,7 +1,9 @@
 """Scheduled retraining that never makes things worse.
 
 1. Build the data (usually cached) and compare its digest with the lineage of the current `champion` (the
-   `data_digest` tag its registered version carries). Same data: record "skipped" and stop.
+   `data_digest` tag its registered version carries). Same data: record "skipped" and stop. A candidate already
+   trained from this champion version on this data and kept (not promoted) is not trained again (unless
+   `policy.force`): record "skipped" and stop.
 2. Fine-tune from the champion on the new data (DeepSpeed), convert back to HF through the conversion gate.
 3. Compare candidate and champion on the same held-out set: the fine-tuning engine scores its input (the champion)
    and its trained model (the candidate, bit-identical to the converted checkpoint by the L2 parity gate) on
@@ -41,7 +43,8 @@ DECISION_TAG = "baton.retrain.decision"
 
 
 class RetrainPolicy(StrictModel):
-    margin: float = Field(0.02, ge=0, description="promote only when candidate score >= champion score + margin")
+    margin: float = Field(0.02, ge=0, description="promote only when the candidate beats the champion by margin "
+                                                  "(score higher by it; a held-out loss lower by it)")
     force: bool = Field(False, description="retrain even when the data digest equals the champion's lineage")
     serve: bool = Field(True, description="restart serving on a new champion (smoke-tested; failure rolls back)")
 
@@ -136,8 +139,26 @@ def stage_entry(summary: dict | None, name: str) -> dict | None:
 
 
 # ---- the decision --------------------------------------------------------------------------------------------------
-def better(candidate: float | None, champion_score: float | None, margin: float) -> bool:
-    return candidate is not None and champion_score is not None and candidate >= champion_score + margin
+def better(candidate: float | None, champion_score: float | None, margin: float, metric: str | None = None) -> bool:
+    """candidate beats champion by margin; for a loss (lower is better) that means candidate <= champion - margin."""
+    from tasks.gates import improvement
+
+    if candidate is None or champion_score is None:
+        return False
+    return improvement(metric or "", champion_score, candidate) >= margin
+
+
+def already_kept(c, cfg: PipelineConfig, champion_version: str, digest: str) -> str | None:
+    """The id of an earlier decision that kept the champion against a candidate trained on this very data."""
+    from mlflow.entities import ViewType
+
+    exp = c.get_experiment_by_name(cfg.tracking.experiment)
+    if exp is None:
+        return None
+    runs = c.search_runs([exp.experiment_id], max_results=1, run_view_type=ViewType.ACTIVE_ONLY,
+                         filter_string=f"tags.`{DECISION_TAG}` = 'kept' and tags.`baton.champion_version` = "
+                                       f"'{champion_version}' and tags.`baton.data_digest` = '{digest}'")
+    return runs[0].info.run_id if runs else None
 
 
 def record(c, cfg: PipelineConfig, result: dict) -> None:
@@ -146,6 +167,7 @@ def record(c, cfg: PipelineConfig, result: dict) -> None:
     run = mlt.start_run(c, cfg.tracking.experiment, f"retrain-decision-{result['started']}",
                              tags={"baton.stage": "retrain", DECISION_TAG: result["decision"],
                                    mlt.PREFECT_TAG: flow_run_id, "baton.data_digest": result["data_digest"],
+                                   "baton.champion_version": str(result["champion_version"]),
                                    **report.prefect_link_tags(flow_run_id)})
     metrics = {k: result[k] for k in ("champion_score", "candidate_score") if isinstance(result.get(k), (int, float))}
     for k, v in metrics.items():
@@ -254,10 +276,18 @@ def retrain(data: DataConfig = DataConfig(), finetune: FinetuneConfig = Finetune
     if not _new_data(base, champ, result, policy.force):
         record(c, base, result)
         return result
+    earlier = None if policy.force else already_kept(c, base, str(champ["version"]), result["data_digest"])
+    if earlier:
+        result.update(decision="skipped", reason=f"a candidate trained on data {result['data_digest'][:12]} from "
+                                                 f"champion version {champ['version']} was already kept (decision "
+                                                 f"run {earlier}); set policy.force to retrain anyway")
+        record(c, base, result)
+        return result
     get_run_logger().info("new data (digest %s, champion trained on %s): fine-tuning version %s",
                           result["data_digest"][:12], champ["data_digest"][:12] or "unknown data", champ["version"])
     error = _train_candidate(base, champ, result)
-    if error is None and not better(result["candidate_score"], result["champion_score"], policy.margin):
+    if error is None and not better(result["candidate_score"], result["champion_score"], policy.margin,
+                                    result["metric"]):
         result.update(decision="kept", reason=f"candidate {result['metric']} {result['candidate_score']} is not better "
                                               f"than the champion's {result['champion_score']} by {policy.margin}")
     elif error is None and not result.get("candidate_version"):

@@ -127,3 +127,28 @@ def list_runs(limit: int = 20) -> list[dict]:
             except json.JSONDecodeError:
                 continue
     return out
+
+
+def _age(run_id: str) -> str:
+    try:
+        started = _dt.datetime.strptime(run_id[:15], "%Y%m%d-%H%M%S")
+    except ValueError:
+        return "?"
+    s = int((_dt.datetime.now() - started).total_seconds())
+    return f"{s // 86400}d" if s >= 86400 else f"{s // 3600}h" if s >= 3600 else f"{s // 60}m" if s >= 60 else f"{s}s"
+
+
+_STATUS = {"completed": "ok", "cached": "cached", "failed": "FAILED", "skipped": "skipped", "running": "running"}
+
+
+def runs_table(rows: list[dict], champions: set[str]) -> str:
+    """Plain columns: run, config, status, each step's status, champion marker (*), age."""
+    lines = [f"{'run':<22} {'config':<10} {'status':<9} {'age':>4}  steps"]
+    for r in rows:
+        run = r["run_id"] + ("*" if r["run_id"] in champions else "")
+        steps = "  ".join(f"{s['label']}:{_STATUS.get(s['status'], s['status'])}" for s in r.get("stages", []))
+        lines.append(f"{run:<22} {r.get('config', '?'):<10} {r.get('status', '?'):<9} "
+                     f"{_age(r['run_id']):>4}  {steps}")
+    if champions & {r["run_id"] for r in rows}:
+        lines.append("* its checkpoint is a registered model's champion")
+    return "\n".join(lines)

@@ -234,6 +234,7 @@ def _reuse(rec: dict, entry: dict) -> dict:
     get_run_logger().info("=== %s: unchanged inputs and config; reusing %s ===", entry["label"], rec.get("output"))
     cached = dict(rec["entry"])
     cached.update(status="cached", prefect_flow_run_id=entry["prefect_flow_run_id"], cached_from=rec.get("run_id"))
+    streaming.step_finished(entry["label"], cached)
     return cached
 
 
@@ -248,6 +249,7 @@ def _start_stage_run(c, cfg: PipelineConfig, step: Step, run: RunInfo, entry: di
         parent_run_id=run.mlflow_parent)
     tracking.log_params(c, mlflow_run, {"stage": cfg.stage_config(step.name).model_dump(), "model": cfg.model.model_dump(),
                                         **({"convert": step.extra} if step.name == "convert" else {})})
+    report.link_mlflow_run(mlflow_run, f"{step.label}: MLflow run")
     return mlflow_run
 
 
@@ -304,10 +306,29 @@ def _with_finite_check(out: StageOutput) -> None:
     out.gate = verify.report(out.gate.get("checks", []) + checks)
 
 
-def _apply_gate(out: StageOutput, step: Step, entry: dict) -> None:
+def _memory_vs_plan(c, mlflow_run: str, cfg: PipelineConfig, step: Step, entry: dict) -> None:
+    """A training stage's measured per-rank peak beside `baton plan`'s prediction, in the summary and MLflow."""
+    from flows.playbook import predicted_peak_mb
+
+    if step.name not in ("pretrain", "rlhf", "finetune"):
+        return
+    predicted = predicted_peak_mb(cfg, step.name)
+    measured = entry["metrics"].get("peak_mem_mb_max")
+    entry["memory"] = {"predicted_mb_per_rank": round(predicted), "measured_mb_max": measured,
+                       "kind": "GPU allocated" if cfg.stage_config(step.name).resolved_device() == "cuda" else "RSS"}
+    c.log_metric(mlflow_run, "summary.memory_predicted_mb", predicted)
+
+
+def _apply_gate(out: StageOutput, step: Step, entry: dict, smoke: bool = False) -> None:
+    """A failed gate fails the stage; in a smoke run only the quality checks may fail (reported)."""
+    from flows.smoke import smoke_gate_passed
+
     logger = get_run_logger()
     for chk in out.gate.get("checks", []):
         logger.info("gate %s [%s] %s", chk["name"], "ok" if chk["passed"] else "FAIL", chk["detail"])
+    if smoke and not out.gate.get("passed") and smoke_gate_passed(out.gate):
+        entry["smoke_quality_not_required"] = [c["name"] for c in out.gate["checks"] if not c["passed"]]
+        return
     if not out.gate.get("passed"):
         failed = [chk["name"] for chk in out.gate.get("checks", []) if not chk["passed"]]
         entry.update(status="failed", error=f"gate failed: {', '.join(failed)}")
@@ -326,13 +347,15 @@ def _failure(step: Step, entry: dict, e: Exception) -> StageFailed:
     return StageFailed(f"{step.label}: {type(e).__name__}: {e}", entry)
 
 
-def _close(c, mlflow_run: str, monitor, entry: dict, ok: bool) -> None:
+def _close(c, mlflow_run: str, monitor, entry: dict, ok: bool, log_path: Path) -> None:
     if monitor is not None:
         try:
             monitor.finish()
         except Exception:
             pass
     tracking.log_json(c, mlflow_run, entry, "stage.json")
+    if log_path.exists():
+        tracking.log_file(c, mlflow_run, log_path)
     tracking.end_run(c, mlflow_run, ok)
 
 
@@ -361,25 +384,35 @@ def _execute_locked(step: Step, cfg: PipelineConfig, run: RunInfo, position: int
     index.put(step.fingerprint, status="running", work_dir=str(work), run_id=run.run_id, output=None, entry=entry)
     ctx = _context(cfg, step, run, work, mlflow_run, input_path, input_format, data_dir)
     t0, ok = time.time(), False
-    try:
-        out = _run_with_retries(step, ctx, cfg.stage_config(step.name))
-        _with_finite_check(out)
-        _record_output(c, mlflow_run, step, work, out, entry)
-        _apply_gate(out, step, entry)
-        if out.output:
-            entry["registered"] = _register(c, cfg, step, Path(out.output), run.run_id, mlflow_run, data_dir)
-        entry["status"], ok = "completed", True
-    except Exception as e:
-        raise _failure(step, entry, e) from (None if isinstance(e, (StageFailed, LaunchError)) else e)
-    finally:
-        entry["seconds"] = round(time.time() - t0, 2)
-        index.put(step.fingerprint, status=entry["status"], work_dir=str(work), run_id=run.run_id,
-                  output=entry.get("output"), entry=entry)  # before any tracking call: an outage cannot lose it
-        _close(c, mlflow_run, monitor, entry, ok)
+    with streaming.step_log(step.label, work) as log_path:
+        entry["log"] = str(log_path)
+        try:
+            out = _run_with_retries(step, ctx, cfg.stage_config(step.name))
+            _with_finite_check(out)
+            _record_output(c, mlflow_run, step, work, out, entry)
+            _memory_vs_plan(c, mlflow_run, cfg, step, entry)
+            _apply_gate(out, step, entry, smoke=cfg.smoke)
+            if out.output and not cfg.smoke:  # a smoke run's checkpoints are never registered
+                entry["registered"] = _register(c, cfg, step, Path(out.output), run.run_id, mlflow_run, data_dir)
+            entry["status"], ok = "completed", True
+        except Exception as e:
+            raise _failure(step, entry, e) from (None if isinstance(e, (StageFailed, LaunchError)) else e)
+        finally:
+            entry["seconds"] = round(time.time() - t0, 2)
+            index.put(step.fingerprint, status=entry["status"], work_dir=str(work), run_id=run.run_id,
+                      output=entry.get("output"), entry=entry)  # before any tracking call: an outage cannot lose it
+            _close(c, mlflow_run, monitor, entry, ok, log_path)
+            streaming.step_finished(step.label, entry, log_path)
     return entry
 
 
+def _step_run_name() -> str:
+    """A stage subflow is named after its step label (`pretrain`, `convert-megatron-to-hf`)."""
+    step = prefect_flow_run.get_parameters().get("step")
+    return getattr(step, "label", None) or (step.get("label") if isinstance(step, dict) else None) or "step"
+
+
 STAGE_FLOWS = {
-    name: flow(name=f"stage-{name}", flow_run_name=f"{name}", validate_parameters=False)(execute_step)
+    name: flow(name=f"stage-{name}", flow_run_name=_step_run_name, validate_parameters=False)(execute_step)
     for name in STAGES
 }

@@ -32,3 +32,23 @@ def resolve_device(device: str) -> str:
     if device != "auto":
         return device
     return "cuda" if visible_gpus() else "cpu"
+
+
+def gpu_memory_gb() -> float | None:
+    """Memory of the first visible GPU in GiB (nvidia-smi), or None without one."""
+    smi = shutil.which("nvidia-smi")
+    if not smi or not visible_gpus():
+        return None
+    try:
+        out = subprocess.run([smi, "--query-gpu=memory.total", "--format=csv,noheader,nounits"], capture_output=True,
+                             text=True, timeout=15)
+        return float(out.stdout.split()[0]) / 1024 if out.returncode == 0 and out.stdout.strip() else None
+    except (OSError, subprocess.TimeoutExpired, ValueError):
+        return None
+
+
+def host_memory_gb() -> float:
+    """This machine's RAM in GiB."""
+    import psutil
+
+    return psutil.virtual_memory().total / 2**30

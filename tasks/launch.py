@@ -131,6 +131,72 @@ def terminate_all() -> None:
         kill_tree(p, grace=5.0)
 
 
+def _start(cmd: Sequence[str], env: dict | None, cwd: Path | None) -> subprocess.Popen:
+    """The child in its own session (so its whole tree can be killed), stdout and stderr merged into one pipe."""
+    full_env = dict(os.environ)
+    full_env.update({k: str(v) for k, v in (env or {}).items()})
+    full_env.setdefault("PYTHONUNBUFFERED", "1")
+    proc = subprocess.Popen(
+        [str(c) for c in cmd], env=full_env, cwd=str(cwd) if cwd else None, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, bufsize=1, errors="replace",
+        start_new_session=True, preexec_fn=_set_pdeathsig,
+    )
+    with _active_lock:
+        _active.add(proc)
+    return proc
+
+
+def _watchdog(proc: subprocess.Popen, timeout: float | None, name: str) -> tuple[threading.Timer | None, threading.Event]:
+    """A timer that kills the tree once timeout seconds have passed; the event says whether it fired."""
+    timed_out = threading.Event()
+    if not timeout:
+        return None, timed_out
+
+    def fire():
+        timed_out.set()
+        log.error("%s exceeded its timeout of %ss; terminating its process tree", name, timeout)
+        kill_tree(proc)
+
+    timer = threading.Timer(timeout, fire)
+    timer.daemon = True
+    timer.start()
+    return timer, timed_out
+
+
+def _pump(proc: subprocess.Popen, logf, tail: collections.deque, collected: list[dict],
+          on_line: Callable[[str], None] | None, on_event: Callable[[dict], None] | None) -> None:
+    """Every line to the log file; events to on_event (never to on_line or the tail: they are data, not log)."""
+    assert proc.stdout is not None
+    for raw in proc.stdout:
+        line = raw.rstrip("\n")
+        if logf:
+            logf.write(line + "\n")
+        event = events.parse(line)
+        if event is not None:
+            collected.append(event)
+            if on_event:
+                on_event(event)
+            continue
+        tail.append(line)
+        if on_line:
+            on_line(line)
+
+
+def _reap(proc: subprocess.Popen) -> None:
+    """Take down whatever is left of the child's group, and forget it."""
+    if proc.poll() is None:
+        kill_tree(proc)
+    else:  # the leader exited; take down anything it left in its group
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    if proc.stdout is not None:
+        proc.stdout.close()
+    with _active_lock:
+        _active.discard(proc)
+
+
 def run(
     cmd: Sequence[str],
     *,
@@ -145,48 +211,15 @@ def run(
 ) -> LaunchResult:
     """Run cmd to completion; raise LaunchError (exit code + last lines) unless it exits 0."""
     _install_signal_handlers()
-    full_env = dict(os.environ)
-    full_env.update({k: str(v) for k, v in (env or {}).items()})
-    full_env.setdefault("PYTHONUNBUFFERED", "1")
     tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
     collected: list[dict] = []
     t0 = time.time()
     log.info("launch %s: %s", name, " ".join(map(str, cmd)))
-    proc = subprocess.Popen(
-        [str(c) for c in cmd], env=full_env, cwd=str(cwd) if cwd else None, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, bufsize=1, errors="replace",
-        start_new_session=True, preexec_fn=_set_pdeathsig,
-    )
-    with _active_lock:
-        _active.add(proc)
-    timed_out = threading.Event()
-
-    def watchdog():
-        timed_out.set()
-        log.error("%s exceeded its timeout of %ss; terminating its process tree", name, timeout)
-        kill_tree(proc)
-
-    timer = threading.Timer(timeout, watchdog) if timeout else None
-    if timer:
-        timer.daemon = True
-        timer.start()
+    proc = _start(cmd, env, cwd)
+    timer, timed_out = _watchdog(proc, timeout, name)
     logf = open(log_path, "a", buffering=1) if log_path else None
     try:
-        assert proc.stdout is not None
-        for raw in proc.stdout:
-            line = raw.rstrip("\n")
-            if logf:
-                logf.write(line + "\n")
-            event = events.parse(line)
-            if event is not None:
-                collected.append(event)
-                if on_event:
-                    on_event(event)
-                if event["kind"] != "metric":
-                    continue
-            tail.append(line)
-            if on_line:
-                on_line(line)
+        _pump(proc, logf, tail, collected, on_line, on_event)
         proc.wait()
     except BaseException:
         kill_tree(proc)
@@ -196,18 +229,9 @@ def run(
             timer.cancel()
         if logf:
             logf.close()
-        if proc.poll() is None:
-            kill_tree(proc)
-        else:  # the leader exited; take down anything it left in its group
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        with _active_lock:
-            _active.discard(proc)
-    result = LaunchResult(proc.returncode, collected, list(tail), time.time() - t0)
+        _reap(proc)
     if timed_out.is_set():
         raise LaunchError(f"{name} timed out after {timeout}s", proc.returncode, list(tail))
     if proc.returncode != 0:
         raise LaunchError(f"{name} failed with exit code {proc.returncode}", proc.returncode, list(tail))
-    return result
+    return LaunchResult(proc.returncode, collected, list(tail), time.time() - t0)

@@ -5,9 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tasks.stage import REPO_ROOT
-
-BUILD = REPO_ROOT / "infra" / "runtimes" / "build.py"
+BUILD = Path(__file__).resolve().parent.parent / "infra" / "runtimes" / "build.py"
 
 
 class RuntimeMissing(RuntimeError):

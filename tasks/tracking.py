@@ -42,15 +42,21 @@ def client():
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
+EXPERIMENT_KIND = "mlflow.experimentKind"  # read by the MLflow 3 UI
+
+
 def experiment_id(c, name: str) -> str:
     exp = c.get_experiment_by_name(name)
     if exp is not None:
+        if EXPERIMENT_KIND not in exp.tags:  # made before baton set it
+            c.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND, "custom_model_development")
         return exp.experiment_id
     artifacts = None
     if tracking_uri().startswith("sqlite:///"):  # keep artifacts under BATON_HOME, not the current directory
         artifacts = (baton_home() / "mlartifacts").as_uri()
     try:
-        return c.create_experiment(name, artifact_location=artifacts)
+        # the UI then opens it in the model-training layout (runs, metrics charts), not the GenAI evaluation one
+        return c.create_experiment(name, artifact_location=artifacts, tags={EXPERIMENT_KIND: "custom_model_development"})
     except Exception:  # created concurrently
         return c.get_experiment_by_name(name).experiment_id
 

@@ -94,3 +94,21 @@ def hf_checkpoint(tmp_path_factory, tiny_config, data_dir) -> Path:
 
 # the real local stack (make up) and what runs on it, shared by test_ops* and test_browser*
 from ops_stack import initial_champion, ops_stack, retrain_outcomes  # noqa: E402,F401
+
+
+# Markers by module, so `make test-fast` (-m fast) is the inner loop and the heavy families can be picked out:
+# fast = no engine, server, stack or cluster is started. A test's own marker wins; an unlisted module counts as slow.
+FAST_MODULES = {"test_vocabulary", "test_config", "test_pretrain_config", "test_distributed", "test_rlhf_nemo_rl",
+                "test_verify", "test_launch", "test_serve_preflight"}
+FAMILIES = {"test_serve": "serve", "test_serve_promotion": "serve", "test_ops": "ops", "test_ops_postgres": "ops",
+            "test_browser": "ops"}
+KINDS = ("fast", "slow", "serve", "ops", "gpu")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        if module in FAMILIES:
+            item.add_marker(FAMILIES[module])
+        if not any(item.get_closest_marker(k) for k in KINDS):
+            item.add_marker("fast" if module in FAST_MODULES else "slow")

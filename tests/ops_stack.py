@@ -33,7 +33,9 @@ class Stack:
                       "BATON_PG_PORT": str(free_port())}
 
     def make_env(self, **more) -> dict:
-        env = dict(os.environ, BATON_HOME=str(self.home), **self.ports, **more)
+        # the stack's own Prefect profiles (`make up` makes a `baton` profile active there), not the test session's
+        env = dict(os.environ, BATON_HOME=str(self.home), PREFECT_HOME=str(self.home / "prefect-client"), **self.ports,
+                   **more)
         for k in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", "PREFECT_UI_URL", "PREFECT_PROFILE"):
             env.pop(k, None)
         return env

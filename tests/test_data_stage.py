@@ -22,7 +22,8 @@ def test_data_stage_end_to_end(baton_home):
         assert (__import__("pathlib").Path(out) / f).exists(), f
     assert verify.report(verify.integrity(__import__("pathlib").Path(out)))["passed"]
     row = json.loads(open(f"{out}/sft/train.jsonl").readline())
-    assert set(row) == {"instruction", "answer"} and json.loads(row["answer"])["category"]
+    assert set(row) == {"messages"} and [m["role"] for m in row["messages"]] == ["user", "assistant"]
+    assert json.loads(row["messages"][-1]["content"])["category"]
 
     c = MlflowClient(tracking_uri=f"sqlite:///{baton_home}/mlflow.db")
     parent = c.get_run(summary["mlflow_run_id"])

@@ -7,6 +7,7 @@ import pytest
 from tasks.distributed import torchrun_command, world_size
 
 
+@pytest.mark.slow
 def test_local_torchrun_runs_two_ranks(tmp_path):
     script = tmp_path / "w.py"
     script.write_text("import os; print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n")

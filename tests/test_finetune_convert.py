@@ -87,6 +87,13 @@ def test_flipped_byte_in_a_partition_is_caught_by_the_manifest(zero1_checkpoint,
     assert not rep["passed"] and "sha256 mismatch" in rep["checks"][0]["detail"]
 
 
+def test_verify_fits_a_zero_checkpoint(zero1_checkpoint):
+    rep = verify.verify(zero1_checkpoint)
+    assert rep["passed"], verify.format_report(rep)
+    assert [c["name"] for c in rep["checks"]][-1] == "L1.reload" and not any("preflight" in c["name"]
+                                                                               for c in rep["checks"])
+
+
 def test_stream_writer_round_trip(tmp_path):
     tensors = {"b": torch.arange(10, dtype=torch.int64), "a": torch.randn(3, 5), "c": torch.randn(4).bfloat16(),
                "s": torch.tensor(2.5)}

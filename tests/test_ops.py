@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from ops_stack import REPO, runs_tagged as _runs_tagged
 
@@ -40,6 +42,18 @@ def test_pipeline_deployment_runs_through_the_worker(ops_stack):
     beats = ops_stack.api("POST", "/events/filter", {"filter": {
         "event": {"name": ["prefect.flow-run.heartbeat"]}, "resource": {"id": [f"prefect.flow-run.{fr_id}"]}}})
     assert beats["events"], "the flow run sent no heartbeat"
+
+
+@pytest.mark.ops
+def test_the_prefect_cli_in_a_fresh_shell_talks_to_the_stack(ops_stack):
+    """The README's `prefect deployment ls` as typed in a new shell after `make up`: no PREFECT_API_URL set, the
+    `baton` profile that `make up` made active points the CLI at the stack (not at a temporary server)."""
+    env = dict(ops_stack.make_env(), COLUMNS="200")
+    proc = subprocess.run([str(REPO / ".venv" / "bin" / "prefect"), "deployment", "ls"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "baton-finetune/tiny" in proc.stdout and "baton-retrain/nightly" in proc.stdout, proc.stdout
+    assert "temporary server" not in proc.stdout + proc.stderr
 
 
 def test_zombie_automation_is_installed(ops_stack):

@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import TINY
+from conftest import baton, TINY
 
 SHORT = ["pretrain.steps=12", "pretrain.checkpoint_every=2", "pretrain.eval_interval=6", "pretrain.warmup_steps=2",
          "pretrain.keep_checkpoints=3"]
@@ -143,6 +143,14 @@ def test_world_size_1_trains_checkpoints_and_packages(world1):
     shard.write_bytes(bytes(data))
     bad = verify.integrity(copy)
     assert not bad[0]["passed"] and "sha256 mismatch" in bad[0]["detail"]
+
+
+def test_baton_verify_fits_a_megatron_checkpoint(world1, baton_home):
+    """Integrity and an exact read-back, not the HF serving checks that a dist checkpoint cannot pass."""
+    _, out = world1
+    r = baton("verify", str(out.output), home=baton_home, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "L1.reload" in r.stdout and "preflight" not in r.stdout and "config.json" not in r.stdout
 
 
 def test_resume_after_sigkill_is_bit_exact_with_the_plain_optimizer(tmp_path, data_dir, world1):

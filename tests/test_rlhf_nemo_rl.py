@@ -75,7 +75,7 @@ def test_yaml_loads_inherits_and_defines_every_dpo_key(tmp_path):
     for split, name in (("train", "train"), ("validation", "heldout")):
         d = cfg["data"][split]
         assert d["split"] is None and d["dataset_name"] == "BinaryPreferenceDataset"
-        assert d["data_path"] == str(DATA / "preference" / f"{name}.jsonl")
+        assert d["data_path"] == str(OUT / "data" / f"{name}.jsonl")
         assert (d["prompt_key"], d["chosen_key"], d["rejected_key"]) == ("prompt", "chosen", "rejected")
     assert cfg["checkpointing"]["model_save_format"] == "safetensors" and cfg["checkpointing"]["save_consolidated"]
     assert cfg["checkpointing"]["checkpoint_dir"] == str(OUT / "results")
@@ -166,7 +166,7 @@ def test_bad_settings_are_refused_before_launch(tmp_path):
         "rlhf.num_generations=8": "rlhf.num_generations: only used by algorithm grpo",
         "rlhf.algorithm=rm,rlhf.reference=precomputed": "rlhf.reference: only used by algorithm dpo",
         f"rlhf.reference_model={tmp_path}": "is not an HF checkpoint folder",
-        "rlhf.max_length=4096": "exceeds model.seq_length",
+        "rlhf.max_seq_length=4096": "exceeds model.seq_length",
         "rlhf.algorithm=ppo": "rlhf.algorithm",
         "rlhf.backend=nemo_rl,rlhf.algorithm=grpo,runtimes.nemo_rl.kind=slurm": "grpo needs a NeMo-RL environment",
     }

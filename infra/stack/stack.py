@@ -18,14 +18,13 @@ import os
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import postgres  # noqa: E402  (beside this file)
-from tasks.launch import kill_group  # noqa: E402  (the checkout is on .venv's path)
+from tasks.health import Unhealthy, wait_http_ok  # noqa: E402  (the checkout is on .venv's path)
+from tasks.launch import kill_group  # noqa: E402
 
 POOL = os.environ.get("BATON_WORK_POOL", "baton-local")
 HOST = "127.0.0.1"
@@ -129,21 +128,15 @@ def stop(name: str, grace: float = 15.0) -> None:
 
 
 def wait_http(url: str, name: str, pid_name: str, timeout: float = 240.0) -> float:
-    t0 = time.time()
     pid = int(pid_file(pid_name).read_text())
-    while time.time() - t0 < timeout:
-        if not alive(pid):
+    try:
+        return wait_http_ok(url, timeout, alive=lambda: alive(pid), interval=0.5)
+    except Unhealthy as e:
+        if e.exited:
             tail = (state_dir() / "logs" / f"{pid_name}.log").read_text(errors="replace").splitlines()[-25:]
-            raise SystemExit(f"[stack] {name} exited before it answered {url}:\n" + "\n".join(tail))
-        try:
-            with urllib.request.urlopen(url, timeout=5) as r:
-                if r.status == 200:
-                    return time.time() - t0
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"[stack] {name} did not answer {url} within {timeout:.0f}s "
-                     f"(log: {state_dir() / 'logs' / (pid_name + '.log')})")
+            raise SystemExit(f"[stack] {name} exited before it answered {url}:\n" + "\n".join(tail)) from None
+        raise SystemExit(f"[stack] {name} did not answer {url} within {timeout:.0f}s "
+                         f"(log: {state_dir() / 'logs' / (pid_name + '.log')})") from None
 
 
 def run_cli(cmd: list[str], env: dict, timeout: float = 600) -> str:
@@ -195,8 +188,52 @@ def up(db: str, worker: bool, deploy: bool) -> None:
         print(run_cli(boot, cenv), end="", flush=True)
     if deploy:
         deploy_all(cenv)
+    previous = activate_profile()
+    log(f"Prefect profile '{PROFILE}' active (the `prefect` CLI now talks to this stack; `make down` makes "
+        f"'{previous or 'ephemeral'}' active again)")
     log(f"up in {time.time() - t0:.0f}s (db: {db}); client settings in {home() / 'stack.env'}")
     print_addresses()
+
+
+PROFILE = "baton"
+
+
+def activate_profile() -> str:
+    """A `baton` Prefect profile pointing at the stack, made active, so `prefect ...` in any fresh shell talks to it
+    (instead of starting its own temporary server). The profile it replaces is remembered for `down`."""
+    from prefect.settings import load_profiles, save_profiles
+
+    profiles = load_profiles()
+    previous = profiles.active_name if profiles.active_name != PROFILE else _previous_profile()
+    env = client_env()
+    profiles.update_profile(PROFILE, settings={"PREFECT_API_URL": env["PREFECT_API_URL"],
+                                               "PREFECT_UI_URL": env["PREFECT_UI_URL"]})
+    profiles.set_active(PROFILE)
+    save_profiles(profiles)
+    state_dir().mkdir(parents=True, exist_ok=True)
+    (state_dir() / "previous_prefect_profile").write_text(previous or "")
+    return previous or ""
+
+
+def _previous_profile() -> str:
+    f = state_dir() / "previous_prefect_profile"
+    return f.read_text().strip() if f.exists() else ""
+
+
+def restore_profile() -> str | None:
+    """Make the profile that was active before `up` active again; the `baton` profile goes away."""
+    from prefect.settings import load_profiles, save_profiles
+
+    profiles = load_profiles()
+    if PROFILE not in profiles.names:
+        return None
+    previous = _previous_profile() or "ephemeral"
+    if profiles.active_name == PROFILE:
+        profiles.set_active(previous if previous in profiles.names else "ephemeral", check=False)
+    profiles.remove_profile(PROFILE)
+    save_profiles(profiles)
+    (state_dir() / "previous_prefect_profile").unlink(missing_ok=True)
+    return profiles.active_name
 
 
 def deploy_all(cenv: dict) -> None:
@@ -231,6 +268,9 @@ def down(purge: bool) -> None:
     if postgres.Cluster.exists(state_dir(), home()):
         postgres.Cluster(state_dir(), home(), ports()["postgres"]).stop(purge=purge)
     (home() / "stack.env").unlink(missing_ok=True)
+    restored = restore_profile()
+    if restored:
+        log(f"Prefect profile '{restored}' active again")
     if purge:
         import shutil
 

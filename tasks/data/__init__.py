@@ -8,5 +8,6 @@ STAGE = StageSpec(
     consumes=lambda cfg: None,
     produces=lambda cfg: "dataset",
     input_required=False,
-    description="datasets (pretraining text, preference pairs, instruction→JSON) and a BPE tokenizer with chat template",
+    description="datasets in one canonical chat form (pretraining text, preference pairs, conversations) and a "
+                "tokenizer (the input model's, or a new BPE with a chat template)",
 )

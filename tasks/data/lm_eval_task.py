@@ -2,8 +2,8 @@
 
     write_lm_eval_task(data_dir)  ->  <data_dir>/lm_eval/baton_sft_heldout.yaml
 
-Generation task: the instruction goes in as the user message (the server applies the chat template), the answer
-(e.g. {"category": "animal"}) is the target, scored by exact match. `data_files` must be absolute: lm-eval resolves
+Generation task: the last user message goes in as the user message (the server applies the chat template), the answer
+(the final assistant turn, e.g. {"category": "animal"}) is the target, scored by exact match. `data_files` must be absolute: lm-eval resolves
 relative paths against the current directory, not the YAML's folder.
 """
 from __future__ import annotations
@@ -23,8 +23,9 @@ def task_config(heldout_jsonl: Path, stop: str = "<|im_end|>") -> dict:
         "dataset_kwargs": {"data_files": {"test": str(Path(heldout_jsonl).resolve())}},
         "test_split": "test",
         "output_type": "generate_until",
-        "doc_to_text": "{{instruction}}",
-        "doc_to_target": "{{answer}}",
+        # canonical rows: the last user turn is the question, the final assistant turn the target
+        "doc_to_text": "{{messages[-2]['content']}}",
+        "doc_to_target": "{{messages[-1]['content']}}",
         "generation_kwargs": {"until": [stop], "max_gen_toks": 32, "temperature": 0, "do_sample": False},
         "filter_list": [{"name": "strip", "filter": [{"function": "remove_whitespace"}, {"function": "take_first"}]}],
         "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}],
@@ -32,12 +33,12 @@ def task_config(heldout_jsonl: Path, stop: str = "<|im_end|>") -> dict:
     }
 
 
-def write_lm_eval_task(data_dir: Path, out_dir: Path | None = None) -> Path:
+def write_lm_eval_task(data_dir: Path, out_dir: Path | None = None, stop: str = "<|im_end|>") -> Path:
     """Write the task YAML (default: <data_dir>/lm_eval/); returns the folder to pass as lm-eval's include_path."""
     data_dir = Path(data_dir)
     out_dir = Path(out_dir) if out_dir else data_dir / "lm_eval"
     out_dir.mkdir(parents=True, exist_ok=True)
-    cfg = task_config(data_dir / "sft" / "heldout.jsonl")
+    cfg = task_config(data_dir / "sft" / "heldout.jsonl", stop=stop)
     (out_dir / f"{TASK_NAME}.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     return out_dir
 

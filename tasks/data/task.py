@@ -1,103 +1,140 @@
 """Data stage: build (or load) the three datasets, train the tokenizer, hash and record everything."""
 from __future__ import annotations
 
-import glob
+import json
+import os
 import random
 from pathlib import Path
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from conversions import manifest as mf
+from conversions import hf, manifest as mf
 from tasks import tracking
-from tasks.data import synthetic
+from tasks.data import formats, sources, synthetic
 from tasks.data.config import DataConfig, SourceConfig
 from tasks.data.lm_eval_task import write_lm_eval_task
 from tasks.data.tokenizer import train_tokenizer
 from tasks.stage import StageContext, StageOutput
 
-COLUMNS = {"pretrain": ["text"], "preference": ["prompt", "chosen", "rejected"], "sft": ["instruction", "answer"]}
+KINDS = ("pretrain", "preference", "sft")
+SYNTHETIC_FORMAT = {"pretrain": ("text", {}), "preference": ("preference", {}), "sft": ("alpaca", {"output": "answer"})}
 
 
-def _load_external(name: str, src: SourceConfig, seed: int, heldout_fraction: float) -> tuple[list, list]:
-    """Local jsonl/parquet/text files or a hub dataset, through the `datasets` library."""
-    import datasets
-
-    if src.kind == "hub":
-        ds = datasets.load_dataset(src.train, split=src.split)
-        held = datasets.load_dataset(src.train, split=src.heldout) if src.heldout else None
-    else:
-        def load(pattern):
-            files = sorted(glob.glob(pattern))
-            if not files:
-                raise FileNotFoundError(f"data.{name}.train: no files match {pattern!r}")
-            ext = Path(files[0]).suffix.lstrip(".")
-            builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "txt": "text", "text": "text"}.get(ext)
-            if builder is None:
-                raise ValueError(f"data.{name}: unsupported file type {ext!r} (jsonl, json, parquet, txt)")
-            return datasets.load_dataset(builder, data_files=files, split="train")
-
-        ds = load(src.train)
-        held = load(src.heldout) if src.heldout else None
-    if held is None:
-        parts = ds.train_test_split(test_size=heldout_fraction, seed=seed)
-        ds, held = parts["train"], parts["test"]
-    missing = [c for c in COLUMNS[name] if c not in ds.column_names]
-    if missing:
-        raise ValueError(f"data.{name}: dataset lacks column(s) {missing}; has {ds.column_names}")
-    cols = COLUMNS[name]
-    return [{c: r[c] for c in cols} for r in ds], [{c: r[c] for c in cols} for r in held]
+def _canonical_synthetic(kind: str, rows: list[dict]) -> list[dict]:
+    fmt, mapping = SYNTHETIC_FORMAT[kind]
+    return [formats.normalise(fmt, r, mapping, f"synthetic:{i}")[0] for i, r in enumerate(rows, start=1)]
 
 
-def build_datasets(cfg: DataConfig) -> dict[str, tuple[list, list]]:
-    rng = random.Random(cfg.seed)
-    out: dict[str, tuple[list, list]] = {}
-    if cfg.pretrain.kind == "synthetic":
+def _synthetic(kind: str, cfg: DataConfig, rng: random.Random) -> tuple[list, list]:
+    if kind == "pretrain":
         docs = synthetic.pretrain_docs(cfg.pretrain_docs, rng)
         k = max(1, int(len(docs) * cfg.heldout_fraction))
-        out["pretrain"] = (docs[k:], docs[:k])
+        return docs[k:], docs[:k]
+    if kind == "preference":
+        train, held = synthetic.preference_pairs(cfg.preference_pairs, cfg.heldout_fraction, rng)
     else:
-        out["pretrain"] = _load_external("pretrain", cfg.pretrain, cfg.seed, cfg.heldout_fraction)
-    out["preference"] = (synthetic.preference_pairs(cfg.preference_pairs, cfg.heldout_fraction, rng)
-                         if cfg.preference.kind == "synthetic"
-                         else _load_external("preference", cfg.preference, cfg.seed, cfg.heldout_fraction))
-    out["sft"] = (synthetic.sft_examples(cfg.sft_examples, cfg.heldout_fraction, cfg.label_noise, rng)
-                  if cfg.sft.kind == "synthetic"
-                  else _load_external("sft", cfg.sft, cfg.seed, cfg.heldout_fraction))
-    return out
+        train, held = synthetic.sft_examples(cfg.sft_examples, cfg.heldout_fraction, cfg.label_noise, rng)
+    return _canonical_synthetic(kind, train), _canonical_synthetic(kind, held)
+
+
+def _external(kind: str, src: SourceConfig, cfg: DataConfig) -> tuple[list, list, dict]:
+    """Read, validate and normalise one configured source; the facts the manifest records about it."""
+    key = f"data.{kind}"
+    train = sources.load(kind, src, "train", f"{key}.train")
+    sources.check_quality(train, f"{key}.train", cfg.max_bad_fraction)
+    facts = {"source": src.kind, "format": train.format, "columns": dict(src.columns), "files": train.files,
+             "rows_read": train.read, "rows_bad": dict(train.bad)}
+    if src.kind == "hub":
+        facts.update(dataset=src.train, config_name=src.name, revision=src.revision)
+    if src.heldout:
+        held = sources.load(kind, src, "heldout", f"{key}.heldout", fmt=train.format)
+        sources.check_quality(held, f"{key}.heldout", cfg.max_bad_fraction)
+        facts.update(heldout_files=held.files, heldout_rows_read=held.read, heldout_rows_bad=dict(held.bad))
+        return train.rows, held.rows, facts
+    tr, he = sources.split_heldout(train.rows, cfg.heldout_fraction, cfg.seed, key)
+    return tr, he, facts
+
+
+def build_datasets(cfg: DataConfig) -> tuple[dict[str, tuple[list, list]], dict[str, dict]]:
+    """Every dataset in canonical form (train, held-out), and per dataset its source, format, mapping and counts."""
+    rng = random.Random(cfg.seed)
+    sets: dict[str, tuple[list, list]] = {}
+    facts: dict[str, dict] = {}
+    for kind in KINDS:  # synthetic generation order fixes the random stream: keep it
+        src: SourceConfig = getattr(cfg, kind)
+        if src.kind == "synthetic":
+            sets[kind] = _synthetic(kind, cfg, rng)
+            facts[kind] = {"source": "synthetic", "format": SYNTHETIC_FORMAT[kind][0]}
+        else:
+            train, held, facts[kind] = _external(kind, src, cfg)
+            sets[kind] = (train, held)
+    return sets, facts
 
 
 def _texts(sets: dict[str, tuple[list, list]]):
-    for name, (train, held) in sets.items():
+    for kind, (train, held) in sets.items():
         for row in train + held:
-            yield " ".join(str(row[c]) for c in COLUMNS[name])
+            yield " ".join(formats.texts_of(kind, row))
+
+
+def model_tokenizer_source(ctx: StageContext, cfg: DataConfig) -> Path | None:
+    """The input checkpoint whose tokenizer the data stage uses, or None to train a new one."""
+    usable = (ctx.input is not None and ctx.input_format == "hf-safetensors"
+              and (Path(ctx.input) / "tokenizer_config.json").exists())
+    if cfg.tokenizer == "model" and not usable:
+        raise sources.DataError(f"data.tokenizer: 'model' needs an HF checkpoint with a tokenizer as the run's input "
+                                f"(--from); input is {ctx.input or 'none'}")
+    return Path(ctx.input) if usable and cfg.tokenizer != "train" else None
+
+
+def make_tokenizer(ctx: StageContext, cfg: DataConfig, sets: dict, out: Path) -> dict:
+    src = model_tokenizer_source(ctx, cfg)
+    if src is None:
+        tok = train_tokenizer(_texts(sets), ctx.model["vocab_size"], out)
+        return {"vocab_size": len(tok), "path": "tokenizer", "source": "trained", "eos_token": tok.eos_token}
+    from transformers import AutoTokenizer
+
+    hf.copy_tokenizer(src, out)
+    tok = AutoTokenizer.from_pretrained(str(out))
+    return {"vocab_size": len(tok), "path": "tokenizer", "source": f"model:{src}", "eos_token": tok.eos_token,
+            "chat_template": mf.chat_template_present(out)}
+
+
+def write_rows(path: Path, rows: list[dict]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def write_data(ctx: StageContext, cfg: DataConfig) -> tuple[Path, dict]:
-    import datasets
-
     out = ctx.work_dir
-    sets = build_datasets(cfg)
+    sets, facts = build_datasets(cfg)
     info: dict = {}
     for name, (train, held) in sets.items():
         (out / name).mkdir(parents=True, exist_ok=True)
-        info[name] = {}
+        info[name] = dict(facts[name])
         for split, rows in (("train", train), ("heldout", held)):
             path = out / name / f"{split}.jsonl"
-            datasets.Dataset.from_list(rows).to_json(str(path), lines=True, force_ascii=False)
+            write_rows(path, rows)
             info[name][split] = {"path": f"{name}/{split}.jsonl", "rows": len(rows), "sha256": mf.sha256_file(path)}
-    tok = train_tokenizer(_texts(sets), ctx.model["vocab_size"], out / "tokenizer")
-    info["tokenizer"] = {"vocab_size": len(tok), "path": "tokenizer"}
+    info["tokenizer"] = make_tokenizer(ctx, cfg, sets, out / "tokenizer")
     return out, info
 
 
-@task(name="data", cache_policy=NO_CACHE)
+# log_prints off: dill (under `datasets`) finds globals by capturing print() from dis.dis; Prefect would log every
+# bytecode line instead (and dill would see none).
+@task(name="data", cache_policy=NO_CACHE, log_prints=False)
 def run_data(ctx: StageContext, cfg: DataConfig) -> StageOutput:
     out, info = write_data(ctx, cfg)
-    write_lm_eval_task(out)
+    write_lm_eval_task(out, stop=info["tokenizer"]["eos_token"])
     m = mf.build(out, format="dataset", stage="data", engine={"name": "datasets", **mf.engine_versions("datasets", "tokenizers")},
                  extra={"datasets": {k: v for k, v in info.items() if k != "tokenizer"}, "revision": cfg.revision,
-                        "vocab_size": info["tokenizer"]["vocab_size"]},
+                        "vocab_size": info["tokenizer"]["vocab_size"], "tokenizer": info["tokenizer"]["source"]},
                  tokenizer_dir=out / "tokenizer")
     mf.write(out, m)
     if ctx.mlflow_run_id:
@@ -109,9 +146,13 @@ def run_data(ctx: StageContext, cfg: DataConfig) -> StageOutput:
                                      "training" if split == "train" else "evaluation", d["sha256"])
     metrics = {f"{n}_{s}_rows": info[n][s]["rows"] for n in ("pretrain", "preference", "sft") for s in ("train", "heldout")}
     metrics["vocab_size"] = info["tokenizer"]["vocab_size"]
+    for n in KINDS:
+        for reason, count in info[n].get("rows_bad", {}).items():
+            metrics[f"{n}_bad_{reason}"] = count
     from conversions.verify import integrity
 
     gate = {"passed": True, "checks": integrity(out)}
     gate["passed"] = all(c["passed"] for c in gate["checks"])
     return StageOutput(output=out, engine="datasets", backend="synthetic" if cfg.pretrain.kind == "synthetic" else "files",
-                       gate=gate, metrics=metrics)
+                       gate=gate, metrics=metrics,
+                       extra={"formats": {n: info[n]["format"] for n in KINDS}, "tokenizer": info["tokenizer"]["source"]})

@@ -4,6 +4,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
+from tasks.gates import GateConfig
 from tasks.stage import StrictModel
 from tasks.vocabulary import TrainingConfig, batch_errors, schedule_errors
 
@@ -19,6 +20,8 @@ class ZeroConfig(StrictModel):
     reduce_bucket_size: int = Field(50_000_000, ge=1)
     allgather_bucket_size: int = Field(50_000_000, ge=1, description="ZeRO-1/2")
     prefetch_bucket_size: int = Field(50_000_000, ge=1, description="ZeRO-3")
+    init: bool = Field(True, description="ZeRO-3: build the model inside deepspeed.zero.Init() so no rank ever holds "
+                                         "the whole model (off: every rank materialises it first)")
     param_persistence_threshold: int = Field(0, ge=0, description="ZeRO-3: smaller params stay unpartitioned")
 
 
@@ -54,6 +57,8 @@ class FinetuneConfig(TrainingConfig):
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine: final lr / peak lr")
     checkpoint_every: int = Field(100, ge=1, description="steps between checkpoints (the last step always saves)")
     eval_max_new_tokens: int = Field(16, ge=1)
+    gate: GateConfig = GateConfig()
+    overlong: Literal["drop", "truncate"] = Field("drop", description="examples longer than max_seq_length")
     log_every: int = Field(1, ge=1)
     master_port: int = Field(0, ge=0, le=65535, description="0: pick a free port")
 
@@ -67,6 +72,8 @@ def validate(cfg: FinetuneConfig, pipeline=None) -> list[str]:
     if z.offload_params != "none" and z.stage != 3:
         errors.append(f"finetune.zero.offload_params: parameter offload needs ZeRO stage 3 (stage is {z.stage})")
     errors += batch_errors(cfg, "finetune") + schedule_errors(cfg, "finetune")
+    if cfg.gate.metric == "preference_accuracy":
+        errors.append("finetune.gate.metric: preference_accuracy is an rlhf metric (heldout_loss or exact_match)")
     if cfg.lora.enabled and not cfg.lora.target_modules:
         errors.append("finetune.lora.target_modules: empty")
     if pipeline is not None:

@@ -15,6 +15,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from conversions import hf, manifest as mf, verify
+from tasks import gates
 from tasks.finetune import ds_config, engine_env
 from tasks.finetune.config import FinetuneConfig, validate
 from tasks.stage import StageContext, StageOutput
@@ -32,8 +33,9 @@ def check_inputs(ctx: StageContext, cfg: FinetuneConfig) -> None:
     if ctx.input is None or not (Path(ctx.input) / "config.json").exists():
         problems.append(f"finetune: input {ctx.input} is not an HF checkpoint (no config.json)")
     elif not mf.chat_template_present(Path(ctx.input)):
-        problems.append(f"finetune: input {ctx.input} has no chat template "
-                        "(tokenizer_config.json / chat_template.jinja)")
+        problems.append(f"finetune: input {ctx.input} has no chat template to render the conversations; add one to "
+                        "the checkpoint (a chat_template.jinja file beside tokenizer_config.json, or its "
+                        "'chat_template' key)")
     for split in ("train", "heldout"):
         if ctx.data_dir is None or not (Path(ctx.data_dir) / "sft" / f"{split}.jsonl").exists():
             problems.append(f"finetune: data {ctx.data_dir} lacks sft/{split}.jsonl (run the data stage)")
@@ -45,6 +47,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def worker_spec(ctx: StageContext, cfg: FinetuneConfig, out: Path, ds_config_path: Path) -> dict:
+    """What the worker reads from finetune_spec.json (paths as the worker will see them)."""
+    return {
+        "input": str(Path(ctx.input).resolve()), "data_dir": str(Path(ctx.data_dir).resolve()), "output": str(out),
+        "ds_config": str(ds_config_path), "device": cfg.resolved_device(), "seed": ctx.seed, "steps": cfg.steps,
+        "checkpoint_every": cfg.checkpoint_every, "keep_checkpoints": cfg.keep_checkpoints,
+        "max_seq_length": cfg.max_seq_length or ctx.model.get("seq_length", 128),
+        "eval_max_new_tokens": cfg.eval_max_new_tokens, "zero_init": cfg.zero.init, "log_every": cfg.log_every,
+        "lora": cfg.lora.model_dump(), "gate_metric": gates.resolve_metric(cfg.gate, ctx.data_dir, "sft", "exact_match"),
+        "overlong": cfg.overlong, "eval_batch_size": cfg.micro_batch_size,
+    }
 
 
 def prepare(ctx: StageContext, cfg: FinetuneConfig) -> tuple[list[str], dict, Path, int]:
@@ -59,13 +74,7 @@ def prepare(ctx: StageContext, cfg: FinetuneConfig) -> tuple[list[str], dict, Pa
             shutil.copy2(Path(ctx.input) / name, out / name)
     ds = ds_config.build(cfg)
     (work / "ds_config.json").write_text(json.dumps(ds, indent=2) + "\n")
-    spec = {
-        "input": str(Path(ctx.input).resolve()), "data_dir": str(Path(ctx.data_dir).resolve()), "output": str(out),
-        "ds_config": str(work / "ds_config.json"), "device": cfg.resolved_device(), "seed": ctx.seed, "steps": cfg.steps,
-        "checkpoint_every": cfg.checkpoint_every, "keep_checkpoints": cfg.keep_checkpoints,
-        "max_seq_length": cfg.max_seq_length or ctx.model.get("seq_length", 128),
-        "eval_max_new_tokens": cfg.eval_max_new_tokens, "log_every": cfg.log_every, "lora": cfg.lora.model_dump(),
-    }
+    spec = worker_spec(ctx, cfg, out, work / "ds_config.json")
     (work / "finetune_spec.json").write_text(json.dumps(spec, indent=2) + "\n")
     py = ctx.python("main")
     port = cfg.master_port or free_port()
@@ -101,12 +110,20 @@ def finalize(out: Path, ctx: StageContext, cfg: FinetuneConfig, r: dict) -> dict
     return m
 
 
-def gate(out: Path, before: float, after: float) -> dict:
+def gate(out: Path, metric: str, before: dict, after: dict, min_improvement: float) -> dict:
     checks = verify.integrity(out)
-    checks.append(verify.check("eval.heldout_exact_match", after > before,
-                               f"held-out exact match {before:.3f} → {after:.3f}"
-                               + ("" if after > before else " (must improve over the input checkpoint)")))
+    checks.append(gates.check(metric, before.get(metric), after.get(metric), min_improvement, eval_name(metric)))
     return verify.report(checks)
+
+
+def eval_name(metric: str) -> str:
+    return metric if metric.startswith("heldout_") else f"heldout_{metric}"
+
+
+def heldout_metrics(before: dict, after: dict) -> dict:
+    """{"heldout_loss": x, "exact_match": y} before and after → heldout_loss_before, heldout_exact_match_after, ..."""
+    return {f"{eval_name(k)}_{when}": v
+            for when, facts in (("before", before), ("after", after)) for k, v in facts.items()}
 
 
 @task(name="finetune", cache_policy=NO_CACHE)
@@ -118,19 +135,21 @@ def run_finetune(ctx: StageContext, cfg: FinetuneConfig) -> StageOutput:
         engine_env.remove_shm_segments(port)
     r = res.results()
     m = finalize(out, ctx, cfg, r)
-    before, after = float(r["before"]), float(r["after"])
+    before, after = r["before"], r["after"]
+    metric = json.loads((Path(ctx.work_dir) / "finetune_spec.json").read_text())["gate_metric"]
     metric_events = res.metrics()
     last = metric_events[-1] if metric_events else {}
     return StageOutput(
         output=out, engine="deepspeed", backend=f"ZeRO-{cfg.zero.stage} x{r.get('world_size', cfg.world_size())} "
                                                 f"{cfg.resolved_device()} {cfg.precision}",
-        gate=gate(out, before, after),
+        gate=gate(out, metric, before, after, cfg.gate.min_improvement),
         metrics={"loss_first": metric_events[0].get("loss") if metric_events else None, "loss_last": last.get("loss"),
-                 "heldout_exact_match_before": before, "heldout_exact_match_after": after,
+                 **heldout_metrics(before, after),
+                 "overlong_dropped": r.get("overlong_dropped"), "overlong_truncated": r.get("overlong_truncated"),
                  "peak_mem_mb_max": last.get("peak_mem_mb_max", r.get("peak_mem_mb")),
                  "resumed_from_step": r.get("resumed_from"),
                  "step_time_s_last": last.get("step_time_s"), "tokens_per_s_last": last.get("tokens_per_s"),
                  "seconds": round(res.seconds, 2)},
-        eval={"metric": "heldout_exact_match", "before": before, "after": after},
+        eval={"metric": eval_name(metric), "before": before.get(metric), "after": after.get(metric)},
         extra={"zero": m["extra"]["deepspeed_config"]["zero_optimization"], "deepspeed_config":
                m["extra"]["deepspeed_config"], "tag": m["extra"]["tag"], "samples": r.get("samples")})

@@ -3,10 +3,11 @@
     deepspeed --num_gpus N tasks/finetune/worker.py --spec <work_dir>/finetune_spec.json     (or torchrun)
 
 The recipe, top to bottom: read the spec and the DeepSpeed JSON config; build the model (inside zero.Init for ZeRO-3)
-and load the input HF weights; tokenize the instruction set with the checkpoint's chat template (loss on the answer
-and its closing eos only); score held-out exact match; resume from the newest complete checkpoint; train, saving a
-checkpoint every N steps (a tag counts only once every rank finished writing it); score again; write the probe
-logits of the in-memory model. Rank 0 prints @@baton events (metrics, checkpoints, the result).
+and load the input HF weights; tokenize the canonical conversations with the checkpoint's chat template (loss on every
+assistant turn and its closing eos only; over-long ones dropped or truncated, counted); score the held-out set (loss
+on answer tokens, and exact match of the final reply when that is the gate's metric); resume from the newest complete
+checkpoint; train, saving a checkpoint every N steps (a tag counts only once every rank finished writing it); score
+again; write the probe logits of the in-memory model. Rank 0 prints @@baton events (metrics, checkpoints, the result).
 """
 from __future__ import annotations
 
@@ -26,11 +27,11 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoTokenizer
 
-from conversions import events, hf, probe
+from conversions import chat, events, hf, probe
 
 COMPLETE = "baton_complete.json"
 TAG_PREFIX = "global_step"
-IGNORE = -100
+IGNORE = chat.IGNORE
 
 
 # ---- data ----------------------------------------------------------------------------------------------------------
@@ -38,29 +39,17 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def prompt_text(tok, instruction: str) -> str:
-    return tok.apply_chat_template([{"role": "user", "content": instruction}], add_generation_prompt=True,
-                                   tokenize=False)
-
-
-def encode(tok, row: dict, max_len: int) -> tuple[list[int], list[int]] | None:
-    """Token ids and labels: the prompt (chat template up to the assistant turn) is masked, the answer and its
-    closing eos are learned. None when the example does not fit in max_len."""
-    prompt = prompt_text(tok, row["instruction"])
-    full = tok.apply_chat_template([{"role": "user", "content": row["instruction"]},
-                                    {"role": "assistant", "content": row["answer"]}], tokenize=False)
-    if not full.startswith(prompt):
-        raise ValueError("the chat template renders the prompt differently with and without the answer")
-    completion = full[len(prompt):]
-    end = completion.find(tok.eos_token)
-    if end < 0:
-        raise ValueError(f"the chat template does not close the assistant turn with eos {tok.eos_token!r}")
-    prompt_ids = tok(prompt, add_special_tokens=False)["input_ids"]
-    answer_ids = tok(completion[:end + len(tok.eos_token)], add_special_tokens=False)["input_ids"]
-    ids = prompt_ids + answer_ids
-    if len(ids) > max_len:
-        return None
-    return ids, [IGNORE] * len(prompt_ids) + answer_ids
+def encode_rows(tok, rows: list[dict], max_len: int, overlong: str) -> tuple[list, dict]:
+    """Canonical conversations → (ids, labels), every assistant turn learned; over-long ones dropped or truncated."""
+    out, counts = [], {"overlong_dropped": 0, "overlong_truncated": 0}
+    for r in rows:
+        e = chat.encode(tok, r["messages"], max_len, overlong)
+        if e is None:
+            counts["overlong_dropped"] += 1
+        else:
+            counts["overlong_truncated"] += e.truncated
+            out.append((e.ids, e.labels))
+    return out, counts
 
 
 def sample_ids(n: int, seed: int, position: int, count: int, cache: dict) -> list[int]:
@@ -105,7 +94,8 @@ def build_model(input_dir: Path, ds_config: dict, zero3: bool):
     config = AutoConfig.from_pretrained(str(input_dir))
     cls = model_class(config)
     # Random init is skipped: every weight is loaded below (and HF init cannot index ZeRO-3's empty partitions).
-    # Each parameter is partitioned as soon as its module is built (ZeRO-3): no rank ever holds the whole model.
+    # Each parameter is partitioned as soon as its module is built (ZeRO-3 with zero.init): no rank ever holds the
+    # whole model. Without it (zero3 False here) deepspeed.initialize partitions the fully built model afterwards.
     with deepspeed.zero.Init(config_dict_or_path=ds_config, enabled=zero3), no_init_weights():
         model = cls(config)
         if getattr(config, "tie_word_embeddings", False):
@@ -158,12 +148,12 @@ def param_groups(model, weight_decay: float) -> list[dict]:
 @torch.no_grad()
 def heldout_exact_match(model, tok, rows: list[dict], max_new_tokens: int, synced: bool,
                         device) -> tuple[float, list]:
-    """Greedy decode each held-out instruction; exact string match with the answer. Prompts of equal length are
+    """Greedy decode each held-out conversation's final reply; exact string match. Prompts of equal length are
     batched (no padding, so positions match training). Every rank runs the same calls (ZeRO-3 gathers inside)."""
     was_training = model.training
     model.eval()
     by_len: dict[int, list[int]] = {}
-    prompts = [tok(prompt_text(tok, r["instruction"]), add_special_tokens=False)["input_ids"] for r in rows]
+    prompts = [tok(chat.prompt_text(tok, r["messages"][:-1]), add_special_tokens=False)["input_ids"] for r in rows]
     for i, p in enumerate(prompts):
         by_len.setdefault(len(p), []).append(i)
     outputs: dict[int, str] = {}
@@ -176,10 +166,40 @@ def heldout_exact_match(model, tok, rows: list[dict], max_new_tokens: int, synce
         for j, i in enumerate(idx):
             outputs[i] = tok.decode(gen[j, length:].tolist(), skip_special_tokens=True).strip()
     model.train(was_training)
-    hits = [outputs[i] == rows[i]["answer"].strip() for i in range(len(rows))]
-    samples = [{"instruction": rows[i]["instruction"], "answer": rows[i]["answer"], "output": outputs[i]}
+    answers = [r["messages"][-1]["content"].strip() for r in rows]
+    hits = [outputs[i] == answers[i] for i in range(len(rows))]
+    samples = [{"prompt": rows[i]["messages"][-2]["content"], "answer": answers[i], "output": outputs[i]}
                for i in range(min(3, len(rows)))]
     return sum(hits) / max(1, len(rows)), samples
+
+
+@torch.no_grad()
+def heldout_loss(model, examples: list, pad_id: int, batch: int, device) -> float:
+    """Mean cross-entropy per learned (answer) token over the held-out conversations. Every rank runs it."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for k in range(0, len(examples), batch):
+        b = {key: v.to(device) for key, v in collate(examples[k:k + batch], pad_id).items()}
+        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, :-1].float()
+        labels = b["labels"][:, 1:]
+        total += torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                                   ignore_index=IGNORE, reduction="sum").item()
+        count += int((labels != IGNORE).sum())
+    model.train(was_training)
+    return total / max(count, 1)
+
+
+def evaluate(engine, tok, heldout: list[dict], held_ids: list, spec: dict, zero3: bool) -> tuple[dict, list]:
+    """The gate's metric (and held-out loss, always: it is cheap) of the model as it is now."""
+    dev = engine.device
+    facts = {"heldout_loss": heldout_loss(engine.module, held_ids, tok.pad_token_id,
+                                          spec["eval_batch_size"], dev)}
+    samples: list = []
+    if spec["gate_metric"] == "exact_match":
+        facts["exact_match"], samples = heldout_exact_match(engine.module, tok, heldout, spec["eval_max_new_tokens"],
+                                                            zero3, dev)
+    return facts, samples
 
 
 @torch.no_grad()
@@ -280,12 +300,14 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(str(input_dir))
     train_rows = read_jsonl(data_dir / "sft" / "train.jsonl")
     heldout = read_jsonl(data_dir / "sft" / "heldout.jsonl")
-    train = [e for e in (encode(tok, r, spec["max_seq_length"]) for r in train_rows) if e is not None]
+    train, length_counts = encode_rows(tok, train_rows, spec["max_seq_length"], spec["overlong"])
+    held_ids, _ = encode_rows(tok, heldout, spec["max_seq_length"], "truncate")
     if not train:
-        raise SystemExit(f"no training example fits in max_seq_length {spec['max_seq_length']}")
+        raise SystemExit(f"no training example fits in max_seq_length {spec['max_seq_length']} "
+                         f"({length_counts['overlong_dropped']} dropped as over-long)")
 
     t = time.time()
-    model = build_model(input_dir, ds_config, zero3=stage == 3)
+    model = build_model(input_dir, ds_config, zero3=stage == 3 and spec.get("zero_init", True))
     if spec["lora"]["enabled"]:
         model = add_lora(model, spec["lora"])
     groups = param_groups(model, ds_config["optimizer"]["params"]["weight_decay"])
@@ -295,18 +317,18 @@ def main() -> None:
     vocab = engine.module.config.vocab_size
 
     t = time.time()
-    before, _ = heldout_exact_match(engine.module, tok, heldout, spec["eval_max_new_tokens"], stage == 3, dev)
+    before, _ = evaluate(engine, tok, heldout, held_ids, spec, stage == 3)
     timings["eval_before_s"] = time.time() - t
     start = resume(engine, ckpt_dir, rank, facts)
     if start > spec["steps"]:
         raise SystemExit(f"{ckpt_dir}: the checkpoint at step {start} is past steps={spec['steps']} "
                          "(start in a fresh work dir)")
     if rank == 0:
-        print(f"rank 0: {len(train)} training examples, {len(heldout)} held out; exact match before {before:.3f}; "
+        print(f"rank 0: {len(train)} training examples, {len(heldout)} held out; before {before}; {length_counts}; "
               f"ZeRO-{stage}, {world} ranks, starting at step {start}; start-up "
               + ", ".join(f"{k} {v:.1f}" for k, v in timings.items()), flush=True)
         events.emit("result", before=before, resumed_from=start, train_examples=len(train), world_size=world,
-                    zero_stage=stage)
+                    zero_stage=stage, **length_counts)
 
     t_train = time.time()
     steps, mb, ga = spec["steps"], ds_config["train_micro_batch_size_per_gpu"], ds_config["gradient_accumulation_steps"]
@@ -345,7 +367,7 @@ def main() -> None:
     if start >= steps and rank == 0:
         print(f"rank 0: checkpoint at step {start} already complete; nothing to train", flush=True)
     timings["train_s"] = time.time() - t_train
-    after, samples = heldout_exact_match(engine.module, tok, heldout, spec["eval_max_new_tokens"], stage == 3, dev)
+    after, samples = evaluate(engine, tok, heldout, held_ids, spec, stage == 3)
     ids, logits = probe_logits(engine.module, vocab, dev)
     final_tag = complete_tags(ckpt_dir)[-1][1]
     if rank == 0:

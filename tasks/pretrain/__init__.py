@@ -1,4 +1,4 @@
-from tasks.pretrain.config import PretrainConfig, validate
+from tasks.pretrain.config import PretrainConfig, host_errors, validate
 from tasks.stage import StageSpec
 
 STAGE = StageSpec(
@@ -9,5 +9,6 @@ STAGE = StageSpec(
     produces=lambda cfg: "megatron-dist",
     input_required=False,
     validate=validate,
+    validate_host=host_errors,
     description="Megatron-Core GPT pretraining (TP/PP/DP), distributed checkpoints, resume",
 )

@@ -82,6 +82,12 @@ def validate(cfg: PretrainConfig, pipeline) -> list[str]:
         e.append(f"pretrain.warmup_steps {cfg.warmup_steps} must be below steps {cfg.steps}")
     if cfg.min_lr > cfg.lr:
         e.append(f"pretrain.min_lr {cfg.min_lr} is above lr {cfg.lr}")
+    return e
+
+
+def host_errors(cfg: PretrainConfig) -> list[str]:
+    """What this machine must have to launch the ranks itself (not asked when writing manifests for a cluster)."""
+    e = []
     device = resolved_device(cfg)
     if device == "cuda":
         gpus = visible_gpus()

@@ -35,14 +35,20 @@ def tokenizer_vocab(tok_dir: Path) -> int:
     return Tokenizer.from_file(str(tok_dir / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
 
 
-def build_spec(ctx: StageContext, cfg: PretrainConfig) -> dict:
-    """Everything the worker needs, resolved and checked here so that bad input fails before anything launches."""
+def check_data(ctx: StageContext) -> int:
+    """The data stage's output is complete; returns its tokenizer's vocabulary size."""
     if ctx.data_dir is None or not (ctx.data_dir / "tokenizer").exists():
         raise PretrainInputError(f"pretrain needs the data stage's output (tokenizer/, pretrain/*.jsonl); got {ctx.data_dir}")
     for split in ("train", "heldout"):
         if not (ctx.data_dir / "pretrain" / f"{split}.jsonl").exists():
             raise PretrainInputError(f"{ctx.data_dir}/pretrain/{split}.jsonl: missing")
-    vocab = tokenizer_vocab(ctx.data_dir / "tokenizer")
+    return tokenizer_vocab(ctx.data_dir / "tokenizer")
+
+
+def build_spec(ctx: StageContext, cfg: PretrainConfig, vocab: int | None = None) -> dict:
+    """Everything the worker needs, resolved and checked here so that bad input fails before anything launches.
+    `vocab`: the tokenizer's size when the data lives elsewhere (a cluster volume); else read from ctx.data_dir."""
+    vocab = check_data(ctx) if vocab is None else vocab
     arch = {**ctx.model, "vocab_size": vocab}
     tp = cfg.tensor_parallel
     if ctx.input is not None:
@@ -162,7 +168,8 @@ def run_pretrain(ctx: StageContext, cfg: PretrainConfig) -> StageOutput:
                  "tokens_per_s": _median([e["tokens_per_s"] for e in train]),
                  "mfu": _median([e["mfu"] for e in train]), "peak_tflops_per_rank": r.get("peak_tflops_per_rank"),
                  "train_seconds": r.get("train_seconds"), "iteration": r.get("iteration"),
-                 "resumed_from": r.get("resumed_from")},
+                 "resumed_from": r.get("resumed_from"),
+                 **{k: v for k, v in r.items() if k.startswith(("peak_mem_mb", "peak_gpu_"))}},
         eval={"metric": "heldout_ppl", "before": before[2] if before else None, "after": after[2] if after else None},
         extra={"layout": r.get("layout"), "padded_vocab_size": spec["padded_vocab_size"],
                "peak_tflops_source": r.get("peak_tflops_source")},

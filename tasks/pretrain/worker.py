@@ -340,6 +340,7 @@ class Run:
         logit_diff = self.max_all(logit_diff)
         dist.barrier()
         heldout = state["heldout"]
+        memory = self.memory_peaks()
         self.log(f"L1 reload of {final.name}: max |Δparam| {param_diff:g}, max |Δlogit| {logit_diff:g}")
         if self.rank == 0:
             self.events().emit(
@@ -348,9 +349,32 @@ class Run:
                 reload_logits_max_abs_diff=logit_diff, loss_first=state["loss_first"],
                 heldout_before=heldout[0] if heldout else None, heldout_after=heldout[-1] if heldout else None,
                 train_seconds=state["train_seconds"], peak_tflops_per_rank=peak, peak_tflops_source=peak_src,
-                consumed_samples=steps * self.cfg["global_batch_size"])
+                consumed_samples=steps * self.cfg["global_batch_size"], **memory)
         dist.barrier()
         dist.destroy_process_group()
+
+    def memory_peaks(self) -> dict:
+        """Every rank's peak memory in MiB (collective): process RSS, and on GPU allocated and reserved."""
+        import resource
+
+        import torch
+        import torch.distributed as dist
+
+        world, rank = dist.get_world_size(), dist.get_rank()
+        kinds = ["rss"] + (["gpu_allocated", "gpu_reserved"] if self.on_gpu else [])
+        t = torch.zeros(len(kinds), world, dtype=torch.float64, device=self.device)
+        t[0, rank] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        if self.on_gpu:
+            t[1, rank] = torch.cuda.max_memory_allocated() / 2**20
+            t[2, rank] = torch.cuda.max_memory_reserved() / 2**20
+        dist.all_reduce(t)
+        prefix = {"rss": "peak_mem_mb", "gpu_allocated": "peak_gpu_allocated_mb", "gpu_reserved": "peak_gpu_reserved_mb"}
+        out = {}
+        for i, kind in enumerate(kinds):
+            values = t[i].tolist()
+            out[f"{prefix[kind]}_max"] = max(values)
+            out.update({f"{prefix[kind]}_rank{r}": v for r, v in enumerate(values)})
+        return out
 
     def max_all(self, value: float) -> float:
         import torch

@@ -67,6 +67,8 @@ def nemo_rl_errors(cfg, runtime: dict) -> list[str]:
 def validate(cfg, pipeline) -> list[str]:
     errors = []
     set_keys = cfg.model_fields_set
+    if cfg.gate.metric == "exact_match":
+        errors.append("rlhf.gate.metric: exact_match is a finetune metric (heldout_loss or preference_accuracy)")
     if cfg.algorithm == "dpo" and cfg.beta <= 0:
         errors.append(f"rlhf.beta: DPO needs beta > 0 (got {cfg.beta})")
     if cfg.algorithm == "grpo" and cfg.beta < 0:

@@ -4,6 +4,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
+from tasks.gates import GateConfig
 from tasks.stage import StrictModel
 from tasks.vocabulary import Precision, TrainingConfig
 
@@ -44,4 +45,8 @@ class RlhfConfig(TrainingConfig):
     reference_model: str | None = Field(None, description="another HF checkpoint folder as the dpo reference")
     num_generations: int = Field(4, ge=2, description="grpo: completions sampled per prompt")
     max_completion_length: int = Field(16, ge=1, description="grpo: new tokens per completion")
+    dataloader_workers: int = Field(0, ge=0, description="trl: data-loader worker processes per rank (each copies "
+                                                      "the dataset; above ~8 CPU RAM blows up)")
+    gate: GateConfig = GateConfig()
+    overlong: Literal["drop", "truncate"] = Field("drop", description="pairs longer than max_seq_length")
     nemo_rl: NemoRlConfig = NemoRlConfig()

@@ -8,6 +8,8 @@ Key names follow NVIDIA-NeMo/RL at 7ea279ab (2026-08-22); DPO_KEYS lists what it
 """
 from __future__ import annotations
 
+import json
+
 import glob
 import re
 import shlex
@@ -62,6 +64,26 @@ def recipe_root(runtime: dict) -> str:
     return CONTAINER_PATH
 
 
+def preference_files(data_dir: Path, out_dir: Path) -> dict[str, Path]:
+    """The data stage's canonical pairs as NeMo-RL's BinaryPreferenceDataset reads them: the prompt as messages, each
+    reply a string (multi-message replies have no place there and are refused)."""
+    paths = {}
+    for split in ("train", "heldout"):
+        src, dst = data_dir / "preference" / f"{split}.jsonl", out_dir / "data" / f"{split}.jsonl"
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        rows = []
+        for n, line in enumerate(src.read_text().splitlines(), start=1):
+            r = json.loads(line)
+            if len(r["chosen"]) != 1 or len(r["rejected"]) != 1:
+                raise ValueError(f"{src}:{n}: NeMo-RL's BinaryPreferenceDataset takes one reply message per side "
+                                 "(use rlhf.backend=trl for multi-message replies)")
+            rows.append(json.dumps({"prompt": r["prompt"], "chosen": r["chosen"][0]["content"],
+                                    "rejected": r["rejected"][0]["content"]}))
+        dst.write_text("".join(x + "\n" for x in rows))
+        paths[split] = dst
+    return paths
+
+
 def _preference_file(path: Path) -> dict:
     # split: null, because a local jsonl has only a `train` split (the base recipe asks for `validation`)
     return {"dataset_name": "BinaryPreferenceDataset", "data_path": str(path), "prompt_key": "prompt",
@@ -102,8 +124,8 @@ def build_config(*, algorithm: str, runtime: dict, input_dir: Path, data_dir: Pa
         },
         "data": {
             "max_input_seq_length": max_length,
-            "train": _preference_file(data_dir / "preference" / "train.jsonl"),
-            "validation": _preference_file(data_dir / "preference" / "heldout.jsonl"),
+            "train": _preference_file(out_dir / "data" / "train.jsonl"),        # preference_files() writes them
+            "validation": _preference_file(out_dir / "data" / "heldout.jsonl"),
         },
         "logger": {
             "log_dir": str(out_dir / "logs"), "mlflow_enabled": True, "wandb_enabled": False,
@@ -237,10 +259,10 @@ def consolidated_dir(step_dir: Path) -> Path | None:
 
 def collect_hf(src: Path, out: Path, tokenizer_src: Path) -> Path:
     """Copy NeMo-RL's HF weights and config, then the input's tokenizer and chat template (NeMo-RL does not)."""
-    from conversions import hf
+    from conversions import hf, safetensors_stream
 
     out.mkdir(parents=True, exist_ok=True)
-    for f in [*src.glob("*.safetensors"), src / hf.INDEX_NAME, src / "config.json", src / "generation_config.json"]:
+    for f in [*src.glob("*.safetensors"), src / safetensors_stream.INDEX_NAME, src / "config.json", src / "generation_config.json"]:
         if f.exists():
             shutil.copy2(f, out / f.name)
     hf.copy_tokenizer(tokenizer_src, out)

@@ -16,6 +16,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from conversions import hf, manifest as mf, verify
+from tasks import gates
 from tasks.rlhf import checks, nemo_rl
 from tasks.rlhf.config import RlhfConfig
 from tasks.stage import StageContext, StageOutput
@@ -33,7 +34,9 @@ def check_inputs(ctx: StageContext) -> None:
     if ctx.input is None or not (Path(ctx.input) / "config.json").exists():
         problems.append(f"rlhf: input {ctx.input} is not an HF checkpoint (no config.json)")
     elif not mf.chat_template_present(Path(ctx.input)):
-        problems.append(f"rlhf: input {ctx.input} has no chat template to format the preference prompts")
+        problems.append(f"rlhf: input {ctx.input} has no chat template to format the preference prompts; add one to "
+                        "the checkpoint (a chat_template.jinja file beside tokenizer_config.json, or its "
+                        "'chat_template' key)")
     for split in ("train", "heldout"):
         if ctx.data_dir is None or not (Path(ctx.data_dir) / "preference" / f"{split}.jsonl").exists():
             problems.append(f"rlhf: data {ctx.data_dir} lacks preference/{split}.jsonl (run the data stage)")
@@ -60,12 +63,18 @@ def _series(res, name: str) -> list[float]:
     return [e[name] for e in res.metrics() if isinstance(e.get(name), (int, float))]
 
 
-def accuracy_check(facts: dict) -> dict:
-    before, after = facts.get("before"), facts.get("after")
-    ok = isinstance(before, (int, float)) and isinstance(after, (int, float)) and after >= before
-    return verify.check(f"eval.{facts.get('metric', 'heldout_pref_accuracy')}", ok,
-                        f"held-out {facts.get('metric')}: {before} before, {after} after" + ("" if ok else
-                        " (fell: the stage made the model worse at its own preference task)"))
+def gate_eval(cfg: RlhfConfig, ctx: StageContext, facts: dict) -> tuple[dict, dict]:
+    """(summary eval entry, gate check) for the configured metric: held-out loss on the chosen replies, or held-out
+    preference accuracy (reward models have no loss: always their accuracy)."""
+    metric = gates.resolve_metric(cfg.gate, ctx.data_dir, "preference", "preference_accuracy")
+    if metric == "heldout_loss" and cfg.algorithm != "rm":
+        ev = {"metric": "heldout_loss", "before": facts.get("heldout_loss_before"),
+              "after": facts.get("heldout_loss_after")}
+    else:
+        metric = "preference_accuracy"
+        ev = {"metric": facts.get("metric", "heldout_pref_accuracy"), "before": facts.get("before"),
+              "after": facts.get("after")}
+    return ev, gates.check(metric, ev["before"], ev["after"], cfg.gate.min_improvement, name=ev["metric"])
 
 
 def reward_model_roundtrip(root: Path) -> dict:
@@ -105,12 +114,12 @@ def _weights_unchanged(src: Path, out: Path) -> dict:
                         "policy weights differ from the input")
 
 
-def gate(algorithm: str, out: Path, trained: Path, src: Path, facts: dict) -> dict:
+def gate(algorithm: str, out: Path, trained: Path, src: Path, eval_check: dict) -> dict:
     """The chained policy: L0, preflight, L1, L3, and held-out accuracy not below the input's. For rm the policy must
     be the input byte for byte, and the reward model beside it gets L0 and its own round trip."""
     checks_ = verify.verify(out, levels=POLICY_LEVELS)["checks"]
     if algorithm != "rm":
-        return verify.report(checks_ + [accuracy_check(facts)])
+        return verify.report(checks_ + [eval_check])
     rm_checks = verify.integrity(trained) + [reward_model_roundtrip(trained)]
     return verify.report(checks_ + [_weights_unchanged(src, out)] +
                          [{**c, "name": f"reward_model.{c['name']}"} for c in rm_checks])
@@ -121,9 +130,11 @@ def worker_command(ctx: StageContext, cfg: RlhfConfig, out: Path) -> list[str]:
             "--algorithm", cfg.algorithm, "--steps", str(cfg.steps), "--micro-batch-size", str(cfg.micro_batch_size),
             "--gradient-accumulation-steps", str(cfg.accumulation()), "--lr", str(cfg.lr),
             "--lr-schedule", cfg.lr_schedule, "--warmup-steps", str(cfg.warmup_steps), "--grad-clip", str(cfg.grad_clip),
+            "--dataloader-workers", str(cfg.dataloader_workers),
             "--weight-decay", str(cfg.weight_decay), "--precision", cfg.precision,
             "--beta", str(cfg.beta), "--sft-weight", str(cfg.sft_weight),
-            "--max-seq-length", str(cfg.max_seq_length or ctx.model.get("seq_length", 128)), "--reference", cfg.reference,
+            "--max-seq-length", str(cfg.max_seq_length or ctx.model.get("seq_length", 128)), "--overlong", cfg.overlong,
+            "--reference", cfg.reference,
             "--num-generations", str(cfg.num_generations), "--max-completion-length", str(cfg.max_completion_length),
             "--seed", str(ctx.seed), "--stage", ctx.stage]
     if cfg.reference_model:
@@ -150,14 +161,17 @@ def run_trl(ctx: StageContext, cfg: RlhfConfig) -> StageOutput:
     if cfg.algorithm == "rm":
         pass_through_policy(Path(ctx.input), out, trained, ctx.stage, backend="trl")
     margins = _series(res, "rewards/margins") or _series(res, "margin") or _series(res, "reward")
-    metrics = {"seconds": facts.get("seconds"), "heldout_kl_to_reference": facts.get("heldout_kl_to_reference"),
-               "train_pairs": facts.get("train_pairs"), "heldout_pairs": facts.get("heldout_pairs")}
+    metrics = {k: facts.get(k) for k in ("seconds", "heldout_kl_to_reference", "train_pairs", "heldout_pairs",
+                                         "overlong_dropped", "overlong_truncated", "heldout_loss_before",
+                                         "heldout_loss_after")}
+    metrics["peak_mem_mb_max"] = facts.get("peak_mem_mb")
+    metrics.update({f"{facts.get('metric')}_{k}": facts.get(k) for k in ("before", "after")})
+    ev, eval_check = gate_eval(cfg, ctx, facts)
     if margins:
         metrics.update(margin_first=margins[0], margin_last=margins[-1])
     return StageOutput(
-        output=out, engine="trl", backend="trl", gate=gate(cfg.algorithm, out, trained, Path(ctx.input), facts),
-        metrics=metrics,
-        eval={"metric": facts.get("metric"), "before": facts.get("before"), "after": facts.get("after")},
+        output=out, engine="trl", backend="trl", gate=gate(cfg.algorithm, out, trained, Path(ctx.input), eval_check),
+        metrics=metrics, eval=ev,
         extra={"algorithm": cfg.algorithm, **({"reward_model": str(trained)} if cfg.algorithm == "rm" else {})})
 
 
@@ -171,6 +185,7 @@ def run_nemo_rl(ctx: StageContext, cfg: RlhfConfig) -> StageOutput:
 
     work = Path(ctx.work_dir)
     nr_dir = work / "nemo_rl"
+    nemo_rl.preference_files(Path(ctx.data_dir), nr_dir)
     config = nemo_rl.build_config(
         algorithm=cfg.algorithm, runtime=runtime, input_dir=Path(ctx.input), data_dir=Path(ctx.data_dir),
         out_dir=nr_dir, cfg=cfg, seed=ctx.seed, max_length=cfg.max_seq_length or ctx.model.get("seq_length", 128),
@@ -214,10 +229,10 @@ def run_nemo_rl(ctx: StageContext, cfg: RlhfConfig) -> StageOutput:
                       str(trained), "--data", str(ctx.data_dir), "--algorithm", cfg.algorithm],
                      name="rlhf-eval", timeout=cfg.timeout_s)
     facts = res.results()
+    ev, eval_check = gate_eval(cfg, ctx, facts)
     return StageOutput(output=out, engine="nemo-rl", backend="nemo_rl",
-                       gate=gate(cfg.algorithm, out, trained, Path(ctx.input), facts),
-                       metrics={"heldout_kl_to_reference": facts.get("heldout_kl_to_reference")},
-                       eval={"metric": facts.get("metric"), "before": facts.get("before"), "after": facts.get("after")},
+                       gate=gate(cfg.algorithm, out, trained, Path(ctx.input), eval_check),
+                       metrics={"heldout_kl_to_reference": facts.get("heldout_kl_to_reference")}, eval=ev,
                        extra={"algorithm": cfg.algorithm, "nemo_rl_config": str(path), "command": launch.cmd})
 
 

@@ -10,6 +10,7 @@ the input's tokenizer and chat template; measure the same accuracy on the saved 
 from __future__ import annotations
 
 import argparse
+import resource
 import json
 import os
 import time
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from conversions import events, hf, manifest as mf
+from conversions import chat, events, hf, manifest as mf
 
 RANK = int(os.environ.get("RANK", "0"))
 WORLD_SIZE = int(os.environ.get("WORLD_SIZE", "1"))
@@ -42,12 +43,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
     ap.add_argument("--beta", type=float, default=0.1)
     ap.add_argument("--max-seq-length", type=int, default=128)
+    ap.add_argument("--overlong", choices=["drop", "truncate"], default="drop",
+                    help="pairs longer than --max-seq-length: dropped, or truncated by TRL")
     ap.add_argument("--sft-weight", type=float, default=1.0, help="dpo: weight of an added SFT loss on chosen (RPO)")
     ap.add_argument("--reference", choices=["copy", "precomputed"], default="copy")
     ap.add_argument("--reference-model", type=Path, default=None)
     ap.add_argument("--num-generations", type=int, default=4)
     ap.add_argument("--max-completion-length", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dataloader-workers", type=int, default=0)
     ap.add_argument("--stage", default="rlhf")
     ap.add_argument("--evaluate", action="store_true", help="only measure --output against --input (no training)")
     return ap.parse_args(argv)
@@ -58,14 +62,25 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def chat_prompt(tok, prompt: str) -> str:
-    return tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
-
-
 def format_pairs(tok, rows: list[dict]) -> list[dict]:
-    eos = tok.eos_token
-    return [{"prompt": chat_prompt(tok, r["prompt"]), "chosen": r["chosen"] + eos, "rejected": r["rejected"] + eos}
-            for r in rows]
+    """Canonical pairs (message lists) → TRL's standard strings: the prompt through the generation prompt, each
+    reply through its closing eos, all rendered by the checkpoint's own template."""
+    out = []
+    for r in rows:
+        prompt, chosen = chat.completion(tok, r["prompt"], r["chosen"])
+        _, rejected = chat.completion(tok, r["prompt"], r["rejected"])
+        out.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
+    return out
+
+
+def drop_overlong(tok, pairs: list[dict], max_len: int, overlong: str) -> tuple[list[dict], int]:
+    """(the pairs to train on, how many are longer than max_len); those are dropped unless overlong is truncate."""
+    def length(p, side):
+        return len(tok(p["prompt"] + p[side], add_special_tokens=False)["input_ids"])
+
+    long = [max(length(p, "chosen"), length(p, "rejected")) > max_len for p in pairs]
+    kept = [p for p, too_long in zip(pairs, long) if not too_long] if overlong == "drop" else pairs
+    return kept, sum(long)
 
 
 # ---- held-out evaluation, defined on the model itself -------------------------------------------------------------
@@ -87,6 +102,17 @@ def completion_logprob(model, tok, prompt: str, completion: str) -> float:
     logps = torch.log_softmax(model(ids).logits[0, :-1].float(), dim=-1)
     targets = ids[0, 1:]
     return logps[len(p) - 1:].gather(-1, targets[len(p) - 1:, None]).sum().item()
+
+
+@torch.no_grad()
+def chosen_loss(model, tok, pairs: list[dict]) -> float:
+    """Mean cross-entropy per token of the chosen replies given their prompts (answer tokens only)."""
+    model.eval()
+    total, count = 0.0, 0
+    for pair in pairs:
+        total -= completion_logprob(model, tok, pair["prompt"], pair["chosen"])
+        count += len(_split_ids(tok, pair["prompt"], pair["chosen"])[1])
+    return total / max(count, 1)
 
 
 @torch.no_grad()
@@ -143,7 +169,7 @@ def common_args(a: argparse.Namespace, work: Path) -> dict:
                 gradient_accumulation_steps=a.gradient_accumulation_steps, learning_rate=a.lr,
                 lr_scheduler_type=a.lr_schedule, warmup_steps=a.warmup_steps, weight_decay=a.weight_decay,
                 max_grad_norm=a.grad_clip if a.grad_clip > 0 else None, logging_steps=1, save_strategy="no", report_to=[], seed=a.seed, data_seed=a.seed,
-                disable_tqdm=True, dataloader_num_workers=0, use_cpu=cpu,
+                disable_tqdm=True, dataloader_num_workers=a.dataloader_workers, use_cpu=cpu,
                 # TRL defaults to bf16 autocast and activation checkpointing: on CPU that is ~10x slower and inexact
                 bf16=a.precision == "bf16", fp16=a.precision == "fp16", gradient_checkpointing=False,
                 ddp_backend="gloo" if WORLD_SIZE > 1 and cpu else None,
@@ -256,18 +282,27 @@ def accuracy_of(path: Path, algorithm: str, tok, pairs: list[dict]) -> float:
     return preference_accuracy(load_eval_model(path, algorithm), tok, pairs, score)
 
 
-def evaluate(a, tok, held_pairs: list[dict], before: float | None = None) -> dict:
+def before_facts(a, tok, held_pairs: list[dict]) -> dict:
+    """The input model's held-out preference accuracy and (policies) its loss on the chosen replies."""
+    facts = {metric_name(a.algorithm): accuracy_of(a.input, a.algorithm, tok, held_pairs)}
+    if a.algorithm != "rm":
+        facts["heldout_loss"] = chosen_loss(load_eval_model(a.input, a.algorithm), tok, held_pairs)
+    return facts
+
+
+def evaluate(a, tok, held_pairs: list[dict], before: dict | None = None) -> dict:
     """Held-out accuracy of the input (unless given) and of the saved output; KL to the reference for policies."""
     metric = metric_name(a.algorithm)
     if before is None:
-        before = accuracy_of(a.input, a.algorithm, tok, held_pairs)
+        before = before_facts(a, tok, held_pairs)
     score = reward_score if a.algorithm == "rm" else completion_logprob
     saved = load_eval_model(a.output, a.algorithm)
-    facts = {"metric": metric, "before": before, "after": preference_accuracy(saved, tok, held_pairs, score),
+    facts = {"metric": metric, "before": before[metric], "after": preference_accuracy(saved, tok, held_pairs, score),
              "heldout_pairs": len(held_pairs)}
     if a.algorithm != "rm":
         ref = load_eval_model(a.reference_model or a.input, a.algorithm).eval()
         facts["heldout_kl_to_reference"] = kl_to_reference(saved.eval(), ref, tok, held_pairs)
+        facts.update(heldout_loss_before=before["heldout_loss"], heldout_loss_after=chosen_loss(saved, tok, held_pairs))
     print(f"{metric}: {facts['before']:.4f} before, {facts['after']:.4f} after ({len(held_pairs)} held-out pairs)",
           flush=True)
     return facts
@@ -287,12 +322,15 @@ def main(argv=None) -> None:
         facts = evaluate(a, tok, held_pairs)
         events.emit("result", **facts, algorithm=a.algorithm)
         return
-    train_pairs = format_pairs(tok, read_jsonl(a.data / "preference" / "train.jsonl"))
+    train_pairs, overlong = drop_overlong(tok, format_pairs(tok, read_jsonl(a.data / "preference" / "train.jsonl")),
+                                          a.max_seq_length, a.overlong)
+    if not train_pairs:
+        raise SystemExit(f"no preference pair fits in --max-seq-length {a.max_seq_length} ({overlong} over-long)")
 
     before = None
     if RANK == 0:
-        before = accuracy_of(a.input, a.algorithm, tok, held_pairs)
-        events.metric(0, **{metric_name(a.algorithm): before})
+        before = before_facts(a, tok, held_pairs)
+        events.metric(0, **before)
 
     trainer = TRAINERS[a.algorithm](a, tok, train_pairs, a.output.parent / (a.output.name + ".trl"))
     trainer.remove_callback(PrinterCallback)  # our callback streams the same logs as events
@@ -305,10 +343,13 @@ def main(argv=None) -> None:
         model.save_pretrained(str(a.output), safe_serialization=True)
         hf.copy_tokenizer(a.input, a.output)
         seconds = round(time.time() - t0, 2)
-        facts = {**evaluate(a, tok, held_pairs, before), "train_pairs": len(train_pairs), "seconds": seconds}
+        facts = {**evaluate(a, tok, held_pairs, before), "train_pairs": len(train_pairs), "seconds": seconds,
+                 "peak_mem_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # rank 0's peak RSS
+                 ("overlong_dropped" if a.overlong == "drop" else "overlong_truncated"): overlong}
         final = {facts["metric"]: facts["after"]}
-        if "heldout_kl_to_reference" in facts:
-            final["heldout_kl_to_reference"] = facts["heldout_kl_to_reference"]
+        for key in ("heldout_kl_to_reference", "heldout_loss_after"):
+            if key in facts:
+                final[key.removesuffix("_after")] = facts[key]
         events.metric(trainer.state.global_step, **final)
         write_manifest(a, a.output, {"eval": facts})
         events.emit("result", **facts, algorithm=a.algorithm, backend="trl", steps=trainer.state.global_step)

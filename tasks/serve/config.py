@@ -62,6 +62,12 @@ class ServeConfig(StrictModel):
     tensor_parallel: int = Field(1, ge=1, description="GPUs one server shards the model over")
     engine_args: dict[Literal["vllm", "sglang"], list[str]] = Field(
         default_factory=dict, description="extra command-line flags per engine, appended last")
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1, description="cuda: fraction of GPU memory the server may take (vLLM "
+        "--gpu-memory-utilization, SGLang --mem-fraction-static); unset: the engine's default. Keep it in 0.5-0.9")
+    prompt_logprobs: int = Field(
+        0, ge=0, description="vLLM: prompt log-probs per prompt token on chat requests (0: off); each request then "
+        "holds vocabulary × prompt-token logits, a common OOM")
     kv_cache_gib: int = Field(1, ge=1, description="vLLM CPU KV cache (VLLM_CPU_KVCACHE_SPACE)")
     sglang_grammar_backend: Literal["llguidance", "xgrammar"] = Field(
         "llguidance", description="llguidance + disable-any-whitespace gives strictly valid JSON on CPU")

@@ -26,6 +26,8 @@ def vllm_command(cfg: ServeConfig, python: str, model_dir: Path, port: int, serv
     if cfg.max_model_len:
         cmd += ["--max-model-len", str(cfg.max_model_len)]
     env = {"VLLM_API_KEY": api_key}  # through the environment: never on a command line or in a log
+    if cfg.device == "cuda" and cfg.gpu_memory_utilization is not None:
+        cmd += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
     if cfg.device == "cpu":
         cmd += ["--enforce-eager"]  # 22 s instead of 85 s to start; same greedy outputs
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gib)  # unset: "No available memory for the cache blocks"
@@ -53,6 +55,8 @@ def sglang_command(cfg: ServeConfig, python: str, model_dir: Path, port: int, se
     if cfg.max_model_len:
         cmd += ["--context-length", str(cfg.max_model_len)]
     env: dict = {}
+    if cfg.device == "cuda" and cfg.gpu_memory_utilization is not None:
+        cmd += ["--mem-fraction-static", str(cfg.gpu_memory_utilization)]
     if cfg.device == "cpu":
         cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
                 "--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled",

@@ -10,12 +10,11 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Callable
 
 from tasks import launch
+from tasks.health import Unhealthy, wait_http_ok
 
 log = logging.getLogger("baton.serve")
 
@@ -149,24 +148,19 @@ class Server:
 
     def wait_healthy(self, timeout: float) -> float:
         """Seconds until GET /health answered 200; raises ServerFailed if the server exits or time runs out."""
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
+        try:
+            wait_http_ok(self.base_url + "/health", timeout, alive=lambda: self.proc.poll() is None)
+        except Unhealthy as e:
+            if e.exited:
                 time.sleep(0.5)  # let the relay drain the last lines
                 raise ServerFailed(f"{self.name} server exited with code {self.proc.returncode} before it was "
-                                   "healthy", self.log_tail())
-            try:
-                with urllib.request.urlopen(self.base_url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        self.healthy_after = time.time() - self.started_at
-                        log.info("%s server healthy after %.1fs at %s", self.name, self.healthy_after, self.base_url)
-                        return self.healthy_after
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-                pass
-            time.sleep(1.0)
-        tail = self.log_tail()
-        self.stop()
-        raise ServerFailed(f"{self.name} server not healthy after {timeout:.0f}s", tail)
+                                   "healthy", self.log_tail()) from None
+            tail = self.log_tail()
+            self.stop()
+            raise ServerFailed(f"{self.name} server not healthy after {timeout:.0f}s", tail) from None
+        self.healthy_after = time.time() - self.started_at
+        log.info("%s server healthy after %.1fs at %s", self.name, self.healthy_after, self.base_url)
+        return self.healthy_after
 
     def log_tail(self) -> list[str]:
         if self.managed:

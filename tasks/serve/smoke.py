@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import requests
 
@@ -33,6 +33,7 @@ class Endpoint:
     api_key: str
     model: str
     timeout: float = 120.0
+    chat_params: dict = field(default_factory=dict)  # extra request fields on every chat call (e.g. prompt_logprobs)
 
     def post(self, path: str, body: dict, key: str | None = "default", **kw) -> requests.Response:
         return requests.post(self.base_url + path, json=body, headers=self._auth(key), timeout=self.timeout, **kw)
@@ -45,7 +46,7 @@ class Endpoint:
         return {"Authorization": f"Bearer {key}"} if key else {}
 
     def chat(self, content: str, **params) -> dict:
-        body = {"model": self.model, "messages": [{"role": "user", "content": content}], **params}
+        body = {"model": self.model, "messages": [{"role": "user", "content": content}], **self.chat_params, **params}
         r = self.post("/v1/chat/completions", body)
         r.raise_for_status()
         return r.json()

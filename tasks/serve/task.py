@@ -157,7 +157,8 @@ def serve_engine(ctx: StageContext, cfg: ServeConfig, engine: str, ident: dict, 
     out["metrics"]["startup_s"] = round(healthy, 2)
     out["checks"].append(verify.check(f"{engine}.server", True, f"healthy after {healthy:.1f}s at {base_url}"))
     out["served_model_name"] = name
-    ep = smoke.Endpoint(engine, base_url, key, name)
+    ep = smoke.Endpoint(engine, base_url, key, name, chat_params={"prompt_logprobs": cfg.prompt_logprobs}
+                        if engine == "vllm" and cfg.prompt_logprobs else {})
     s = cfg.smoke
     try:
         checks = [_guarded("smoke.models", smoke.models, ep),

@@ -1,0 +1,279 @@
+"""What `baton run` shows on the terminal: one line per step (status, elapsed, progress with ETA, latest loss).
+
+On a terminal it is a rich live view; otherwise (CI, a file, a Prefect worker's log) one plain line per event, with no
+control characters. Everything else the process writes (Prefect, MLflow, engines, tqdm, warnings) goes to the run's
+`run.log`, and each step's log records to its own `step.log` (tasks/streaming.py).
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from tasks import streaming
+
+FAILURE_TAIL_LINES = 30
+_EXCEPTION_LINE = re.compile(r"\b[A-Z]\w*(Error|Exception|Exit|Interrupt)\b:?\s")
+_MARKS = {"pending": "·", "running": "▶", "completed": "✓", "cached": "✓", "failed": "✗", "skipped": "-"}
+
+
+@dataclass
+class StepState:
+    label: str
+    status: str = "pending"
+    started: float | None = None
+    ended: float | None = None
+    step: int = 0
+    total: int = 0
+    progress_started: float | None = None
+    loss: float | None = None
+    log_path: Path | None = None
+    entry: dict = field(default_factory=dict)
+
+    def elapsed(self) -> float:
+        if self.started is None:
+            return 0.0
+        return (self.ended or time.time()) - self.started
+
+    def eta(self) -> float | None:
+        if not self.total or self.step <= 0 or self.progress_started is None or self.step >= self.total:
+            return None
+        rate = (time.time() - self.progress_started) / self.step
+        return rate * (self.total - self.step)
+
+
+def fmt_seconds(s: float | None) -> str:
+    if s is None:
+        return ""
+    s = int(round(s))
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+class View:
+    """The step states, updated by streaming's events; subclasses decide how they are drawn."""
+
+    def __init__(self, labels: list[str], out: TextIO, title: str):
+        self.out, self.title = out, title
+        self.steps = {label: StepState(label) for label in labels}
+
+    def _state(self, label: str) -> StepState:
+        return self.steps.setdefault(label, StepState(label))
+
+    def step_started(self, label: str, log_path: Path | None) -> None:
+        st = self._state(label)
+        st.status, st.started, st.log_path = "running", time.time(), log_path
+        self.changed(st, "started")
+
+    def step_progress(self, label: str, step: int, total: int) -> None:
+        st = self._state(label)
+        if st.progress_started is None:
+            st.progress_started = time.time()
+        st.step, st.total = step, total
+        self.changed(st, "progress")
+
+    def step_metric(self, label: str, step: int, values: dict) -> None:
+        if "loss" in values:
+            self._state(label).loss = values["loss"]
+
+    def step_finished(self, label: str, entry: dict, log_path: Path | None) -> None:
+        st = self._state(label)
+        st.status, st.entry, st.ended = entry.get("status", "?"), entry, time.time()
+        st.started = st.started or st.ended
+        st.log_path = log_path or st.log_path
+        self.changed(st, "finished")
+
+    def changed(self, st: StepState, what: str) -> None:
+        pass
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+
+def describe(st: StepState) -> str:
+    """The plain one-line description of a step: status, elapsed, progress, ETA, loss."""
+    parts = [f"{st.label:<26}", f"{st.status:<9}", f"{fmt_seconds(st.elapsed()):>6}"]
+    if st.total:
+        parts.append(f"{st.step}/{st.total}")
+        if st.status == "running" and st.eta() is not None:
+            parts.append(f"eta {fmt_seconds(st.eta())}")
+    if st.loss is not None:
+        parts.append(f"loss {st.loss:.4g}")
+    if st.status == "failed" and st.entry.get("error"):
+        parts.append(st.entry["error"].splitlines()[0][:120])
+    return "  ".join(parts)
+
+
+class PlainView(View):
+    """One line per event (started, every ~10% or 15 s of progress, finished); safe for files and CI logs."""
+
+    def __init__(self, labels: list[str], out: TextIO, title: str):
+        super().__init__(labels, out, title)
+        self._last_print: dict[str, tuple[float, int]] = {}
+
+    def start(self) -> None:
+        self._line(self.title)
+
+    def _line(self, text: str) -> None:
+        self.out.write(time.strftime("%H:%M:%S ") + text + "\n")
+        self.out.flush()
+
+    def changed(self, st: StepState, what: str) -> None:
+        if what == "progress":
+            when, decile = self._last_print.get(st.label, (0.0, -1))
+            now_decile = 10 * st.step // max(st.total, 1)
+            if now_decile == decile and time.time() - when < 15 and st.step < st.total:
+                return
+            self._last_print[st.label] = (time.time(), now_decile)
+        self._line(describe(st))
+
+
+class LiveView(View):
+    """A rich live table redrawn a few times a second; the last frame stays on screen."""
+
+    def __init__(self, labels: list[str], out: TextIO, title: str):
+        super().__init__(labels, out, title)
+        from rich.console import Console
+        from rich.live import Live
+
+        self.console = Console(file=out, force_terminal=True)
+        self.live = Live(get_renderable=self._render, console=self.console, refresh_per_second=4,
+                         redirect_stdout=False, redirect_stderr=False)
+
+    def _row(self, st: StepState):
+        from rich.progress_bar import ProgressBar
+        from rich.text import Text
+
+        style = {"running": "cyan", "completed": "green", "cached": "blue", "failed": "bold red"}.get(st.status, "dim")
+        bar = ProgressBar(total=st.total, completed=st.step, width=24) if st.total else Text("")
+        counts = f"{st.step}/{st.total}" if st.total else ""
+        eta = f"eta {fmt_seconds(st.eta())}" if st.status == "running" and st.eta() is not None else ""
+        loss = f"loss {st.loss:.4g}" if st.loss is not None else ""
+        return (Text(f"{_MARKS.get(st.status, '?')} {st.label}", style=style), Text(st.status, style=style),
+                Text(fmt_seconds(st.elapsed()) if st.started else ""), bar, Text(counts), Text(eta), Text(loss))
+
+    def _render(self):
+        from rich.console import Group
+        from rich.table import Table
+        from rich.text import Text
+
+        table = Table.grid(padding=(0, 2))
+        for _ in range(7):
+            table.add_column(no_wrap=True)
+        for st in self.steps.values():
+            table.add_row(*self._row(st))
+        parts = [Text(self.title, style="bold", no_wrap=True, overflow="ellipsis"), table]
+        if all(st.status == "pending" for st in self.steps.values()):
+            parts.append(Text("starting Prefect and MLflow …", style="dim"))
+        return Group(*parts)
+
+    def start(self) -> None:
+        self.live.start()
+
+    def stop(self) -> None:
+        self.live.refresh()
+        self.live.stop()
+
+
+def detach_process_output(log_path: Path) -> TextIO:
+    """Send this process's stdout and stderr (file descriptors, so native libraries and subprocesses too) to log_path
+    for the rest of its life; return a stream to the original stdout for the view."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    terminal = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8", errors="replace")
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    import logging
+
+    logging.captureWarnings(True)  # a library's warnings go to the logs, not the terminal
+    _plain_prefect_console()
+    return terminal
+
+
+def _plain_prefect_console() -> None:
+    """Prefect's console handler chose colours when stderr was still a terminal; its lines now go to a file."""
+    import logging
+
+    from rich.console import Console
+
+    for name in (None, "uvicorn", "fastapi"):
+        for handler in logging.getLogger(name).handlers:
+            if hasattr(handler, "console") and hasattr(handler, "stream"):
+                handler.console = Console(file=handler.stream, color_system=None, highlight=False, markup=False,
+                                          width=200)
+
+
+def open_view(labels: list[str], title: str, out: TextIO, live: bool = True) -> View:
+    """A live view on a terminal (unless the logs stream there too), plain lines otherwise."""
+    cls = LiveView if live and out.isatty() and os.environ.get("TERM") != "dumb" else PlainView
+    view = cls(labels, out, title)
+    streaming.observe(view)
+    view.start()
+    return view
+
+
+def close_view(view: View) -> None:
+    streaming.observe(None)
+    view.stop()
+
+
+def failure_cause(entry: dict, tail: list[str]) -> str:
+    """One line: the step's error, with the last exception line of its log when that says more."""
+    error = (entry.get("error") or "failed").splitlines()[0]
+    raised = [line for line in tail if _EXCEPTION_LINE.search(line)]
+    if raised:
+        last = raised[-1].strip()
+        if last not in error and error not in last:
+            error = f"{error} — {last[-200:]}"
+    return error
+
+
+def without_library_frames(lines: list[str]) -> list[str]:
+    """A traceback's frames inside installed libraries (Prefect's task engine, …) say nothing about the failure."""
+    out, skipping = [], False
+    for line in lines:
+        if line.startswith('  File "'):
+            skipping = "site-packages" in line or "dist-packages" in line
+        elif not line.startswith("    "):
+            skipping = False
+        if not skipping:
+            out.append(line)
+    return out
+
+
+def failure_report(entry: dict) -> list[str]:
+    """The failing step, its cause in one line, the last lines of its log and the log's path."""
+    log_path = Path(entry["log"]) if entry.get("log") else None
+    tail = without_library_frames(streaming.tail(log_path, 4 * FAILURE_TAIL_LINES))[-FAILURE_TAIL_LINES:]
+    lines = [f"✗ {entry.get('label', entry.get('name'))} failed: {failure_cause(entry, tail)}"]
+    if tail:
+        lines.append(f"--- last {len(tail)} lines of {log_path} (library traceback frames left out) ---")
+        lines += tail
+        lines.append(f"--- full log: {log_path}")
+    return lines
+
+
+def summary_lines(summary: dict) -> list[str]:
+    """The end-of-run table: step, status, time, gate, key numbers."""
+    rows = []
+    for s in summary.get("stages", []):
+        gate = s.get("gate") or {}
+        checks = gate.get("checks") or []
+        g = f"gate {sum(c['passed'] for c in checks)}/{len(checks)}" if checks else ""
+        m = s.get("metrics") or {}
+        key = (f"loss {m['loss_first']:.3g} → {m['loss_last']:.3g}" if "loss_first" in m and "loss_last" in m else "")
+        ev = s.get("eval") or {}
+        if isinstance(ev.get("before"), (int, float)) and isinstance(ev.get("after"), (int, float)):
+            key = (key + "  " if key else "") + f"{ev.get('metric')} {ev['before']:.3g} → {ev['after']:.3g}"
+        secs = fmt_seconds(s["seconds"]) if isinstance(s.get("seconds"), (int, float)) else ""
+        rows.append(f"  {s['label']:<26} {s['status']:<9} {secs:>6}  {g:<10} {key}".rstrip())
+    return rows

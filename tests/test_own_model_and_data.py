@@ -1,0 +1,198 @@
+"""Your own model and your own data, as a new user would bring them: an HF causal LM that baton did not make (Qwen2
+with q/k/v biases, GQA and tied embeddings, or Llama untied; random weights, its own locally trained tokenizer and a
+chat template unlike baton's) and files in the field's formats → data → rlhf (TRL DPO) → finetune (DeepSpeed) →
+convert, every gate on held-out loss. Bad input fails in the data stage, before any engine, naming file, line, field."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from conftest import baton
+
+# Zephyr-style turns closed by </s>: not baton's ChatML, so nothing can lean on baton's own template
+TEMPLATE = ("{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + m['content'] + eos_token + '\n' }}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}")
+SPECIAL = ["<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>"]
+FRUIT = {"banana": "yellow", "apple": "red", "lime": "green", "plum": "purple", "orange": "orange", "kiwi": "brown",
+         "cherry": "red", "lemon": "yellow", "grape": "green", "fig": "purple"}
+
+
+def own_tokenizer(dest: Path, texts: list[str]):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIAL, show_progress=False,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = TEMPLATE
+    fast.save_pretrained(str(dest))
+    return fast
+
+
+def own_model(dest: Path, family: str, texts: list[str]) -> Path:
+    """A random-init HF model from its config, saved as any HF user would (no baton manifest)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    tok = own_tokenizer(dest, texts)
+    common = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    if family == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=True))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False))
+    model.save_pretrained(str(dest), safe_serialization=True)
+    return dest
+
+
+def qa(fruit: str) -> tuple[str, str]:
+    return f"What color is a {fruit}?", f"A {fruit} is {FRUIT[fruit]}."
+
+
+def write_files(root: Path) -> dict[str, Path]:
+    """Pretraining markdown, multi-turn `messages` SFT with a system prompt, HH-style implicit-prompt preferences."""
+    rng = random.Random(0)
+    (root / "corpus").mkdir(parents=True)
+    (root / "corpus" / "fruit.md").write_text("\n\n".join(f"# {f}\nA {f} is {c}." for f, c in FRUIT.items()))
+    sft, pref = [], []
+    for _ in range(48):
+        a, b = rng.sample(sorted(FRUIT), 2)
+        (qa_, aa), (qb, ab) = qa(a), qa(b)
+        sft.append({"messages": [{"role": "system", "content": "Answer in one sentence."},
+                                 {"role": "user", "content": qa_}, {"role": "assistant", "content": aa},
+                                 {"role": "user", "content": qb}, {"role": "assistant", "content": ab}]})
+        wrong = rng.choice([c for c in set(FRUIT.values()) if c != FRUIT[a]])
+        convo = [{"role": "user", "content": qa_}]
+        pref.append({"chosen": convo + [{"role": "assistant", "content": aa}],
+                     "rejected": convo + [{"role": "assistant", "content": f"A {a} is {wrong}."}]})
+    (root / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sft))
+    (root / "pref.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pref))
+    return {"corpus": root / "corpus", "sft": root / "sft.jsonl", "pref": root / "pref.jsonl"}
+
+
+def write_config(path: Path, files: dict[str, Path]) -> Path:
+    path.write_text(f"""
+name: own
+stages: [data, rlhf, finetune]
+model: {{num_layers: 2, hidden_size: 64, num_attention_heads: 4, num_query_groups: 2, ffn_hidden_size: 128,
+        seq_length: 256, vocab_size: 512}}
+data:
+  pretrain: {{kind: files, train: "{files['corpus']}"}}
+  sft: {{kind: files, train: "{files['sft']}"}}
+  preference: {{kind: files, train: "{files['pref']}"}}
+rlhf: {{steps: 12, micro_batch_size: 8, lr: 1.0e-3}}
+finetune: {{nproc_per_node: 1, steps: 12, micro_batch_size: 8, lr: 3.0e-3, checkpoint_every: 12}}
+tracking: {{experiment: own, registered_model: own-model}}
+""")
+    return path
+
+
+def summary_of(home: Path, stdout: str) -> dict:
+    return json.loads((home / "runs" / stdout.strip().splitlines()[-1].rsplit("/", 1)[-1] / "summary.json").read_text())
+
+
+@pytest.fixture
+def workspace(tmp_path, baton_home):
+    files = write_files(tmp_path / "data")
+    texts = [json.dumps(json.loads(line)) for line in files["sft"].read_text().splitlines()]
+    return tmp_path, files, texts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_own_model_and_files_through_rlhf_finetune_convert(workspace, baton_home, family):
+    tmp_path, files, texts = workspace
+    ckpt = own_model(tmp_path / family, family, texts)
+    r = baton("manifest", str(ckpt), home=baton_home, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    cfg = write_config(tmp_path / "own.yaml", files)
+    r = baton("run", str(cfg), "--from", str(ckpt), home=baton_home, timeout=3000)
+    summary = summary_of(baton_home, r.stdout)
+    assert r.returncode == 0, (r.stderr[-3000:], json.dumps(summary, indent=1)[-4000:])
+    stages = {s["label"]: s for s in summary["stages"]}
+    assert list(stages) == ["data", "rlhf", "finetune", "convert-zero-to-hf"]
+    data = stages["data"]
+    assert data["formats"] == {"pretrain": "text", "preference": "implicit_preference", "sft": "messages"}
+    assert data["tokenizer"].startswith("model:")  # the checkpoint's own tokenizer, no new BPE
+    for label in ("rlhf", "finetune"):
+        ev = stages[label]["eval"]
+        print(f"{family} {label}: {ev} in {stages[label].get('seconds')} s")
+        assert stages[label]["gate"]["passed"] and ev["metric"] == "heldout_loss" and ev["after"] < ev["before"], ev
+    conv = stages["convert-zero-to-hf"]
+    assert conv["gate"]["passed"], conv["gate"]
+    out = Path(conv["output"])
+    config = json.loads((out / "config.json").read_text())
+    from conversions import hf
+
+    names = {n for n, _ in hf.iter_tensors(out)}
+    if family == "qwen2":  # q/k/v biases, tied embeddings
+        assert config["architectures"] == ["Qwen2ForCausalLM"] and config["tie_word_embeddings"] is True
+        assert {"model.layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.k_proj.bias"} <= names
+        assert "lm_head.weight" not in names
+    else:
+        assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"] is False
+        assert "lm_head.weight" in names and not any(n.endswith(".bias") for n in names)
+    assert (out / "tokenizer_config.json").exists() or (out / "tokenizer" / "tokenizer_config.json").exists()
+
+
+@pytest.mark.slow
+def test_bad_rows_fail_the_data_stage_before_any_engine(workspace, baton_home):
+    tmp_path, files, texts = workspace
+    lines = files["sft"].read_text().splitlines()
+    bad = json.loads(lines[4])
+    bad["messages"][2]["role"] = "robot"
+    lines[4] = json.dumps(bad)
+    files["sft"].write_text("\n".join(lines) + "\n")
+    ckpt = own_model(tmp_path / "llama", "llama", texts)
+    assert baton("manifest", str(ckpt), home=baton_home, timeout=300).returncode == 0
+    r = baton("run", str(write_config(tmp_path / "own.yaml", files)), "--from", str(ckpt), home=baton_home,
+              timeout=600)
+    assert r.returncode != 0
+    expected = f"{files['sft']}:5: field 'messages[2].role': unknown role ('robot'"
+    assert expected in r.stderr, r.stderr[-3000:]
+    summary = summary_of(baton_home, r.stdout) if r.stdout.strip() else json.loads(
+        next((baton_home / "runs").glob("*/summary.json")).read_text())
+    assert [s["status"] for s in summary["stages"]] == ["failed", "skipped", "skipped", "skipped"]
+    assert not any(s.get("registered") for s in summary["stages"])
+
+
+@pytest.mark.slow
+def test_continue_pretraining_an_own_model_with_its_own_tokenizer(workspace, baton_home):
+    """data (the model's tokenizer, no new BPE) → HF → Megatron → pretrain → HF."""
+    tmp_path, files, texts = workspace
+    ckpt = own_model(tmp_path / "llama", "llama", texts)
+    assert baton("manifest", str(ckpt), home=baton_home, timeout=300).returncode == 0
+    cfg = tmp_path / "cont.yaml"
+    cfg.write_text(f"""
+name: cont
+stages: [data, pretrain]
+model: {{num_layers: 2, hidden_size: 64, num_attention_heads: 4, num_query_groups: 2, ffn_hidden_size: 128,
+        seq_length: 256, vocab_size: 512, norm_eps: 1.0e-6}}
+data:
+  pretrain: {{kind: files, train: "{files['corpus']}"}}
+  preference_pairs: 20
+  sft_examples: 20
+pretrain: {{steps: 4, micro_batch_size: 2, global_batch_size: 2, max_seq_length: 32, lr: 1.0e-3, min_lr: 1.0e-4,
+           warmup_steps: 1, checkpoint_every: 4, eval_interval: 4}}
+tracking: {{experiment: cont, registered_model: cont-model}}
+""")
+    r = baton("run", str(cfg), "--from", str(ckpt), home=baton_home, timeout=3000)
+    summary = summary_of(baton_home, r.stdout)
+    assert r.returncode == 0, (r.stderr[-3000:], json.dumps(summary, indent=1)[-4000:])
+    stages = {s["label"]: s for s in summary["stages"]}
+    assert list(stages) == ["data", "convert-hf-to-megatron", "pretrain", "convert-megatron-to-hf"]
+    assert stages["data"]["tokenizer"].startswith("model:")
+    out = Path(stages["convert-megatron-to-hf"]["output"])
+    from conversions import manifest as mf
+
+    assert mf.sha256_file(out / "tokenizer.json") == mf.sha256_file(ckpt / "tokenizer.json")
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == json.loads(
+        (ckpt / "config.json").read_text())["vocab_size"]
