@@ -212,6 +212,13 @@ def probe_logits(model, vocab_size: int, device):
     return ids, logits
 
 
+def stop_if_not_finite(loss: float, rank: int, step: int, micro: int) -> None:
+    """A diverged run stops here, before it can overwrite good checkpoints (and is not retried)."""
+    if not math.isfinite(loss):
+        raise SystemExit(f"rank {rank}: non-finite loss {loss} at step {step} (micro-batch {micro}); lower the lr or "
+                         "check the data; not retried")
+
+
 # ---- checkpoints ---------------------------------------------------------------------------------------------------
 def complete_tags(ckpt_dir: Path) -> list[tuple[int, str]]:
     """(step, tag) of every checkpoint whose save finished on all ranks, oldest first."""
@@ -345,9 +352,7 @@ def main() -> None:
             loss = engine(**{k: v.to(dev) for k, v in batch.items()}).loss
             engine.backward(loss)
             engine.step()
-            if not math.isfinite(loss.item()):  # stop here: a diverged run must not overwrite good checkpoints
-                raise SystemExit(f"rank {rank}: non-finite loss {loss.item()} at step {step + 1} (micro-batch {micro});"
-                                 " lower the lr or check the data; not retried")
+            stop_if_not_finite(loss.item(), rank, step + 1, micro)
             loss_sum += loss.item()
         step_time = time.time() - t0
         done = step + 1
