@@ -6,7 +6,6 @@ import collections
 import json
 import logging
 import os
-import socket
 import subprocess
 import threading
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from tasks import launch
+from tasks.distributed.net import free_port  # noqa: F401 (the repo's one free-port helper)
 
 log = logging.getLogger("baton.serve")
 
@@ -24,12 +24,6 @@ class ServerFailed(RuntimeError):
     def __init__(self, message: str, tail: list[str]):
         self.tail = tail
         super().__init__(message + ("\n--- last log lines ---\n" + "\n".join(tail) if tail else ""))
-
-
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def redactor(*secrets: str) -> Callable[[str], str]:
