@@ -211,3 +211,68 @@ def run_stage(hosts: Hosts, spec: dict, *, via: list[str] | None = None, env: di
 
 def shm_entries(marker: str) -> list[str]:
     return sorted(p.name for p in Path("/dev/shm").iterdir() if marker in p.name)
+
+
+TINY = REPO / "configs" / "tiny.yaml"
+
+
+def stage_spec(stage: str, work: Path, data_dir: Path, *overrides: str, input: Path | None = None,
+               runtime: dict | None = None) -> dict:
+    """What multinode_stage.py runs: configs/tiny.yaml's stage section with overrides, on the `main` runtime."""
+    from flows.config import load
+
+    cfg = load(TINY, list(overrides), stages=["data", stage])
+    return {"stage": stage, "work_dir": str(work), "data_dir": str(data_dir), "model": cfg.model.model_dump(),
+            "input": str(input) if input else None, "input_format": "hf-safetensors" if input else None,
+            "config": cfg.stage_config(stage).model_dump(exclude_unset=True),
+            "runtimes": {"main": runtime} if runtime else {}}
+
+
+def reference_run(base: Path, name: str, hosts: Hosts, spec: dict) -> dict:
+    """The single-node run with the same world size, once per session (both cluster modules compare against it)."""
+    work = base / f"multinode-reference-{name}"
+    done = work / "stage_output.json"
+    if done.exists():
+        return json.loads(done.read_text())
+    work.mkdir(parents=True, exist_ok=True)
+    return run_stage(hosts, {**spec, "work_dir": str(work)})
+
+
+def zero_weights(ckpt: Path) -> dict:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(str(ckpt))
+
+
+def hf_weights(folder: Path) -> dict:
+    from conversions import hf
+
+    return hf.load_state_dict(folder)
+
+
+def dist_weights(ckpt: Path) -> dict:
+    from conversions.megatron import DistReader
+
+    r = DistReader(ckpt)
+    return {k: r.read_full(k) for k, md in r.metadata.state_dict_metadata.items() if hasattr(md, "size")}
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    assert set(a) == set(b), sorted(set(a) ^ set(b))[:5]
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def engine_processes(hosts: Hosts) -> list[str]:
+    """Training processes still alive on either host (cluster daemons excluded)."""
+    import psutil
+
+    left = []
+    for pid in hosts.pids():
+        try:
+            cmd = " ".join(psutil.Process(pid).cmdline())
+        except psutil.Error:
+            continue
+        if any(m in cmd for m in ("tasks.distributed.node", "torch.distributed.run", "deepspeed.launcher",
+                                  "worker.py")):
+            left.append(f"{pid}: {cmd[:160]}")
+    return left

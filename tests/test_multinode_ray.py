@@ -1,0 +1,107 @@
+"""Ray target across two hosts (network namespaces): finetune ZeRO-2 and rlhf DPO, one process per host, pass their
+gates and end with the weights of the single-host run with the same world size; cancelling stops both hosts' ranks."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from multinode import (REPO, STAGE_SCRIPT, Hosts, Ray, engine_processes, hf_weights, max_abs_diff, reference_run,
+                       require_namespaces, run_stage, shm_entries, stage_spec, zero_weights)
+
+pytestmark = [pytest.mark.slow, pytest.mark.multinode]
+
+# same world size, same data order: only the all-reduce transport differs (gloo over the veth pair vs one host)
+TOLERANCE = 1e-5
+FINETUNE = ("finetune.steps=30", "finetune.checkpoint_every=30", "finetune.timeout_s=1200")
+RLHF = ("rlhf.steps=30", "rlhf.timeout_s=1200")
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    require_namespaces()
+    h = Hosts().up()
+    yield h
+    h.down()
+    assert h.pids() == [], "processes left in the test's namespaces"
+    assert shm_entries(h.addrs[0]) == [], "shared-memory segments left by the runs"
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(hosts):
+    folder = Path(tempfile.mkdtemp(prefix="bray", dir="/tmp"))  # short: Ray's socket paths live below it
+    t0 = time.time()
+    cluster = Ray(hosts, folder).up()
+    print(f"Ray cluster (head + worker in two namespaces) up in {time.time() - t0:.1f}s")
+    yield cluster
+    hosts.kill_all()
+    subprocess.run(["rm", "-rf", str(folder)])
+
+
+def ray_runtime(cluster: Ray) -> dict:
+    return {"kind": "ray", "address": cluster.address, "resources_per_node": {"CPU": 1}}
+
+
+def timed(label: str, fn, *args, **kw):
+    t0 = time.time()
+    out = fn(*args, **kw)
+    print(f"{label}: {time.time() - t0:.1f}s")
+    return out
+
+
+def test_finetune_zero2_across_two_ray_nodes(tmp_path, tmp_path_factory, hosts, ray_cluster, data_dir, hf_checkpoint):
+    ref = timed("finetune ZeRO-2, 1 host x 2 ranks", reference_run, tmp_path_factory.getbasetemp(), "finetune-zero2",
+                hosts, stage_spec("finetune", tmp_path, data_dir, *FINETUNE, "finetune.nproc_per_node=2",
+                                  input=hf_checkpoint))
+    spec = stage_spec("finetune", tmp_path / "ray", data_dir, *FINETUNE, "finetune.nnodes=2",
+                      "finetune.nproc_per_node=1", input=hf_checkpoint, runtime=ray_runtime(ray_cluster))
+    out = timed("finetune ZeRO-2, 2 Ray nodes x 1 rank", run_stage, hosts, spec)
+    assert out["gate"]["passed"], json.dumps(out["gate"], indent=1)
+    assert "x2" in out["backend"]
+    diff = max_abs_diff(zero_weights(Path(out["output"])), zero_weights(Path(ref["output"])))
+    print(f"finetune ZeRO-2 Ray 2x1 vs 1x2: max |Δweight| = {diff:g} (tolerance {TOLERANCE:g})")
+    assert diff <= TOLERANCE
+
+
+def test_rlhf_dpo_across_two_ray_nodes(tmp_path, tmp_path_factory, hosts, ray_cluster, data_dir, hf_checkpoint):
+    ref = timed("rlhf DPO, 1 host x 2 ranks", reference_run, tmp_path_factory.getbasetemp(), "rlhf-dpo", hosts,
+                stage_spec("rlhf", tmp_path, data_dir, *RLHF, "rlhf.nproc_per_node=2", input=hf_checkpoint))
+    spec = stage_spec("rlhf", tmp_path / "ray", data_dir, *RLHF, "rlhf.nnodes=2", "rlhf.nproc_per_node=1",
+                      input=hf_checkpoint, runtime=ray_runtime(ray_cluster))
+    out = timed("rlhf DPO, 2 Ray nodes x 1 rank", run_stage, hosts, spec)
+    assert out["gate"]["passed"], json.dumps(out["gate"], indent=1)
+    diff = max_abs_diff(hf_weights(Path(out["output"])), hf_weights(Path(ref["output"])))
+    print(f"rlhf DPO Ray 2x1 vs 1x2: max |Δweight| = {diff:g} (tolerance {TOLERANCE:g})")
+    assert diff <= TOLERANCE
+
+
+def test_cancelling_stops_the_ranks_on_both_hosts(tmp_path, hosts, ray_cluster, data_dir, hf_checkpoint):
+    """SIGTERM to the stage (what Prefect cancellation delivers) while both hosts train: no rank survives."""
+    spec = stage_spec("finetune", tmp_path, data_dir, "finetune.steps=100000", "finetune.nnodes=2",
+                      "finetune.nproc_per_node=1", input=hf_checkpoint, runtime=ray_runtime(ray_cluster))
+    stage = subprocess.Popen(hosts.enter(0) + [sys.executable, str(STAGE_SCRIPT), json.dumps(spec)],
+                             env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    log = tmp_path / "engine.log"
+    deadline = time.time() + 600
+    while not (log.exists() and '"kind": "metric"' in log.read_text()):  # rank 0 reports a training step
+        assert stage.poll() is None and time.time() < deadline, "the stage ended or never trained"
+        time.sleep(1)
+    ranks = [p for p in engine_processes(hosts) if "worker.py" in p]
+    assert len(ranks) >= 2, ranks
+    t0 = time.time()
+    stage.send_signal(signal.SIGTERM)
+    stage.wait(timeout=120)
+    deadline = time.time() + 60
+    while engine_processes(hosts) and time.time() < deadline:
+        time.sleep(0.5)
+    print(f"cancelled: every rank on both hosts gone {time.time() - t0:.1f}s after SIGTERM")
+    assert engine_processes(hosts) == []
+    assert stage.returncode != 0
