@@ -276,3 +276,51 @@ def engine_processes(hosts: Hosts) -> list[str]:
                                   "worker.py")):
             left.append(f"{pid}: {cmd[:160]}")
     return left
+
+
+def two_hosts(with_slurm: bool = False):
+    """The module fixture's body: two hosts up, then everything torn down and checked gone."""
+    require_namespaces()
+    if with_slurm:
+        require_slurm()
+    hosts = Hosts().up()
+    try:
+        yield hosts
+    finally:
+        hosts.down()
+    assert hosts.pids() == [], "processes left in the test's namespaces"
+    assert shm_entries(hosts.addrs[0]) == [], "shared-memory segments left by the runs"
+
+
+def timed(label: str, fn, *args, **kw):
+    t0 = time.time()
+    out = fn(*args, **kw)
+    print(f"{label}: {time.time() - t0:.1f}s")
+    return out
+
+
+def cancel_while_training(hosts: Hosts, spec: dict, *, via: list[str] | None = None, env: dict | None = None) -> float:
+    """Start the stage on host 0, SIGTERM it (what Prefect's cancellation delivers) once both hosts train, and return
+    the seconds until no training process is left on either host (assert that it happens)."""
+    import psutil
+
+    stage = subprocess.Popen(hosts.enter(0) + (via or []) + [sys.executable, str(STAGE_SCRIPT), json.dumps(spec)],
+                             env={**(env or os.environ), "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    log = Path(spec["work_dir"]) / "engine.log"
+    deadline = time.time() + 600
+    while not (log.exists() and '"kind": "metric"' in log.read_text()):  # rank 0 reported a training step
+        assert stage.poll() is None and time.time() < deadline, "the stage ended or never trained"
+        time.sleep(1)
+    ranks = [p for p in engine_processes(hosts) if "worker.py" in p]
+    assert len(ranks) >= 2, ranks
+    runner = next(p for p in [psutil.Process(stage.pid), *psutil.Process(stage.pid).children(recursive=True)]
+                  if str(STAGE_SCRIPT) in " ".join(p.cmdline()))  # the stage process itself (under salloc: its child)
+    t0 = time.time()
+    runner.send_signal(signal.SIGTERM)
+    stage.wait(timeout=120)
+    while engine_processes(hosts) and time.time() < t0 + 60:
+        time.sleep(0.5)
+    assert engine_processes(hosts) == [], "training processes outlived the cancellation"
+    assert stage.returncode != 0
+    return time.time() - t0

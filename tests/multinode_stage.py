@@ -1,4 +1,4 @@
-"""Run one stage task on this host, as `baton run` does, and write its StageOutput facts to <work_dir>/stage_output.json.
+"""Run one stage task on this host, as `baton run` does; its StageOutput facts go to <work_dir>/stage_output.json.
 
     python tests/multinode_stage.py '{"stage": "finetune", "work_dir": ..., "data_dir": ..., "input": ...,
                                       "model": {...}, "config": {...}, "runtimes": {"main": {...}}}'

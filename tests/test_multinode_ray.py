@@ -3,18 +3,15 @@ gates and end with the weights of the single-host run with the same world size; 
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-from multinode import (REPO, STAGE_SCRIPT, Hosts, Ray, engine_processes, hf_weights, max_abs_diff, reference_run,
-                       require_namespaces, run_stage, shm_entries, stage_spec, zero_weights)
+from multinode import (Ray, cancel_while_training, hf_weights, max_abs_diff, reference_run, run_stage,
+                       stage_spec, timed, two_hosts, zero_weights)
 
 pytestmark = [pytest.mark.slow, pytest.mark.multinode]
 
@@ -26,12 +23,7 @@ RLHF = ("rlhf.steps=30", "rlhf.timeout_s=1200")
 
 @pytest.fixture(scope="module")
 def hosts():
-    require_namespaces()
-    h = Hosts().up()
-    yield h
-    h.down()
-    assert h.pids() == [], "processes left in the test's namespaces"
-    assert shm_entries(h.addrs[0]) == [], "shared-memory segments left by the runs"
+    yield from two_hosts(with_slurm=False)
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +39,6 @@ def ray_cluster(hosts):
 
 def ray_runtime(cluster: Ray) -> dict:
     return {"kind": "ray", "address": cluster.address, "resources_per_node": {"CPU": 1}}
-
-
-def timed(label: str, fn, *args, **kw):
-    t0 = time.time()
-    out = fn(*args, **kw)
-    print(f"{label}: {time.time() - t0:.1f}s")
-    return out
 
 
 def test_finetune_zero2_across_two_ray_nodes(tmp_path, tmp_path_factory, hosts, ray_cluster, data_dir, hf_checkpoint):
@@ -83,25 +68,7 @@ def test_rlhf_dpo_across_two_ray_nodes(tmp_path, tmp_path_factory, hosts, ray_cl
 
 
 def test_cancelling_stops_the_ranks_on_both_hosts(tmp_path, hosts, ray_cluster, data_dir, hf_checkpoint):
-    """SIGTERM to the stage (what Prefect cancellation delivers) while both hosts train: no rank survives."""
     spec = stage_spec("finetune", tmp_path, data_dir, "finetune.steps=100000", "finetune.nnodes=2",
                       "finetune.nproc_per_node=1", input=hf_checkpoint, runtime=ray_runtime(ray_cluster))
-    stage = subprocess.Popen(hosts.enter(0) + [sys.executable, str(STAGE_SCRIPT), json.dumps(spec)],
-                             env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
-    log = tmp_path / "engine.log"
-    deadline = time.time() + 600
-    while not (log.exists() and '"kind": "metric"' in log.read_text()):  # rank 0 reports a training step
-        assert stage.poll() is None and time.time() < deadline, "the stage ended or never trained"
-        time.sleep(1)
-    ranks = [p for p in engine_processes(hosts) if "worker.py" in p]
-    assert len(ranks) >= 2, ranks
-    t0 = time.time()
-    stage.send_signal(signal.SIGTERM)
-    stage.wait(timeout=120)
-    deadline = time.time() + 60
-    while engine_processes(hosts) and time.time() < deadline:
-        time.sleep(0.5)
-    print(f"cancelled: every rank on both hosts gone {time.time() - t0:.1f}s after SIGTERM")
-    assert engine_processes(hosts) == []
-    assert stage.returncode != 0
+    seconds = cancel_while_training(hosts, spec)
+    print(f"Ray: every rank on both hosts gone {seconds:.1f}s after SIGTERM to the stage")

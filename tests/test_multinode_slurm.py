@@ -1,6 +1,6 @@
-"""Slurm target across two hosts (network namespaces, slurmctld + one slurmd each): from inside `salloc -N2`, pretrain
-DP=2 and finetune ZeRO-2 with one rank per host pass their gates and end with the weights of the single-host run with
-the same world size; outside an allocation the stage submits an sbatch job and follows it."""
+"""Slurm target across two hosts (network namespaces, slurmctld + one slurmd each): from inside `salloc -N2`,
+pretrain (DP=2, PP=2) and finetune ZeRO-2 with one rank per host pass their gates and end with the weights of the
+single-host run with the same world size; outside an allocation the stage submits an sbatch job and follows it."""
 from __future__ import annotations
 
 import json
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from multinode import (Hosts, Slurm, dist_weights, max_abs_diff, reference_run, require_namespaces, require_slurm,
-                       run_stage, shm_entries, stage_spec, zero_weights)
+from multinode import (Slurm, cancel_while_training, dist_weights, max_abs_diff, reference_run, run_stage,
+                       stage_spec, timed, two_hosts, zero_weights)
 
 pytestmark = [pytest.mark.slow, pytest.mark.multinode]
 
@@ -24,13 +24,7 @@ SLURM = {"kind": "slurm"}
 
 @pytest.fixture(scope="module")
 def hosts():
-    require_namespaces()
-    require_slurm()
-    h = Hosts().up()
-    yield h
-    h.down()
-    assert h.pids() == [], "processes left in the test's namespaces"
-    assert shm_entries(h.addrs[0]) == [], "shared-memory segments left by the runs"
+    yield from two_hosts(with_slurm=True)
 
 
 @pytest.fixture(scope="module")
@@ -44,23 +38,21 @@ def slurm(hosts):
     hosts.kill_all()
 
 
-def timed(label: str, fn, *args, **kw):
-    t0 = time.time()
-    out = fn(*args, **kw)
-    print(f"{label}: {time.time() - t0:.1f}s")
-    return out
-
-
-def test_pretrain_dp2_across_two_slurm_nodes(tmp_path, tmp_path_factory, hosts, slurm, data_dir):
-    ref = timed("pretrain DP=2, 1 host x 2 ranks", reference_run, tmp_path_factory.getbasetemp(), "pretrain-dp2",
-                hosts, stage_spec("pretrain", tmp_path, data_dir, *PRETRAIN, "pretrain.nproc_per_node=2"))
-    spec = stage_spec("pretrain", tmp_path / "slurm", data_dir, *PRETRAIN, "pretrain.nnodes=2",
+@pytest.mark.parametrize("layout", ["DP2", "PP2"])
+def test_pretrain_across_two_slurm_nodes(layout, tmp_path, tmp_path_factory, hosts, slurm, data_dir):
+    """DP=2: gradients all-reduced across the hosts; PP=2: activations sent between them (one stage per host)."""
+    extra = ("pretrain.pipeline_parallel=2",) if layout == "PP2" else ()
+    ref = timed(f"pretrain {layout}, 1 host x 2 ranks", reference_run, tmp_path_factory.getbasetemp(),
+                f"pretrain-{layout}", hosts, stage_spec("pretrain", tmp_path, data_dir, *PRETRAIN, *extra,
+                                                        "pretrain.nproc_per_node=2"))
+    spec = stage_spec("pretrain", tmp_path / "slurm", data_dir, *PRETRAIN, *extra, "pretrain.nnodes=2",
                       "pretrain.nproc_per_node=1", runtime=SLURM)
-    out = timed("pretrain DP=2, salloc -N2 x 1 rank", run_stage, hosts, spec, via=["salloc", "-N2"], env=slurm.env)
+    out = timed(f"pretrain {layout}, salloc -N2 x 1 rank", run_stage, hosts, spec, via=["salloc", "-N2"],
+                env=slurm.env)
     assert out["gate"]["passed"], json.dumps(out["gate"], indent=1)
-    assert out["slurm_job"] and "DP2" in out["backend"]
+    assert out["slurm_job"] and ("DP2" if layout == "DP2" else "PP2") in out["backend"]
     diff = max_abs_diff(dist_weights(Path(out["output"])), dist_weights(Path(ref["output"])))
-    print(f"pretrain DP=2 Slurm 2x1 vs 1x2: max |Δweight| = {diff:g} (tolerance {TOLERANCE:g})")
+    print(f"pretrain {layout} Slurm 2x1 vs 1x2: max |Δweight| = {diff:g} (tolerance {TOLERANCE:g})")
     assert diff <= TOLERANCE
 
 
@@ -83,9 +75,17 @@ def test_outside_an_allocation_an_sbatch_job_is_submitted_and_followed(tmp_path,
     the training itself is proven by the tests above)."""
     env = {k: v for k, v in slurm.env.items() if not k.startswith("SLURM_JOB")}
     spec = stage_spec("finetune", tmp_path, data_dir, "finetune.steps=4", "finetune.checkpoint_every=4",
+                      "finetune.warmup_steps=1",
                       "finetune.nnodes=2", "finetune.nproc_per_node=1", input=hf_checkpoint, runtime=SLURM)
     out = timed("finetune ZeRO-2 as an sbatch job on 2 nodes", run_stage, hosts, spec, env=env)
     assert out["slurm_job"] is None and (Path(out["output"]) / "latest").exists()  # 4 steps: no gate asked
     assert "#SBATCH --nodes=2" in (tmp_path / "slurm" / "job.sbatch").read_text()
     log = (tmp_path / "engine.log").read_text()
     assert "submitted Slurm job" in log and "node 1/2" in log and '"kind": "result"' in log
+
+
+def test_cancelling_stops_the_ranks_on_both_hosts(tmp_path, hosts, slurm, data_dir, hf_checkpoint):
+    spec = stage_spec("finetune", tmp_path, data_dir, "finetune.steps=100000", "finetune.nnodes=2",
+                      "finetune.nproc_per_node=1", input=hf_checkpoint, runtime=SLURM)
+    seconds = cancel_while_training(hosts, spec, via=["salloc", "-N2"], env=slurm.env)
+    print(f"Slurm: every rank on both hosts gone {seconds:.1f}s after SIGTERM to the stage")
