@@ -262,41 +262,23 @@ def max_abs_diff(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
+ENGINE_MARKERS = ("tasks.distributed.node", "torch.distributed.run", "deepspeed.launcher", "/worker.py ")
+
+
 def engine_processes(hosts: Hosts) -> list[str]:
-    """Training processes still alive on either host (cluster daemons excluded)."""
+    """Training processes still alive on either host (node launchers, torchrun/deepspeed, stage workers); the cluster's
+    own daemons (whose arguments name Ray's default_worker.py) are not counted."""
     import psutil
 
     left = []
     for pid in hosts.pids():
         try:
-            cmd = " ".join(psutil.Process(pid).cmdline())
+            cmd = " ".join(psutil.Process(pid).cmdline()) + " "
         except psutil.Error:
             continue
-        if any(m in cmd for m in ("tasks.distributed.node", "torch.distributed.run", "deepspeed.launcher",
-                                  "worker.py")):
+        if any(m in cmd for m in ENGINE_MARKERS) and "raylet" not in cmd and "default_worker.py" not in cmd:
             left.append(f"{pid}: {cmd[:160]}")
     return left
-
-
-def two_hosts(with_slurm: bool = False):
-    """The module fixture's body: two hosts up, then everything torn down and checked gone."""
-    require_namespaces()
-    if with_slurm:
-        require_slurm()
-    hosts = Hosts().up()
-    try:
-        yield hosts
-    finally:
-        hosts.down()
-    assert hosts.pids() == [], "processes left in the test's namespaces"
-    assert shm_entries(hosts.addrs[0]) == [], "shared-memory segments left by the runs"
-
-
-def timed(label: str, fn, *args, **kw):
-    t0 = time.time()
-    out = fn(*args, **kw)
-    print(f"{label}: {time.time() - t0:.1f}s")
-    return out
 
 
 def cancel_while_training(hosts: Hosts, spec: dict, *, via: list[str] | None = None, env: dict | None = None) -> float:
@@ -321,6 +303,28 @@ def cancel_while_training(hosts: Hosts, spec: dict, *, via: list[str] | None = N
     stage.wait(timeout=120)
     while engine_processes(hosts) and time.time() < t0 + 60:
         time.sleep(0.5)
-    assert engine_processes(hosts) == [], "training processes outlived the cancellation"
+    left = engine_processes(hosts)
+    assert left == [], f"training processes outlived the cancellation: {left}"
     assert stage.returncode != 0
     return time.time() - t0
+
+
+def two_hosts(with_slurm: bool = False):
+    """The module fixture's body: two hosts up, then everything torn down and checked gone."""
+    require_namespaces()
+    if with_slurm:
+        require_slurm()
+    hosts = Hosts().up()
+    try:
+        yield hosts
+    finally:
+        hosts.down()
+    assert hosts.pids() == [], "processes left in the test's namespaces"
+    assert shm_entries(hosts.addrs[0]) == [], "shared-memory segments left by the runs"
+
+
+def timed(label: str, fn, *args, **kw):
+    t0 = time.time()
+    out = fn(*args, **kw)
+    print(f"{label}: {time.time() - t0:.1f}s")
+    return out

@@ -3,7 +3,7 @@ gates and end with the weights of the single-host run with the same world size; 
 from __future__ import annotations
 
 import json
-import subprocess
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -34,7 +34,7 @@ def ray_cluster(hosts):
     print(f"Ray cluster (head + worker in two namespaces) up in {time.time() - t0:.1f}s")
     yield cluster
     hosts.kill_all()
-    subprocess.run(["rm", "-rf", str(folder)])
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def ray_runtime(cluster: Ray) -> dict:

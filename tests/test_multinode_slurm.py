@@ -4,6 +4,7 @@ single-host run with the same world size; outside an allocation the stage submit
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -36,6 +37,7 @@ def slurm(hosts):
     yield cluster
     cluster.down()
     hosts.kill_all()
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.mark.parametrize("layout", ["DP2", "PP2"])
