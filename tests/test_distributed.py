@@ -20,6 +20,7 @@ def _env():
     return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 
 
+@pytest.mark.slow
 def test_local_torchrun_runs_two_ranks(tmp_path):
     script = tmp_path / "w.py"
     script.write_text(RANK_SCRIPT)
@@ -29,6 +30,7 @@ def test_local_torchrun_runs_two_ranks(tmp_path):
     assert "rank 0 of 2" in out.stdout and "rank 1 of 2" in out.stdout
 
 
+@pytest.mark.slow
 def test_two_node_launchers_meet_at_the_first_node(tmp_path):
     """Two `tasks.distributed.node` processes (what srun or Ray start, one per node) form one world of 2 ranks."""
     script = tmp_path / "w.py"
