@@ -10,7 +10,7 @@ export DO_NOT_TRACK ?= true
 export MLFLOW_DISABLE_TELEMETRY ?= true
 PYTEST_ARGS ?=
 
-.PHONY: setup runtimes lock demo test test-fast reliability clean up down
+.PHONY: setup runtimes lock demo test test-fast test-multinode reliability clean up down
 
 # The main venv: an overlay over the cached runtime built from infra/runtimes/main.txt (see infra/runtimes/build.py).
 setup: $(VENV)/.baton-overlay
@@ -40,6 +40,11 @@ test-fast: setup
 # Every fault test (marker `reliability`): each injects its fault for real and prints one table row (tests/reliability_table.py).
 reliability: setup
 	PYTHONPATH=tests $(VENV)/bin/python -m pytest -m reliability -p reliability_table -p no:cacheprovider $(PYTEST_ARGS)
+
+# Multi-node for real: two network-namespace hosts with a real Slurm and a real Ray cluster (root; installs
+# slurm-wlm + munge with apt-get when missing). Also part of `make test`.
+test-multinode: setup
+	$(VENV)/bin/python -m pytest -m multinode -p no:cacheprovider $(PYTEST_ARGS)
 
 # The local stack on loopback (Prefect server + process worker + deployments, MLflow server): `make up [DB=postgres]`
 # prints the two UI addresses and writes $(BATON_HOME)/stack.env, which `baton` then uses; `make down` stops it all.

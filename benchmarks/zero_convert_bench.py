@@ -58,22 +58,22 @@ def make_checkpoint(out: Path, arch: dict) -> None:
 
 
 def build(work: Path, arch: dict) -> tuple[Path, float]:
+    from tasks.distributed import Launch, engine_command, remove_shm_segments, with_port
     from tasks.finetune import engine_env
-    from tasks.finetune.task import free_port
 
     out = work / "zero2"
     if (out / "latest").exists():
         return out, 0.0
-    port = free_port()
-    cmd = engine_env.deepspeed_command(sys.executable, Path(__file__), ["--make-checkpoint", str(out),
-                                                                        "--arch", json.dumps(arch)],
-                                       nproc=2, master_port=port)
+    launch = with_port(Launch(python=sys.executable, script=str(Path(__file__)), launcher="deepspeed", nproc_per_node=2,
+                              args=("--make-checkpoint", str(out), "--arch", json.dumps(arch))))
+    port = launch.master_port
+    cmd = engine_command(launch)
     env = dict(os.environ, **engine_env.worker_env("cpu"), PYTHONPATH=str(REPO))
     t0 = time.time()
     try:
         subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     finally:
-        engine_env.remove_shm_segments(port)
+        remove_shm_segments(port)
     return out, time.time() - t0
 
 

@@ -58,16 +58,27 @@ class TrackingConfig(StrictModel):
 
 
 class RuntimeConfig(StrictModel):
-    """Where an engine runs. `venv`: a local runtime venv; `slurm`: srun across `nodes` (the python path must exist on
-    every node, e.g. a shared filesystem or the container image's); container images for Kubernetes/Ray: infra/docker."""
+    """Where an engine runs (README: Going multi-node). Training stages run `nnodes × nproc_per_node` ranks through
+    tasks/distributed on: `local` (alias `venv`: this host), `slurm` (srun inside an allocation, else a submitted
+    sbatch job) or `ray` (a Ray cluster at `address`). The python path must exist on every node (shared filesystem or
+    the container image). `container`: NeMo-RL's container (runtimes.nemo_rl)."""
 
-    kind: Literal["venv", "slurm", "container"] = "venv"
+    kind: Literal["local", "venv", "slurm", "ray", "container"] = "venv"
     python: str | None = None        # use this interpreter instead of the cached runtime
     path: str | None = None          # an engine checkout (e.g. NeMo-RL) the runtime runs from
-    image: str | None = None         # the container image for this engine on clusters
-    nodes: int = Field(1, ge=1)      # slurm: number of nodes
-    srun_args: list[str] = Field(default_factory=list)
-    env: dict[str, str] = Field(default_factory=dict)  # e.g. GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME
+    image: str | None = None         # the container image (slurm: pyxis --container-image)
+    nodes: int = Field(1, ge=1)      # NeMo-RL's cluster.num_nodes (training stages use their own nnodes)
+    srun_args: list[str] = Field(default_factory=list)    # slurm: extra srun flags (e.g. --partition=gpu)
+    sbatch_args: list[str] = Field(default_factory=list)  # slurm outside an allocation: extra #SBATCH lines
+    address: str | None = None       # ray: the cluster address (host:6379, ray://host:10001, or auto)
+    resources_per_node: dict[str, float] = Field(default_factory=lambda: {"CPU": 1})  # ray: one bundle per node
+    env: dict[str, str] = Field(default_factory=dict)  # set on every node (GLOO/NCCL_SOCKET_IFNAME are found alone)
+
+    @model_validator(mode="after")
+    def _ray_needs_address(self):
+        if self.kind == "ray" and not self.address:
+            raise ValueError("kind ray needs address (e.g. ray-head:6379, or auto inside the cluster)")
+        return self
 
 
 StageName = Literal["data", "pretrain", "rlhf", "finetune", "serve", "convert"]

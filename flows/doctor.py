@@ -162,10 +162,10 @@ def check_launchers(cfg, probe: Probe) -> list[Finding]:
         device = "cuda" if _gpus() else "cpu"
         found += deepspeed_without_num_gpus(shlex.split(probe.launch_command), device)
     if cfg is not None and "finetune" in cfg.stages and cfg.finetune.launcher == "deepspeed":
-        from tasks.finetune import engine_env
+        from tasks.distributed import Launch, local_command
 
-        argv = engine_env.deepspeed_command("python", Path("worker.py"), [], nproc=cfg.finetune.nproc_per_node,
-                                            master_port=29500)
+        argv = local_command(Launch(python="python", script="worker.py", nproc_per_node=cfg.finetune.nproc_per_node,
+                                    launcher="deepspeed", master_port=29500))
         found += deepspeed_without_num_gpus(argv, cfg.finetune.resolved_device())
     return found
 

@@ -1,34 +1,113 @@
-"""Launch commands for ranks: local torchrun, or one torchrun per node under Slurm."""
+"""The one launch module: engine commands for local, Slurm and Ray targets, and one node's launcher run for real."""
+import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from tasks.distributed import torchrun_command, world_size
+from flows.config import RuntimeConfig
+from tasks.distributed import Launch, LaunchConfigError, engine_command, node_command, with_port
+from tasks.distributed.net import free_port, interface_to, socket_ifname_env
+from tasks.distributed.slurm import sbatch_script
+
+REPO = Path(__file__).resolve().parent.parent
+RANK_SCRIPT = "import os; print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], flush=True)\n"
+
+
+def _env():
+    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 
 
 @pytest.mark.slow
 def test_local_torchrun_runs_two_ranks(tmp_path):
     script = tmp_path / "w.py"
-    script.write_text("import os; print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n")
-    cmd = torchrun_command(sys.executable, str(script), [], nproc_per_node=2)
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    script.write_text(RANK_SCRIPT)
+    cmd = engine_command(Launch(python=sys.executable, script=str(script), nproc_per_node=2), {"kind": "venv"})
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=_env())
     assert out.returncode == 0, out.stderr
     assert "rank 0 of 2" in out.stdout and "rank 1 of 2" in out.stdout
 
 
-def test_slurm_command_starts_one_torchrun_per_node():
-    cmd = torchrun_command("/shared/venv/bin/python", "/shared/baton/tasks/pretrain/worker.py", ["--spec", "s.json"],
-                           nproc_per_node=8, runtime={"kind": "slurm", "nodes": 4, "srun_args": ["--partition=gpu"]},
-                           master_port=29500)
+@pytest.mark.slow
+def test_two_node_launchers_meet_at_the_first_node(tmp_path):
+    """Two `tasks.distributed.node` processes (what srun or Ray start, one per node) form one world of 2 ranks."""
+    script = tmp_path / "w.py"
+    script.write_text(RANK_SCRIPT)
+    launch = Launch(python=sys.executable, script=str(script), nnodes=2, nproc_per_node=1)
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "tasks.distributed.node", json.dumps(
+        {"launch": json.loads(launch.to_json()), "node_rank": r, "master_addr": "127.0.0.1", "master_port": port})],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env()) for r in (0, 1)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert "rank 0 of 2" in outs[0] and "rank 1 of 2" in outs[1]
+    assert "GLOO_SOCKET_IFNAME=lo" in outs[0]
+
+
+@pytest.mark.fast
+def test_deepspeed_launcher_single_and_multi_node():
+    one = with_port(Launch(python="py", script="w.py", args=("--spec", "s"), nproc_per_node=2, launcher="deepspeed"))
+    cmd = engine_command(one)
+    assert cmd[:5] == ["py", "-m", "deepspeed.launcher.runner", "--num_gpus", "2"]
+    assert cmd[-3:] == ["w.py", "--spec", "s"] and str(one.master_port) in cmd
+    two = Launch(python="py", script="w.py", nnodes=2, nproc_per_node=4, launcher="deepspeed")
+    cmd = node_command(two, node_rank=1, master_addr="10.0.0.1", master_port=29500, hostfile=Path("hf"))
+    assert cmd[3:] == ["--hostfile", "hf", "--no_ssh", "--node_rank", "1", "--master_addr", "10.0.0.1",
+                       "--master_port", "29500", "w.py"]
+
+
+@pytest.mark.fast
+def test_slurm_in_an_allocation_starts_one_node_launcher_per_node(monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    launch = Launch(python="/shared/venv/bin/python", script="/shared/baton/tasks/pretrain/worker.py",
+                    args=("--spec", "s.json"), nnodes=4, nproc_per_node=8)
+    cmd = engine_command(launch, {"kind": "slurm", "srun_args": ["--partition=gpu"], "env": {"NCCL_DEBUG": "WARN"}})
     assert cmd[:6] == ["srun", "--nodes", "4", "--ntasks-per-node", "1", "--kill-on-bad-exit=1"]
-    assert "--partition=gpu" in cmd and cmd[-3:-1] == ["bash", "-c"]
-    inner = cmd[-1]
-    assert "--nnodes 4" in inner and '--node-rank "$SLURM_NODEID"' in inner and "--nproc-per-node 8" in inner
-    assert "scontrol show hostnames" in inner and "--master-port 29500" in inner and inner.endswith("--spec s.json")
-    assert world_size(8, {"kind": "slurm", "nodes": 4}) == 32
+    assert "--partition=gpu" in cmd and cmd[-3:-1] == ["-m", "tasks.distributed.node"]
+    spec = json.loads(cmd[-1])["launch"]
+    assert spec["nnodes"] == 4 and spec["nproc_per_node"] == 8 and spec["env"] == {"NCCL_DEBUG": "WARN"}
+    assert spec["args"] == ["--spec", "s.json"] and spec["launcher"] == "torchrun"
 
 
-def test_unknown_runtime_kind_is_refused():
-    with pytest.raises(ValueError, match="container image"):
-        torchrun_command("python", "w.py", [], nproc_per_node=1, runtime={"kind": "kubernetes"})
+@pytest.mark.fast
+def test_slurm_outside_an_allocation_submits_an_sbatch_script(monkeypatch, tmp_path):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    launch = Launch(python="py", script="w.py", nnodes=2, nproc_per_node=1, launcher="deepspeed")
+    runtime = {"kind": "slurm", "sbatch_args": ["--time=01:00:00"]}
+    cmd = engine_command(launch, runtime, tmp_path)
+    assert cmd[1:3] == ["-m", "tasks.distributed.slurm"] and json.loads(cmd[3])["work_dir"] == str(tmp_path)
+    script = sbatch_script(launch, runtime, tmp_path / "job.log")
+    assert "#SBATCH --nodes=2" in script and "#SBATCH --time=01:00:00" in script
+    assert f"#SBATCH --output={tmp_path / 'job.log'}" in script
+    assert script.splitlines()[-1].startswith("exec srun --nodes 2 --ntasks-per-node 1")
+
+
+@pytest.mark.fast
+def test_ray_target_runs_the_driver_against_the_address():
+    launch = Launch(python="py", script="w.py", nnodes=2)
+    cmd = engine_command(launch, {"kind": "ray", "address": "head:6379", "resources_per_node": {"CPU": 2, "GPU": 8}})
+    assert cmd[1:3] == ["-m", "tasks.distributed.ray_driver"]
+    spec = json.loads(cmd[3])
+    assert spec["address"] == "head:6379" and spec["resources_per_node"] == {"CPU": 2, "GPU": 8}
+    with pytest.raises(LaunchConfigError, match="address"):
+        engine_command(launch, {"kind": "ray"})
+    with pytest.raises(ValueError, match="address"):
+        RuntimeConfig(kind="ray")
+
+
+@pytest.mark.fast
+def test_refusals(monkeypatch):
+    with pytest.raises(LaunchConfigError, match="container image"):
+        engine_command(Launch(python="py", script="w.py"), {"kind": "kubernetes"})
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    with pytest.raises(LaunchConfigError, match="MASTER_ADDR"):
+        engine_command(Launch(python="py", script="w.py", nnodes=2), {"kind": "local"})
+
+
+@pytest.mark.fast
+def test_socket_interface_is_the_one_that_routes_to_the_first_node():
+    assert interface_to("127.0.0.1") == "lo"
+    assert socket_ifname_env("127.0.0.1") == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+    assert socket_ifname_env("127.0.0.1", {"NCCL_SOCKET_IFNAME": "ib0"}) == {"GLOO_SOCKET_IFNAME": "lo"}

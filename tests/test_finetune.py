@@ -15,7 +15,7 @@ import torch
 
 from conversions import events, hf, manifest as mf
 from tasks.convert.config import ConvertConfig
-from tasks.finetune import engine_env
+from tasks.distributed import remove_shm_segments
 from tasks.finetune.config import FinetuneConfig
 from tasks.stage import StageContext
 
@@ -138,7 +138,7 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(zero2, tmp_path, tiny
     try:
         killed_at = _kill_after_first_checkpoint(cmd, env, tmp_path / "killed.log")
     finally:
-        engine_env.remove_shm_segments(port)
+        remove_shm_segments(port)
     assert killed_at == EVERY
     # a save that never completed (no marker) must be ignored and cleaned up, never loaded
     partial = ckpt / f"global_step{STEPS + 5}"

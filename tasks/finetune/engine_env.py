@@ -1,4 +1,4 @@
-"""How a DeepSpeed worker is launched here: the launcher command and an environment that pays JIT op builds once."""
+"""The environment a DeepSpeed worker runs in here: JIT op builds are paid once (the command: tasks.distributed)."""
 from __future__ import annotations
 
 import hashlib
@@ -39,22 +39,3 @@ def worker_env(accelerator: str = "cpu") -> dict:
     if accelerator == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
     return env
-
-
-def deepspeed_command(python: str, script: Path, args: list[str], *, nproc: int, master_port: int) -> list[str]:
-    """The `deepspeed` launcher; --num_gpus is required even on CPU, or it starts a single process."""
-    return [python, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_port", str(master_port),
-            str(script), *args]
-
-
-def remove_shm_segments(port: int, shm_dir: Path = Path("/dev/shm")) -> list[str]:
-    """DeepSpeed's CPU shm all-reduce leaves a 66 MB segment per rank in /dev/shm, named by master address and port,
-    and never unlinks it (a RAM leak per run, and a stale segment if the port comes back). Remove this run's."""
-    removed = []
-    for p in shm_dir.glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"):
-        try:
-            p.unlink()
-            removed.append(p.name)
-        except OSError:
-            pass
-    return removed

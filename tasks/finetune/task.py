@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 from pathlib import Path
 
 from prefect import task
@@ -16,6 +15,8 @@ from prefect.cache_policies import NO_CACHE
 
 from conversions import hf, manifest as mf, verify
 from tasks import gates
+from tasks.distributed import (Launch, LaunchConfigError, engine_command, remove_shm_segments, runtime_kind,
+                               stage_runtime, with_port)
 from tasks.finetune import ds_config, engine_env
 from tasks.finetune.config import FinetuneConfig, validate
 from tasks.stage import StageContext, StageOutput
@@ -43,10 +44,19 @@ def check_inputs(ctx: StageContext, cfg: FinetuneConfig) -> None:
         raise FinetuneInputError("; ".join(problems))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def command(ctx: StageContext, cfg: FinetuneConfig, spec_path: Path) -> tuple[list[str], int]:
+    """The deepspeed launcher (or torchrun) on nnodes × nproc_per_node ranks, on the `main` runtime's target, and the
+    rendezvous port when it is picked here (its DeepSpeed shm segments are removed after the run)."""
+    launch = Launch(python=ctx.python("main"), script=str(WORKER), args=("--spec", str(spec_path)),
+                    nnodes=cfg.nnodes, nproc_per_node=cfg.nproc_per_node, launcher=cfg.launcher,
+                    master_port=cfg.master_port)
+    runtime = stage_runtime(ctx)
+    if runtime_kind(runtime) == "local":
+        launch = with_port(launch)
+    try:
+        return engine_command(launch, runtime, Path(ctx.work_dir)), launch.master_port
+    except LaunchConfigError as e:
+        raise FinetuneInputError(f"finetune: {e}") from None
 
 
 def worker_spec(ctx: StageContext, cfg: FinetuneConfig, out: Path, ds_config_path: Path) -> dict:
@@ -76,15 +86,9 @@ def prepare(ctx: StageContext, cfg: FinetuneConfig) -> tuple[list[str], dict, Pa
     (work / "ds_config.json").write_text(json.dumps(ds, indent=2) + "\n")
     spec = worker_spec(ctx, cfg, out, work / "ds_config.json")
     (work / "finetune_spec.json").write_text(json.dumps(spec, indent=2) + "\n")
-    py = ctx.python("main")
-    port = cfg.master_port or free_port()
-    args = ["--spec", str(work / "finetune_spec.json")]
-    if cfg.launcher == "deepspeed":
-        cmd = engine_env.deepspeed_command(py, WORKER, args, nproc=cfg.nproc_per_node, master_port=port)
-    else:
-        cmd = [py, "-m", "torch.distributed.run", "--nproc_per_node", str(cfg.nproc_per_node), "--master_port", str(port),
-               str(WORKER), *args]
-    engine_env.remove_shm_segments(port)
+    cmd, port = command(ctx, cfg, work / "finetune_spec.json")
+    if port:
+        remove_shm_segments(port)
     return cmd, engine_env.worker_env(cfg.resolved_device()), out, port
 
 
@@ -132,7 +136,8 @@ def run_finetune(ctx: StageContext, cfg: FinetuneConfig) -> StageOutput:
     try:
         res = ctx.launch(cmd, name="finetune", env=env, timeout=cfg.timeout_s)
     finally:
-        engine_env.remove_shm_segments(port)
+        if port:
+            remove_shm_segments(port)
     r = res.results()
     m = finalize(out, ctx, cfg, r)
     before, after = r["before"], r["after"]

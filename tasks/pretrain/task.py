@@ -14,7 +14,7 @@ from prefect.cache_policies import NO_CACHE
 from conversions import manifest as mf, probe, verify
 from conversions.megatron import architecture as checkpoint_architecture, padded_vocab_size
 from tasks.pretrain.config import PretrainConfig, resolved_device
-from tasks.distributed import torchrun_command
+from tasks.distributed import Launch, LaunchConfigError, engine_command, stage_runtime
 from tasks.stage import StageContext, StageOutput
 
 WORKER = Path(__file__).with_name("worker.py")
@@ -80,21 +80,13 @@ def build_spec(ctx: StageContext, cfg: PretrainConfig, vocab: int | None = None)
 
 
 def command(ctx: StageContext, cfg: PretrainConfig, spec_path: Path) -> list[str]:
-    runtime = ctx.runtimes.get("main") or {}
-    if runtime.get("kind") == "slurm":  # one torchrun per node through srun, static rendezvous on the first node
-        return torchrun_command(ctx.python("main"), str(WORKER), ["--spec", str(spec_path)],
-                                nproc_per_node=cfg.nproc_per_node, runtime={**runtime, "nodes": cfg.nnodes})
-    cmd = [ctx.python("main"), "-m", "torch.distributed.run", "--nproc-per-node", str(cfg.nproc_per_node)]
-    if cfg.nnodes == 1:
-        cmd += ["--standalone"]  # rendezvous on a free local port
-    else:  # the multi-node runtime (e.g. one srun task per node) provides the rendezvous
-        missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v)]
-        if missing:
-            raise PretrainInputError(f"pretrain.nnodes {cfg.nnodes}: set {', '.join(missing)} (and NODE_RANK) "
-                                     "for torchrun's rendezvous")
-        cmd += ["--nnodes", str(cfg.nnodes), "--node-rank", os.environ.get("NODE_RANK", os.environ.get("SLURM_NODEID", "0")),
-                "--master-addr", os.environ["MASTER_ADDR"], "--master-port", os.environ["MASTER_PORT"]]
-    return cmd + [str(WORKER), "--spec", str(spec_path)]
+    """torchrun on nnodes × nproc_per_node ranks, on the `main` runtime's target (local, slurm or ray)."""
+    launch = Launch(python=ctx.python("main"), script=str(WORKER), args=("--spec", str(spec_path)),
+                    nnodes=cfg.nnodes, nproc_per_node=cfg.nproc_per_node)
+    try:
+        return engine_command(launch, stage_runtime(ctx), ctx.work_dir)
+    except LaunchConfigError as e:
+        raise PretrainInputError(f"pretrain: {e}") from None
 
 
 def package(ctx: StageContext, cfg: PretrainConfig, spec: dict, r: dict) -> Path:

@@ -17,6 +17,7 @@ from prefect.cache_policies import NO_CACHE
 
 from conversions import hf, manifest as mf, verify
 from tasks import gates
+from tasks.distributed import Launch, LaunchConfigError, engine_command, runtime_kind, stage_runtime
 from tasks.rlhf import checks, nemo_rl
 from tasks.rlhf.config import RlhfConfig
 from tasks.stage import StageContext, StageOutput
@@ -139,11 +140,15 @@ def worker_command(ctx: StageContext, cfg: RlhfConfig, out: Path) -> list[str]:
             "--seed", str(ctx.seed), "--stage", ctx.stage]
     if cfg.reference_model:
         args += ["--reference-model", str(cfg.reference_model)]
-    py = ctx.python("main")
-    if cfg.nproc_per_node > 1:
-        return [py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg.nproc_per_node}",
-                str(WORKER), *args]
-    return [py, str(WORKER), *args]
+    runtime = stage_runtime(ctx)
+    if cfg.world_size() == 1 and runtime_kind(runtime) == "local":
+        return [ctx.python("main"), str(WORKER), *args]
+    launch = Launch(python=ctx.python("main"), script=str(WORKER), args=tuple(args), nnodes=cfg.nnodes,
+                    nproc_per_node=cfg.nproc_per_node)
+    try:
+        return engine_command(launch, runtime, Path(ctx.work_dir))
+    except LaunchConfigError as e:
+        raise RlhfInputError(f"rlhf: {e}") from None
 
 
 def run_trl(ctx: StageContext, cfg: RlhfConfig) -> StageOutput:
@@ -154,7 +159,7 @@ def run_trl(ctx: StageContext, cfg: RlhfConfig) -> StageOutput:
     _fresh(out)
     _fresh(trained)
     res = ctx.launch(worker_command(ctx, cfg, partial), name=f"rlhf-trl-{cfg.algorithm}", timeout=cfg.timeout_s,
-                     env={"OMP_NUM_THREADS": "1"} if cfg.nproc_per_node > 1 else None)
+                     env={"OMP_NUM_THREADS": "1"} if cfg.world_size() > 1 else None)
     shutil.rmtree(work / f"{partial.name}.trl", ignore_errors=True)  # trainer scratch (no checkpoints are saved)
     partial.rename(trained)
     facts = res.results()

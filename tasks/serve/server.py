@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -15,6 +14,7 @@ from typing import Callable
 
 from tasks import launch
 from tasks.health import Unhealthy, wait_http_ok
+from tasks.distributed.net import free_port  # noqa: F401 (the repo's one free-port helper)
 
 log = logging.getLogger("baton.serve")
 
@@ -23,12 +23,6 @@ class ServerFailed(RuntimeError):
     def __init__(self, message: str, tail: list[str]):
         self.tail = tail
         super().__init__(message + ("\n--- last log lines ---\n" + "\n".join(tail) if tail else ""))
-
-
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def redactor(*secrets: str) -> Callable[[str], str]:
