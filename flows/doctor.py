@@ -83,6 +83,8 @@ def runtimes_in_use(cfg) -> dict[str, str]:
     rt = {k: v.model_dump() for k, v in cfg.runtimes.items()}
     out = {}
     for name in sorted(names):
+        if (rt.get(name) or {}).get("kind", "venv") != "venv":
+            continue  # its python lives on the cluster's nodes or in an image, not here
         try:
             out[name] = _python_for(name, json.dumps(rt.get(name) or {}, sort_keys=True))
         except RuntimeMissing:
