@@ -64,7 +64,8 @@ def prepare(ctx: StageContext, cfg: FinetuneConfig) -> tuple[list[str], dict, Pa
         "ds_config": str(work / "ds_config.json"), "device": cfg.resolved_device(), "seed": ctx.seed, "steps": cfg.steps,
         "checkpoint_every": cfg.checkpoint_every, "keep_checkpoints": cfg.keep_checkpoints,
         "max_seq_length": cfg.max_seq_length or ctx.model.get("seq_length", 128),
-        "eval_max_new_tokens": cfg.eval_max_new_tokens, "zero_init": cfg.zero.init, "log_every": cfg.log_every, "lora": cfg.lora.model_dump(),
+        "eval_max_new_tokens": cfg.eval_max_new_tokens, "zero_init": cfg.zero.init,
+        "activation_checkpointing": cfg.activation_checkpointing, "log_every": cfg.log_every, "lora": cfg.lora.model_dump(),
     }
     (work / "finetune_spec.json").write_text(json.dumps(spec, indent=2) + "\n")
     py = ctx.python("main")
