@@ -83,6 +83,8 @@ def runtimes_in_use(cfg) -> dict[str, str]:
     rt = {k: v.model_dump() for k, v in cfg.runtimes.items()}
     out = {}
     for name in sorted(names):
+        if (rt.get(name) or {}).get("kind", "venv") != "venv":
+            continue  # its python lives on the cluster's nodes or in an image, not here
         try:
             out[name] = _python_for(name, json.dumps(rt.get(name) or {}, sort_keys=True))
         except RuntimeMissing:
@@ -156,11 +158,22 @@ def deepspeed_without_num_gpus(argv: list[str], device: str) -> list[Finding]:
                     "add --num_gpus N to the launch line (baton passes finetune.nproc_per_node as --num_gpus)")]
 
 
+def bind_cores_without_numactl(argv: list[str]) -> list[Finding]:
+    """deepspeed --bind_cores_to_rank shells out to numactl (FileNotFoundError without it; shared notes)."""
+    import shutil
+
+    if "--bind_cores_to_rank" not in argv or shutil.which("numactl"):
+        return []
+    return [Finding("error", "numactl_missing", "--bind_cores_to_rank runs numactl, which is not installed here",
+                    "apt-get install numactl, or drop --bind_cores_to_rank")]
+
+
 def check_launchers(cfg, probe: Probe) -> list[Finding]:
     found = []
     if probe.launch_command:
         device = "cuda" if _gpus() else "cpu"
-        found += deepspeed_without_num_gpus(shlex.split(probe.launch_command), device)
+        argv = shlex.split(probe.launch_command)
+        found += deepspeed_without_num_gpus(argv, device) + bind_cores_without_numactl(argv)
     if cfg is not None and "finetune" in cfg.stages and cfg.finetune.launcher == "deepspeed":
         from tasks.distributed import Launch, local_command
 

@@ -340,8 +340,9 @@ def candidate_layouts(shape: Shape, hw: Hardware, stage: str, micro: int, global
     if gb is None:
         rejected.append(f"DP{dp}: global batch {global_batch} is not divisible by micro-batch {micro} × DP {dp}")
         return []
+    recomputes = ("none", "full") if stage == "finetune" else ("none",)  # rlhf has no recompute key yet
     for offload in ((False, False), (True, False), (True, True)):
-        for rc in ("none", "full"):
+        for rc in recomputes:
             for zs in (2, 3):
                 if offload[1] and zs != 3:
                     continue
@@ -403,7 +404,9 @@ def layout_of_stage(stage: str, cfg, device: str) -> Layout:
                       distributed_optimizer=cfg.distributed_optimizer, sequence_parallel=cfg.sequence_parallel,
                       recompute=cfg.recompute_granularity)
     zero = getattr(cfg, "zero", None)
+    recompute = "full" if getattr(cfg, "activation_checkpointing", False) else "none"
     return Layout(stage, dp=dp, micro_batch=mb, global_batch=gb, zero_stage=zero.stage if zero else 0,
+                  recompute=recompute,
                   offload_optimizer=bool(zero and zero.offload_optimizer != "none" and device == "cuda"),
                   offload_params=bool(zero and zero.offload_params != "none" and device == "cuda"))
 
@@ -419,6 +422,7 @@ def stage_block(p: Plan) -> dict:
                       "sequence_parallel": lay.sequence_parallel, "distributed_optimizer": lay.distributed_optimizer,
                       "recompute_granularity": lay.recompute})
     elif lay.stage == "finetune":
+        block["activation_checkpointing"] = lay.recompute == "full"
         block["zero"] = {"stage": lay.zero_stage, "offload_optimizer": "cpu" if lay.offload_optimizer else "none",
                          "offload_params": "cpu" if lay.offload_params else "none"}
     return {lay.stage: block}

@@ -132,3 +132,9 @@ def test_run_refuses_before_launch(tmp_path):
     assert r.returncode == 2, r.stderr[-2000:]
     assert "psutil_missing" in r.stderr and "nothing was launched" in r.stderr
     assert not (tmp_path / "home" / "runs").exists()
+
+
+@pytest.mark.skipif(bool(__import__("shutil").which("numactl")), reason="numactl is installed here")
+def test_bind_cores_without_numactl():
+    found = doctor.doctor(None, doctor.Probe(launch_command="deepspeed --num_gpus 2 --bind_cores_to_rank t.py"))
+    assert the(found, "numactl_missing").fix.startswith("apt-get install numactl")

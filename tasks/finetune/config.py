@@ -47,6 +47,9 @@ class FinetuneConfig(TrainingConfig):
     lora: LoraConfig = LoraConfig()
     nproc_per_node: int = Field(2, ge=1, description="data-parallel ranks per node (GPUs, or CPU processes)")
     launcher: Literal["deepspeed", "torchrun"] = "deepspeed"
+    activation_checkpointing: bool = Field(
+        False, description="recompute each layer's activations in the backward pass (HF gradient checkpointing): "
+                           "activations shrink to one layer's input per layer, at about a third more compute")
     micro_batch_size: int = Field(16, ge=1, description="sequences per rank per micro step")
     steps: int = Field(300, ge=1, description="optimizer steps")
     lr: float = Field(3e-3, gt=0, description="peak learning rate")

@@ -66,7 +66,8 @@ def worker_spec(ctx: StageContext, cfg: FinetuneConfig, out: Path, ds_config_pat
         "ds_config": str(ds_config_path), "device": cfg.resolved_device(), "seed": ctx.seed, "steps": cfg.steps,
         "checkpoint_every": cfg.checkpoint_every, "keep_checkpoints": cfg.keep_checkpoints,
         "max_seq_length": cfg.max_seq_length or ctx.model.get("seq_length", 128),
-        "eval_max_new_tokens": cfg.eval_max_new_tokens, "zero_init": cfg.zero.init, "log_every": cfg.log_every,
+        "eval_max_new_tokens": cfg.eval_max_new_tokens, "zero_init": cfg.zero.init,
+        "activation_checkpointing": cfg.activation_checkpointing, "log_every": cfg.log_every,
         "lora": cfg.lora.model_dump(), "gate_metric": gates.resolve_metric(cfg.gate, ctx.data_dir, "sft", "exact_match"),
         "overlong": cfg.overlong, "eval_batch_size": cfg.micro_batch_size,
     }

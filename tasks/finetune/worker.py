@@ -315,6 +315,8 @@ def main() -> None:
 
     t = time.time()
     model = build_model(input_dir, ds_config, zero3=stage == 3 and spec.get("zero_init", True))
+    if spec.get("activation_checkpointing"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if spec["lora"]["enabled"]:
         model = add_lora(model, spec["lora"])
     groups = param_groups(model, ds_config["optimizer"]["params"]["weight_decay"])
