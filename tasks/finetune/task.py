@@ -128,6 +128,7 @@ def run_finetune(ctx: StageContext, cfg: FinetuneConfig) -> StageOutput:
         metrics={"loss_first": metric_events[0].get("loss") if metric_events else None, "loss_last": last.get("loss"),
                  "heldout_exact_match_before": before, "heldout_exact_match_after": after,
                  "peak_mem_mb_max": last.get("peak_mem_mb_max", r.get("peak_mem_mb")),
+                 "peak_reserved_mb": r.get("peak_reserved_mb"),
                  "resumed_from_step": r.get("resumed_from"),
                  "step_time_s_last": last.get("step_time_s"), "tokens_per_s_last": last.get("tokens_per_s"),
                  "seconds": round(res.seconds, 2)},
