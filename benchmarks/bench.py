@@ -137,7 +137,7 @@ CONVERTERS = {
 def run_converter(which: str, src: Path, dst: Path) -> dict:
     shutil.rmtree(dst, ignore_errors=True)
     code = ("import json, resource, sys, time; from pathlib import Path; SRC, DST = Path(sys.argv[1]), Path(sys.argv[2]);"
-            " t0 = time.perf_counter(); " + CONVERTERS[which] + "; print('@@bench ' + json.dumps({'seconds': "
+            " import torch; t0 = time.perf_counter(); " + CONVERTERS[which] + "; print('@@bench ' + json.dumps({'seconds': "
             "time.perf_counter() - t0, 'rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))")
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     p = subprocess.run([sys.executable, "-c", code, str(src), str(dst)], env=env, capture_output=True, text=True)
@@ -326,6 +326,8 @@ def main(argv=None) -> int:
                     help="also `baton run` vs the bare workers (one repetition, ~10 min here)")
     ap.add_argument("--work", type=Path, default=Path(os.environ.get("BATON_CACHE", Path.home() / ".cache" / "baton"))
                     / "bench")
+    ap.add_argument("--overhead-from", type=Path, default=None,
+                    help="use this overhead_bench.py result (JSON) instead of measuring the overhead again")
     ap.add_argument("--prepare", action="store_true", help="only write the checkpoints (kept in --work)")
     args = ap.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
@@ -349,7 +351,9 @@ def main(argv=None) -> int:
                             "rss": exponent([(c["parameters"], c["baton_warm"]["peak_rss_mb"]["median"])
                                              for c in res["conversions"] if c["format"] == f])}
                         for f in args.formats.split(",")}
-    if args.overhead:
+    if args.overhead_from:
+        res["overhead"] = {**json.loads(args.overhead_from.read_text()), "source": str(args.overhead_from.name)}
+    elif args.overhead:
         import overhead_bench
 
         res["overhead"] = overhead_bench.run(args.work / "overhead")

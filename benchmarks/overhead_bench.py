@@ -31,6 +31,7 @@ def baton_run(home: Path, sets: list[str], stages: str) -> tuple[float, dict]:
     (home / "prefect").mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, **QUIET_ENV, BATON_HOME=str(home), PREFECT_HOME=str(home / "prefect"))
     env.pop("MLFLOW_TRACKING_URI", None)
+    env.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "600")  # a loaded machine starts it slowly
     t0 = time.perf_counter()
     p = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(TINY), "--stages", stages, "--no-cache",
                         *(a for s in sets for a in ("--set", s))], cwd=REPO, env=env, capture_output=True, text=True)
