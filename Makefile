@@ -63,7 +63,8 @@ gpu-wheels: setup
 gpu-check:
 	$(GPU_PYTHON) benchmarks/gpu_check.py --device $(DEVICE) $(if $(filter cuda,$(DEVICE)),--wheels $(GPU_WHEELS))
 
-# Conversion, hashing and orchestration cost side by side (benchmarks/bench.py; ~30 min here; not part of `make test`):
+# Conversion, hashing and orchestration cost side by side (benchmarks/bench.py; ~45 min on the loaded 2-core machine;
+# not part of `make test`):
 # writes benchmarks/results/bench.{json,md}, the README's Performance table and an MLflow run in `baton-benchmarks`.
 BENCH_ARGS ?=
 bench: setup

@@ -37,7 +37,7 @@ README = REPO / "README.md"
 VOCAB = 32000
 # Llama-shaped sizes: (layers, hidden, heads, KV groups, FFN) with a 32k vocabulary, untied embeddings
 SIZES = {"S": (8, 512, 8, 4, 1408), "M": (12, 768, 12, 4, 2048), "L": (24, 1024, 16, 8, 2816)}
-FORMATS = ("zero2", "zero3", "megatron-tp1", "megatron-tp2pp2")
+FORMATS = ("zero2", "megatron-tp1", "zero3", "megatron-tp2pp2")
 
 
 # ---- 1. checkpoints ------------------------------------------------------------------------------------------------
@@ -260,6 +260,7 @@ def markdown(res: dict) -> str:
             f"{bw['seconds']['median']:.2f} | {bw['gb_per_s']:.2f} | {bw['fraction_of_read_bandwidth']:.0%} | "
             f"{bw['peak_rss_mb']['median']:.0f} ({bw['rss_over_largest_tensor']:.1f}×) | "
             f"{c['other']} {o['seconds']['median']:.2f} / {o['peak_rss_mb']['median']:.0f} |")
+    lines += ["", targets(res["conversions"])]
     lines += ["", "Growth with size (fitted exponent of baton's warm time and peak RSS over parameters; 1.0 = linear):",
               ", ".join(f"{f}: time {e['time']}, RSS {e['rss']}" for f, e in res["exponents"].items()) + "."]
     h = res.get("hashing")
@@ -272,6 +273,17 @@ def markdown(res: dict) -> str:
     if o:
         lines += ["", *overhead_lines(o)]
     return "\n".join(lines) + "\n"
+
+
+def targets(conversions: list[dict]) -> str:
+    """The issue's targets: ≥ 70% of the read bandwidth, peak RSS ≤ 1.5 × the largest tensor + 300 MB (warm runs)."""
+    slow = [f"{c['size']} {c['format']} {c['baton_warm']['fraction_of_read_bandwidth']:.0%}" for c in conversions
+            if c["baton_warm"]["fraction_of_read_bandwidth"] < 0.7]
+    fat = [f"{c['size']} {c['format']} {c['baton_warm']['peak_rss_mb']['median']:.0f} > "
+           f"{c['baton_warm']['rss_target_mb']:.0f} MB" for c in conversions
+           if c["baton_warm"]["peak_rss_mb"]["median"] > c["baton_warm"]["rss_target_mb"]]
+    return (f"Targets: ≥ 70% of the warm read bandwidth — {'met by all' if not slow else 'missed by ' + ', '.join(slow)}"
+            f"; peak RSS ≤ 1.5 × largest tensor + 300 MB — {'met by all' if not fat else 'missed by ' + ', '.join(fat)}.")
 
 
 def overhead_lines(o: dict) -> list[str]:
@@ -319,15 +331,16 @@ def log_mlflow(res: dict) -> str | None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", default="S,M,L")
+    ap.add_argument("--sizes", default="S,M", help=f"of {','.join(SIZES)} (L: ~320M parameters)")
     ap.add_argument("--formats", default=",".join(FORMATS))
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--overhead", action=argparse.BooleanOptionalAction, default=True,
                     help="also `baton run` vs the bare workers (one repetition, ~10 min here)")
     ap.add_argument("--work", type=Path, default=Path(os.environ.get("BATON_CACHE", Path.home() / ".cache" / "baton"))
                     / "bench")
     ap.add_argument("--overhead-from", type=Path, default=None,
                     help="use this overhead_bench.py result (JSON) instead of measuring the overhead again")
+    ap.add_argument("--report-only", action="store_true", help="rewrite the report from bench.json (+ --overhead-from)")
     ap.add_argument("--prepare", action="store_true", help="only write the checkpoints (kept in --work)")
     args = ap.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
@@ -336,38 +349,49 @@ def main(argv=None) -> int:
             for fmt in args.formats.split(","):
                 print(f"[bench] {size} {fmt}: {make(args.work, size, fmt)}", flush=True)
         return 0
-    res: dict = {"machine": machine(), "reps": args.reps, "conversions": [], "started": time.strftime("%FT%TZ", time.gmtime())}
-    for size in args.sizes.split(","):
-        for fmt in args.formats.split(","):
-            src = make(args.work, size, fmt)
-            print(f"[bench] {size} {fmt}: {src}", flush=True)
-            r = {"size": size, **measure_conversion(fmt, src, args.work, args.reps)}
-            res["conversions"].append(r)
-            print(json.dumps(r)[:400], flush=True)
-    biggest = max(res["conversions"], key=lambda c: c["checkpoint_bytes"])
-    res["hashing"] = hashing(make(args.work, biggest["size"], biggest["format"]), args.reps)
-    res["exponents"] = {f: {"time": exponent([(c["parameters"], c["baton_warm"]["seconds"]["median"])
-                                              for c in res["conversions"] if c["format"] == f]),
-                            "rss": exponent([(c["parameters"], c["baton_warm"]["peak_rss_mb"]["median"])
-                                             for c in res["conversions"] if c["format"] == f])}
-                        for f in args.formats.split(",")}
+    if args.report_only:
+        res = json.loads((RESULTS / "bench.json").read_text())
+    else:
+        res = {"machine": machine(), "reps": args.reps, "conversions": [], "started": time.strftime("%FT%TZ", time.gmtime())}
+        sizes, formats = args.sizes.split(","), args.formats.split(",")
+        res["hashing"] = hashing(make(args.work, sizes[-1], formats[0]), args.reps)
+        publish(res)
+        for fmt in formats:  # one format at all sizes before the next: a run cut short still has its exponents
+            for size in sizes:
+                src = make(args.work, size, fmt)
+                print(f"[bench] {size} {fmt}: {src}", flush=True)
+                res["conversions"].append({"size": size, **measure_conversion(fmt, src, args.work, args.reps)})
+                publish(res)
     if args.overhead_from:
         res["overhead"] = {**json.loads(args.overhead_from.read_text()), "source": str(args.overhead_from.name)}
-    elif args.overhead:
+    elif args.overhead and not args.report_only:
         import overhead_bench
 
         res["overhead"] = overhead_bench.run(args.work / "overhead")
+    res["finished"] = time.strftime("%FT%TZ", time.gmtime())
+    table = publish(res)
+    try:
+        res["mlflow_run_id"] = log_mlflow(res)
+        (RESULTS / "bench.json").write_text(json.dumps(res, indent=2) + "\n")
+    except Exception as e:  # noqa: BLE001 - the numbers are on disk either way
+        print(f"MLflow logging failed: {e}", file=sys.stderr)
+    print(table)
+    return 0
+
+
+def publish(res: dict) -> str:
+    """bench.json, bench.md and the README table, rewritten after every measurement."""
+    formats = sorted({c["format"] for c in res["conversions"]})
+    res["exponents"] = {f: {"time": exponent([(c["parameters"], c["baton_warm"]["seconds"]["median"])
+                                              for c in res["conversions"] if c["format"] == f]),
+                            "rss": exponent([(c["parameters"], c["baton_warm"]["peak_rss_mb"]["median"])
+                                             for c in res["conversions"] if c["format"] == f])} for f in formats}
     table = markdown(res)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "bench.json").write_text(json.dumps(res, indent=2) + "\n")
     (RESULTS / "bench.md").write_text(table)
     update_readme(table)
-    try:
-        res["mlflow_run_id"] = log_mlflow(res)
-    except Exception as e:  # noqa: BLE001 - the numbers are on disk either way
-        print(f"MLflow logging failed: {e}", file=sys.stderr)
-    print(table)
-    return 0
+    return table
 
 
 def make(work: Path, size: str, fmt: str) -> Path:

@@ -36,10 +36,15 @@ def baton_run(home: Path, sets: list[str], stages: str) -> tuple[float, dict]:
     p = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(TINY), "--stages", stages, "--no-cache",
                         *(a for s in sets for a in ("--set", s))], cwd=REPO, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
-    if p.returncode != 0:
+    # a gate may refuse a checkpoint of so short a run (fine-tuning's exact match need not rise in 20 steps): the
+    # run still ran every stage and timed it; anything else is a failure of the benchmark
+    runs = sorted((home / "runs").glob("*/summary.json"))
+    summary = json.loads(runs[-1].read_text()) if runs else {"stages": []}
+    ran = {s["name"] for s in summary["stages"] if s.get("seconds") is not None}
+    if not set(stages.split(",")) <= ran:
         raise RuntimeError(f"baton run failed:\n{(p.stdout + p.stderr)[-3000:]}")
-    run_dir = Path(p.stdout.strip().splitlines()[-1])
-    return wall, json.loads((run_dir / "summary.json").read_text())
+    summary["exit_code"] = p.returncode
+    return wall, summary
 
 
 def step_times(lines) -> list[float]:
@@ -121,7 +126,8 @@ def run(work: Path, scale: int = 10) -> dict:
         stages[name] = compare(name, entries[name], bare(name, cfg, work / f"bare-{name}", data, inputs[name]))
     steps_total = sum(s["seconds"] for s in summary["stages"])
     res["short"] = {
-        "baton_wall_s": round(wall, 2), "steps_s": {s["label"]: s["seconds"] for s in summary["stages"]},
+        "baton_wall_s": round(wall, 2), "exit_code": summary["exit_code"],
+        "gates": {s["label"]: (s.get("gate") or {}).get("passed") for s in summary["stages"]}, "steps_s": {s["label"]: s["seconds"] for s in summary["stages"]},
         "startup_and_flow_s": round(wall - steps_total, 2), "stages": stages,
         "training_stages_ratio": round(sum(v["baton_step_s"] for v in stages.values())
                                        / sum(v["bare_worker_s"] for v in stages.values()), 3),
@@ -141,8 +147,5 @@ def _hf_before(summary: dict, stage: str) -> str:
     return summary["stages"][names.index(stage) - 1]["output"]
 
 
-if __name__ == "__main__":
-    import tempfile
-
-    with tempfile.TemporaryDirectory(prefix="baton-overhead-") as tmp:
-        print(json.dumps(run(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tmp)), indent=2))
+if __name__ == "__main__":  # overhead_bench.py WORK_DIR RESULT.json
+    Path(sys.argv[2]).write_text(json.dumps(run(Path(sys.argv[1])), indent=2) + "\n")
