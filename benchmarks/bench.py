@@ -294,11 +294,15 @@ def overhead_lines(o: dict) -> list[str]:
            f"whole run {s['whole_run_ratio']:.2f}× (it also runs the data stage and two conversions with gates).", "",
            "| stage | `baton run` step s | bare worker s | ratio | median step time baton / bare s | per-step ratio |",
            "|---|---|---|---|---|---|"]
-    rows = [*s["stages"].items(), (f"pretrain ×{o['long_pretrain']['steps'] // 20} steps", o["long_pretrain"])]
+    rows = list(s["stages"].items())
+    if o.get("long_pretrain"):
+        rows.append((f"pretrain ×{o['long_pretrain']['steps'] // 20} steps", o["long_pretrain"]))
     for name, v in rows:
         m = v["median_step_time_s"]
         out.append(f"| {name} | {v['baton_step_s']:.1f} | {v['bare_worker_s']:.1f} | {v['ratio']:.2f} | "
-                   f"{m['baton'] or float('nan'):.3f} / {m['bare'] or float('nan'):.3f} | {v['per_step_ratio']} |")
+                   f"{m['baton'] or '–'} / {m['bare'] or '–'} | {v['per_step_ratio'] or '–'} |")
+    if o.get("note"):
+        out += ["", f"Note: {o['note']}."]
     return out
 
 

@@ -124,7 +124,7 @@ def run(work: Path, scale: int = 10) -> dict:
     stages = {}
     for name in TRAINING:
         stages[name] = compare(name, entries[name], bare(name, cfg, work / f"bare-{name}", data, inputs[name]))
-    steps_total = sum(s["seconds"] for s in summary["stages"])
+    steps_total = sum(s.get("seconds") or 0 for s in summary["stages"])
     res["short"] = {
         "baton_wall_s": round(wall, 2), "exit_code": summary["exit_code"],
         "gates": {s["label"]: (s.get("gate") or {}).get("passed") for s in summary["stages"]}, "steps_s": {s["label"]: s["seconds"] for s in summary["stages"]},
