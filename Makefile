@@ -10,7 +10,7 @@ export DO_NOT_TRACK ?= true
 export MLFLOW_DISABLE_TELEMETRY ?= true
 PYTEST_ARGS ?=
 
-.PHONY: setup runtimes lock demo test test-fast test-multinode reliability clean up down
+.PHONY: setup runtimes lock demo test test-fast test-multinode reliability clean up down gpu-wheels gpu-check bench
 
 # The main venv: an overlay over the cached runtime built from infra/runtimes/main.txt (see infra/runtimes/build.py).
 setup: $(VENV)/.baton-overlay
@@ -58,3 +58,23 @@ down:
 
 clean:
 	rm -rf $(VENV) .baton
+
+# GPU check (benchmarks/gpu_check.py): `make gpu-wheels` here downloads what the GPU image lacks (Python 3.12 wheels,
+# checked against the 64 MiB a device call carries) into .whl-gpu/; `make gpu-check` on the GPU machine installs them
+# and runs Megatron-Core (~1B, bf16, MFU), DeepSpeed ZeRO-2/3 (+ CPU offload), TRL DPO and the HF conversions with
+# parity, writing one JSON under $OUT. `make gpu-check DEVICE=cpu` runs the same script on the tiny model.
+DEVICE ?= cuda
+GPU_WHEELS ?= .whl-gpu
+GPU_PYTHON = $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,python3)
+gpu-wheels: setup
+	$(VENV)/bin/python benchmarks/gpu_check.py --download-wheels $(GPU_WHEELS)
+
+gpu-check:
+	$(GPU_PYTHON) benchmarks/gpu_check.py --device $(DEVICE) $(if $(filter cuda,$(DEVICE)),--wheels $(GPU_WHEELS))
+
+# Conversion, hashing and orchestration cost side by side (benchmarks/bench.py; ~45 min on the loaded 2-core machine;
+# not part of `make test`):
+# writes benchmarks/results/bench.{json,md}, the README's Performance table and an MLflow run in `baton-benchmarks`.
+BENCH_ARGS ?=
+bench: setup
+	$(VENV)/bin/python benchmarks/bench.py $(BENCH_ARGS)

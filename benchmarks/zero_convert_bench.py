@@ -43,7 +43,7 @@ def make_checkpoint(out: Path, arch: dict) -> None:
                          tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
     model = LlamaForCausalLM(config)
     ds_config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": 2,
-                 "zero_optimization": {"stage": 2}, "steps_per_print": 1 << 30,
+                 "zero_optimization": {"stage": arch.get("stage", 2)}, "steps_per_print": 1 << 30,
                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     ids = torch.randint(0, arch["vocab"], (1, 16))
@@ -58,10 +58,14 @@ def make_checkpoint(out: Path, arch: dict) -> None:
 
 
 def build(work: Path, arch: dict) -> tuple[Path, float]:
+    return build_at(work / "zero2", arch)
+
+
+def build_at(out: Path, arch: dict) -> tuple[Path, float]:
+    """DeepSpeed writes the checkpoint at `out` (2 CPU ranks; arch["stage"]: the ZeRO stage, default 2)."""
     from tasks.distributed import Launch, engine_command, remove_shm_segments, with_port
     from tasks.finetune import engine_env
 
-    out = work / "zero2"
     if (out / "latest").exists():
         return out, 0.0
     launch = with_port(Launch(python=sys.executable, script=str(Path(__file__)), launcher="deepspeed", nproc_per_node=2,

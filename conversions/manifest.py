@@ -5,6 +5,8 @@ import datetime as _dt
 import hashlib
 import json
 import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -28,17 +30,56 @@ class ManifestError(Exception):
     pass
 
 
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+CHUNK = 8 << 20
+# Digests computed by this process, keyed by what any write to the file changes (inode, size, mtime and ctime in ns).
+# An entry is kept only for a file whose last change is clearly older than the start of its hashing, so a write racing
+# the hash (or landing within the file system's coarse clock tick after it) can never leave a stale entry behind.
+_DIGESTS: dict[tuple, str] = {}
+_RACY_NS = 50_000_000
+HASH_THREADS = max(1, min(4, os.cpu_count() or 1))
+
+
+def _stat_key(st: os.stat_result) -> tuple:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _hash_stream(path: Path) -> str:
+    """sha256 of the file, read into one reused buffer (hashlib releases the GIL: threads hash files in parallel)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
+    buf = bytearray(CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
     return h.hexdigest()
 
 
 # The step's own log may sit beside the files a step writes (the data stage writes into its step folder); it grows
 # while the step runs, so it is never part of what a manifest describes.
 NOT_CONTENT = (MANIFEST_NAME, "step.log")
+def sha256_file(path: Path, chunk: int | None = None, *, reuse: bool = True) -> str:
+    """sha256 of a file. reuse: skip re-reading a file this process already hashed and that has not changed since."""
+    st = os.stat(path)
+    key = _stat_key(st)
+    if reuse and key in _DIGESTS:
+        return _DIGESTS[key]
+    started = time.time_ns()
+    digest = _hash_stream(Path(path))
+    if max(st.st_mtime_ns, st.st_ctime_ns) < started - _RACY_NS and _stat_key(os.stat(path)) == key:
+        _DIGESTS[key] = digest
+    return digest
+
+
+def sha256_files(paths: Iterable[Path], *, reuse: bool = True, threads: int | None = None) -> list[str]:
+    """sha256_file over many files at once, largest first over a few threads (in the order given)."""
+    paths = [Path(p) for p in paths]
+    workers = min(threads or HASH_THREADS, len(paths)) or 1
+    if workers == 1:
+        return [sha256_file(p, reuse=reuse) for p in paths]
+    order = sorted(range(len(paths)), key=lambda i: -os.stat(paths[i]).st_size)
+    with ThreadPoolExecutor(workers) as pool:
+        digests = dict(zip(order, pool.map(lambda i: sha256_file(paths[i], reuse=reuse), order)))
+    return [digests[i] for i in range(len(paths))]
 
 
 def list_files(root: Path) -> list[Path]:
@@ -62,7 +103,8 @@ def _manifest_tmp(rel: Path) -> bool:
 def file_entries(root: Path, files: Iterable[Path] | None = None) -> list[dict]:
     root = Path(root)
     rels = list(files) if files is not None else list_files(root)
-    return [{"path": r.as_posix(), "size": (root / r).stat().st_size, "sha256": sha256_file(root / r)} for r in rels]
+    digests = sha256_files(root / r for r in rels)
+    return [{"path": r.as_posix(), "size": (root / r).stat().st_size, "sha256": d} for r, d in zip(rels, digests)]
 
 
 def chat_template_present(root: Path) -> bool:

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -67,20 +68,33 @@ def _header(shard: list[PlannedTensor], metadata: dict) -> bytes:
     return raw + b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
 
 
-def _write_shard(path: Path, shard: list[PlannedTensor], metadata: dict) -> None:
+def _produced(t: PlannedTensor) -> Any:
+    data = t.produce()
+    if data.dtype != t.dtype or tuple(data.shape) != tuple(t.shape):
+        raise ValueError(f"{t.name}: produced {data.dtype} {tuple(data.shape)}, planned {t.dtype} {t.shape}")
+    return data
+
+
+def _write_shard(path: Path, shard: list[PlannedTensor], metadata: dict, budget: int) -> None:
+    """Tensor i+1 is read (in a second thread; file I/O releases the GIL) while tensor i is written, whenever the two
+    fit in `budget` bytes together: reads and writes overlap, and peak memory stays bounded by the budget."""
     import torch
 
     header = _header(shard, metadata)
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
+    with open(tmp, "wb") as f, ThreadPoolExecutor(1) as reader:
         f.write(struct.pack("<Q", len(header)))
         f.write(header)
-        for t in shard:
-            data = t.produce()
-            if data.dtype != t.dtype or tuple(data.shape) != tuple(t.shape):
-                raise ValueError(f"{t.name}: produced {data.dtype} {tuple(data.shape)}, planned {t.dtype} {t.shape}")
+        pending = reader.submit(_produced, shard[0]) if shard else None
+        for i, t in enumerate(shard):
+            data = pending.result()
+            nxt = shard[i + 1] if i + 1 < len(shard) else None
+            ahead = nxt is not None and t.nbytes + nxt.nbytes <= budget
+            pending = reader.submit(_produced, nxt) if ahead else None
             f.write(data.contiguous().reshape(-1).view(torch.uint8).numpy())
             del data
+            if nxt is not None and pending is None:
+                pending = reader.submit(_produced, nxt)
     os.replace(tmp, path)
 
 
@@ -94,10 +108,11 @@ def write(root: Path, tensors: list[PlannedTensor], max_shard_bytes: int, metada
     shards = [sorted(s, key=lambda t: t.name) for s in plan_shards(sorted(tensors, key=lambda t: t.name),
                                                                     max_shard_bytes)]
     n = len(shards)
+    budget = int(1.5 * max((t.nbytes for t in tensors), default=0))  # never two of the largest tensors at once
     files, weight_map = [], {}
     for i, shard in enumerate(shards):
         path = root / shard_name(i, n)
-        _write_shard(path, shard, metadata or METADATA)
+        _write_shard(path, shard, metadata or METADATA, budget)
         files.append(path)
         weight_map.update({t.name: path.name for t in shard})
     if n > 1:

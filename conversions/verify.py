@@ -35,12 +35,15 @@ def integrity(root: Path) -> list[dict]:
         problems.append(f"{path}: missing")
     for path in sorted(present - set(expected)):
         problems.append(f"{path}: not in the manifest")
+    same_size = []
     for path in sorted(set(expected) & present):
-        e = expected[path]
         size = (root / path).stat().st_size
-        if size != e["size"]:
-            problems.append(f"{path}: size {size} != {e['size']}")
-        elif mf.sha256_file(root / path) != e["sha256"]:
+        if size != expected[path]["size"]:
+            problems.append(f"{path}: size {size} != {expected[path]['size']}")
+        else:
+            same_size.append(path)
+    for path, digest in zip(same_size, mf.sha256_files(root / p for p in same_size)):
+        if digest != expected[path]["sha256"]:
             problems.append(f"{path}: sha256 mismatch (file changed or corrupted)")
     detail = "; ".join(problems) if problems else f"{len(expected)} files match the manifest ({m['format']})"
     return [check("L0.integrity", not problems, detail)]

@@ -153,6 +153,7 @@ def run_finetune(ctx: StageContext, cfg: FinetuneConfig) -> StageOutput:
                  **heldout_metrics(before, after),
                  "overlong_dropped": r.get("overlong_dropped"), "overlong_truncated": r.get("overlong_truncated"),
                  "peak_mem_mb_max": last.get("peak_mem_mb_max", r.get("peak_mem_mb")),
+                 "peak_reserved_mb": r.get("peak_reserved_mb"),
                  "resumed_from_step": r.get("resumed_from"),
                  "step_time_s_last": last.get("step_time_s"), "tokens_per_s_last": last.get("tokens_per_s"),
                  "seconds": round(res.seconds, 2)},

@@ -283,6 +283,11 @@ def peak_memory_mb(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def peak_reserved_mb(device: str) -> float | None:
+    """What the CUDA caching allocator held at its peak (allocated + cached blocks); None on CPU."""
+    return torch.cuda.max_memory_reserved() / 2**20 if device == "cuda" else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--spec", type=Path, required=True)
@@ -382,7 +387,7 @@ def main() -> None:
         if spec["lora"]["enabled"]:  # how the converter merges the adapters (r, lora_alpha, ...)
             engine.module.peft_config["default"].save_pretrained(str(ckpt_dir))
         events.emit("result", after=after, samples=samples, tag=final_tag, steps=steps, timings=timings,
-                    peak_mem_mb=peak_memory_mb(device))
+                    peak_mem_mb=peak_memory_mb(device), peak_reserved_mb=peak_reserved_mb(device))
     dist.barrier()
 
 

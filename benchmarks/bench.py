@@ -1,0 +1,409 @@
+"""`make bench`: conversion and verification cost, measured side by side in one run (not part of `make test`).
+
+    .venv/bin/python benchmarks/bench.py [--sizes S,M,L] [--reps 3] [--work DIR]
+
+1. Checkpoints, written by the engines' own save paths and kept in --work for later runs: DeepSpeed ZeRO-2 and ZeRO-3
+   (2 CPU ranks, engine.save_checkpoint), Megatron-Core dist checkpoints at TP1 and TP2×PP2 (the pretrain stage's task
+   body, one training step; TP2×PP2 runs 4 gloo ranks on however many cores there are).
+2. Conversion, contenders alternating inside each repetition: the read-bandwidth ceiling on the same files (cold:
+   fsync + posix_fadvise(DONTNEED) first; warm), baton's converter cold and warm, and a load-everything converter
+   (DeepSpeed's zero_to_fp32 for ZeRO; torch DCP's dcp_to_torch_save for Megatron). Each converter runs in a fresh
+   process; its peak RSS is its own ru_maxrss.
+3. L0 hashing of the largest checkpoint's files: read bandwidth vs the old serial 1 MiB sha256 loop vs the streamed,
+   parallel `manifest.sha256_files`, and a second pass that this run's digests let skip.
+Results: benchmarks/results/bench.json + bench.md, the README's Performance table, an MLflow run in `baton-benchmarks`.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+RESULTS = REPO / "benchmarks" / "results"
+README = REPO / "README.md"
+VOCAB = 32000
+# Llama-shaped sizes: (layers, hidden, heads, KV groups, FFN) with a 32k vocabulary, untied embeddings
+SIZES = {"S": (8, 512, 8, 4, 1408), "M": (12, 768, 12, 4, 2048), "L": (24, 1024, 16, 8, 2816)}
+FORMATS = ("zero2", "megatron-tp1", "zero3", "megatron-tp2pp2")
+
+
+# ---- 1. checkpoints ------------------------------------------------------------------------------------------------
+def zero_checkpoint(work: Path, size: str, stage: int) -> Path:
+    import zero_convert_bench as zb
+
+    layers, hidden, heads, groups, ffn = SIZES[size]
+    out = work / f"{size}-zero{stage}"
+    if not (out / "latest").exists():
+        zb.build_at(out, {"hidden": hidden, "layers": layers, "ffn": ffn, "heads": heads, "kv_heads": groups,
+                          "vocab": VOCAB, "stage": stage})
+    return out
+
+
+def megatron_checkpoint(work: Path, size: str, tp: int, pp: int) -> Path:
+    """The pretrain stage's own task body for one step: its worker saves the dist checkpoint (weights + optimizer)."""
+    from flows.config import load
+    from gpu_check import make_data
+    from tasks.pretrain.task import run_pretrain
+    from tasks.stage import StageContext
+
+    layers, hidden, heads, groups, ffn = SIZES[size]
+    name = f"{size}-megatron-tp{tp}" + (f"pp{pp}" if pp > 1 else "")
+    d = work / name
+    if (d / "checkpoint" / "baton_manifest.json").exists():
+        return d / "checkpoint"
+    cfg = load(REPO / "configs" / "tiny.yaml", [
+        f"model.num_layers={layers}", f"model.hidden_size={hidden}", f"model.num_attention_heads={heads}",
+        f"model.num_query_groups={groups}", f"model.ffn_hidden_size={ffn}", "data.pretrain_docs=300",
+        "pretrain.steps=2", "pretrain.warmup_steps=1", "pretrain.micro_batch_size=1", "pretrain.global_batch_size=2",
+        "pretrain.checkpoint_every=2", "pretrain.eval_interval=2", "pretrain.eval_iters=1",
+        f"pretrain.vocab_size={VOCAB}", f"pretrain.tensor_parallel={tp}", f"pretrain.nproc_per_node={tp}"],
+        stages=["data", "pretrain"])
+    # more ranks than cores is refused for training runs; for one step that only writes the layout, allow it
+    cfg.pretrain.global_batch_size = 1 if pp > 1 else 2
+    cfg.pretrain.pipeline_parallel, cfg.pretrain.nproc_per_node = pp, tp * pp
+    data = work / "data"
+    if not (data / "baton_manifest.json").exists():
+        make_data(work, cfg)
+    ctx = StageContext(stage="pretrain", run_id="bench", run_dir=d, work_dir=d, model=cfg.model.model_dump(), seed=0,
+                       data_dir=data)
+    out = run_pretrain.fn(ctx, cfg.pretrain).output
+    shutil.rmtree(d / "checkpoints", ignore_errors=True)  # the hard-linked copy in checkpoint/ is what we convert
+    return out
+
+
+def checkpoint_files(src: Path) -> list[Path]:
+    return sorted(p for p in src.rglob("*") if p.is_file())
+
+
+def parameters(hf_dir: Path) -> tuple[int, int]:
+    """(parameter count, largest tensor bytes) of an HF folder, from the safetensors headers alone."""
+    from conversions import hf
+
+    count, largest = 0, 0
+    for f in hf.safetensors_files(hf_dir):
+        for name, info in hf.read_header(f).items():
+            if name == "__metadata__":
+                continue
+            n = math.prod(info["shape"])
+            count += n
+            largest = max(largest, info["data_offsets"][1] - info["data_offsets"][0])
+    return count, largest
+
+
+# ---- 2. measurements -----------------------------------------------------------------------------------------------
+def drop_cache(files: list[Path]) -> None:
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def read_all(files: list[Path]) -> float:
+    buf = bytearray(8 << 20)
+    t0 = time.perf_counter()
+    for f in files:
+        with open(f, "rb", buffering=0) as fh:
+            while fh.readinto(buf):
+                pass
+    return time.perf_counter() - t0
+
+
+CONVERTERS = {
+    "baton-zero": "from conversions import zero; zero.to_hf(SRC, DST, max_shard_bytes=500 << 20)",
+    "baton-megatron": "from conversions import megatron; megatron.to_hf(SRC, DST, max_shard_bytes=500 << 20)",
+    "deepspeed": ("from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_state_dict as c; "
+                  "c(str(SRC), str(DST), safe_serialization=True, max_shard_size='500MB')"),
+    "dcp-naive": ("from torch.distributed.checkpoint.format_utils import dcp_to_torch_save as c; DST.mkdir(); "
+                  "c(str(SRC), str(DST / 'all.pt'))"),
+}
+
+
+def run_converter(which: str, src: Path, dst: Path) -> dict:
+    shutil.rmtree(dst, ignore_errors=True)
+    code = ("import json, resource, sys, time; from pathlib import Path; SRC, DST = Path(sys.argv[1]), Path(sys.argv[2]);"
+            " import torch; t0 = time.perf_counter(); " + CONVERTERS[which] + "; print('@@bench ' + json.dumps({'seconds': "
+            "time.perf_counter() - t0, 'rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))")
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    p = subprocess.run([sys.executable, "-c", code, str(src), str(dst)], env=env, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"{which} on {src} failed:\n{(p.stdout + p.stderr)[-3000:]}")
+    return json.loads(next(l for l in p.stdout.splitlines() if l.startswith("@@bench "))[8:])
+
+
+def measure_conversion(fmt: str, src: Path, work: Path, reps: int) -> dict:
+    files = checkpoint_files(src)
+    total = sum(f.stat().st_size for f in files)
+    ours = "baton-megatron" if fmt.startswith("megatron") else "baton-zero"
+    theirs = "dcp-naive" if fmt.startswith("megatron") else "deepspeed"
+    samples: dict[str, list] = {k: [] for k in ("read_cold", "read_warm", "baton_cold", "baton_warm", theirs)}
+    out = work / "out"
+    for _ in range(reps):  # contenders alternate inside each repetition
+        drop_cache(files)
+        samples["read_cold"].append({"seconds": read_all(files)})
+        drop_cache(files)
+        samples["baton_cold"].append(run_converter(ours, src, out / "baton"))
+        samples["read_warm"].append({"seconds": read_all(files)})
+        samples["baton_warm"].append(run_converter(ours, src, out / "baton"))
+        samples[theirs].append(run_converter(theirs, src, out / theirs))
+    params, largest = parameters(out / "baton")
+    out_bytes = sum(f.stat().st_size for f in (out / "baton").glob("*.safetensors"))
+    shutil.rmtree(out, ignore_errors=True)
+    return summarize(fmt, samples, params=params, largest=largest, files_bytes=total, needed_bytes=out_bytes,
+                     other=theirs)
+
+
+def stats(values: list[float]) -> dict:
+    return {"median": round(statistics.median(values), 3), "min": round(min(values), 3), "max": round(max(values), 3)}
+
+
+def summarize(fmt: str, samples: dict, *, params: int, largest: int, files_bytes: int, needed_bytes: int,
+              other: str) -> dict:
+    """GB/s of each reader; a converter's 'fraction' is the time the ceiling needs for the bytes it must read (the
+    fp32 weights, = the output) over the converter's time."""
+    r: dict = {"format": fmt, "parameters": params, "checkpoint_bytes": files_bytes, "weight_bytes": needed_bytes,
+               "largest_tensor_mb": round(largest / 2**20, 1), "other": other}
+    for key in ("read_cold", "read_warm"):
+        s = [x["seconds"] for x in samples[key]]
+        r[key] = {"seconds": stats(s), "gb_per_s": round(files_bytes / 1e9 / statistics.median(s), 3)}
+    for key in ("baton_cold", "baton_warm", other):
+        s = [x["seconds"] for x in samples[key]]
+        rss = [x["rss_mb"] for x in samples[key]]
+        ceiling = r["read_cold" if key == "baton_cold" else "read_warm"]["gb_per_s"]
+        r[key] = {"seconds": stats(s), "peak_rss_mb": stats(rss),
+                  "gb_per_s": round(needed_bytes / 1e9 / statistics.median(s), 3),
+                  "fraction_of_read_bandwidth": round(needed_bytes / 1e9 / ceiling / statistics.median(s), 3),
+                  "rss_over_largest_tensor": round(statistics.median(rss) / (largest / 2**20), 2),
+                  "rss_target_mb": round(1.5 * largest / 2**20 + 300, 1)}
+    return r
+
+
+def hashing(src: Path, reps: int) -> dict:
+    from conversions import manifest as mf
+
+    files = checkpoint_files(src)
+    total = sum(f.stat().st_size for f in files)
+    old = lambda: [_serial_sha256(f) for f in files]  # noqa: E731 - the loop this run replaced
+    new = lambda: mf.sha256_files(files, reuse=False)  # noqa: E731
+    samples: dict[str, list] = {k: [] for k in ("read_warm", "serial_1mib", "parallel_streamed", "reused")}
+    for _ in range(reps):
+        samples["read_warm"].append(read_all(files))
+        samples["serial_1mib"].append(_timed(old))
+        samples["parallel_streamed"].append(_timed(new))
+        mf.sha256_files(files)  # this run's digests; the next pass skips the reads
+        samples["reused"].append(_timed(lambda: mf.sha256_files(files)))
+    return {"files": len(files), "bytes": total, "threads": mf.HASH_THREADS,
+            **{k: {"seconds": stats(v), "gb_per_s": round(total / 1e9 / statistics.median(v), 3)}
+               for k, v in samples.items()}}
+
+
+def _serial_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def exponent(points: list[tuple[float, float]]) -> float | None:
+    """Least-squares slope of log(y) over log(x): 1.0 is linear growth."""
+    if len(points) < 2:
+        return None
+    xs, ys = [math.log(x) for x, _ in points], [math.log(y) for _, y in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    return round(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs), 2)
+
+
+# ---- 3. report -----------------------------------------------------------------------------------------------------
+def machine() -> dict:
+    cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
+                if l.startswith("model name")), platform.processor())
+    mem = next(int(l.split()[1]) for l in Path("/proc/meminfo").read_text().splitlines() if l.startswith("MemTotal"))
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem / 2**20, 1), "python": platform.python_version(),
+            "load_average_at_start": os.getloadavg(), "kernel": platform.release(),
+            "note": "shared machine (other jobs running): medians and ratios are the figures to quote"}
+
+
+def markdown(res: dict) -> str:
+    m = res["machine"]
+    lines = [f"Measured by `make bench` on {m['cpu']} ({m['cores']} cores, {m['memory_gib']} GiB, shared; load "
+             f"{m['load_average_at_start'][0]:.1f} at start), {res['reps']} repetitions, medians.", "",
+             "| checkpoint | params | files GB | read cold / warm GB/s | baton cold / warm s | baton GB/s (warm) "
+             "| of read bandwidth | baton peak RSS MB (× largest tensor) | load-everything s / RSS MB |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for c in res["conversions"]:
+        o, bw, bc = c[c["other"]], c["baton_warm"], c["baton_cold"]
+        lines.append(
+            f"| {c['size']} {c['format']} | {c['parameters'] / 1e6:.0f}M | {c['checkpoint_bytes'] / 1e9:.2f} | "
+            f"{c['read_cold']['gb_per_s']:.2f} / {c['read_warm']['gb_per_s']:.2f} | {bc['seconds']['median']:.2f} / "
+            f"{bw['seconds']['median']:.2f} | {bw['gb_per_s']:.2f} | {bw['fraction_of_read_bandwidth']:.0%} | "
+            f"{bw['peak_rss_mb']['median']:.0f} ({bw['rss_over_largest_tensor']:.1f}×) | "
+            f"{c['other']} {o['seconds']['median']:.2f} / {o['peak_rss_mb']['median']:.0f} |")
+    lines += ["", targets(res["conversions"])]
+    lines += ["", "Growth with size (fitted exponent of baton's warm time and peak RSS over parameters; 1.0 = linear):",
+              ", ".join(f"{f}: time {e['time']}, RSS {e['rss']}" for f, e in res["exponents"].items()) + "."]
+    h = res.get("hashing")
+    if h:
+        lines += ["", f"L0 hashing of {h['files']} files, {h['bytes'] / 1e9:.2f} GB (warm): read "
+                  f"{h['read_warm']['gb_per_s']:.2f} GB/s; serial 1 MiB sha256 {h['serial_1mib']['gb_per_s']:.2f} "
+                  f"GB/s; streamed over {h['threads']} threads {h['parallel_streamed']['gb_per_s']:.2f} GB/s; "
+                  f"already hashed in this run {h['reused']['seconds']['median'] * 1e3:.1f} ms."]
+    o = res.get("overhead")
+    if o:
+        lines += ["", *overhead_lines(o)]
+    return "\n".join(lines) + "\n"
+
+
+def targets(conversions: list[dict]) -> str:
+    """The issue's targets: ≥ 70% of the read bandwidth, peak RSS ≤ 1.5 × the largest tensor + 300 MB (warm runs)."""
+    slow = [f"{c['size']} {c['format']} {c['baton_warm']['fraction_of_read_bandwidth']:.0%}" for c in conversions
+            if c["baton_warm"]["fraction_of_read_bandwidth"] < 0.7]
+    fat = [f"{c['size']} {c['format']} {c['baton_warm']['peak_rss_mb']['median']:.0f} > "
+           f"{c['baton_warm']['rss_target_mb']:.0f} MB" for c in conversions
+           if c["baton_warm"]["peak_rss_mb"]["median"] > c["baton_warm"]["rss_target_mb"]]
+    return (f"Targets: ≥ 70% of the warm read bandwidth — {'met by all' if not slow else 'missed by ' + ', '.join(slow)}"
+            f"; peak RSS ≤ 1.5 × largest tensor + 300 MB — {'met by all' if not fat else 'missed by ' + ', '.join(fat)}.")
+
+
+def overhead_lines(o: dict) -> list[str]:
+    s = o["short"]
+    out = [f"Orchestration (`baton run` data → pretrain → rlhf → finetune, short tiny config, one repetition): wall "
+           f"{s['baton_wall_s']:.0f} s, of which Prefect/MLflow start-up and flow bookkeeping "
+           f"{s['startup_and_flow_s']:.0f} s; training stages {s['training_stages_ratio']:.2f}× their bare workers, "
+           f"whole run {s['whole_run_ratio']:.2f}× (it also runs the data stage and two conversions with gates).", "",
+           "| stage | `baton run` step s | bare worker s | ratio | median step time baton / bare s | per-step ratio |",
+           "|---|---|---|---|---|---|"]
+    rows = list(s["stages"].items())
+    if o.get("long_pretrain"):
+        rows.append((f"pretrain ×{o['long_pretrain']['steps'] // 20} steps", o["long_pretrain"]))
+    for name, v in rows:
+        m = v["median_step_time_s"]
+        out.append(f"| {name} | {v['baton_step_s']:.1f} | {v['bare_worker_s']:.1f} | {v['ratio']:.2f} | "
+                   f"{m['baton'] or '–'} / {m['bare'] or '–'} | {v['per_step_ratio'] or '–'} |")
+    if o.get("note"):
+        out += ["", f"Note: {o['note']}."]
+    return out
+
+
+def update_readme(table: str) -> None:
+    text = README.read_text()
+    begin, end = "<!-- bench:begin -->", "<!-- bench:end -->"
+    block = f"{begin}\n{table}{end}"
+    text = re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: block, text, flags=re.S) \
+        if begin in text else text.replace("## Operations:", f"## Performance\n{block}\n\n## Operations:", 1)
+    README.write_text(text)
+
+
+def log_mlflow(res: dict) -> str | None:
+    from tasks import tracking
+
+    c = tracking.client()
+    run = c.create_run(tracking.experiment_id(c, "baton-benchmarks"), run_name="bench", tags={"benchmark": "bench"})
+    rid = run.info.run_id
+    for conv in res["conversions"]:
+        p = f"{conv['size']}.{conv['format']}"
+        for key in ("read_cold", "read_warm"):
+            c.log_metric(rid, f"{p}.{key}.gb_per_s", conv[key]["gb_per_s"])
+        for key in ("baton_cold", "baton_warm", conv["other"]):
+            c.log_metric(rid, f"{p}.{key}.seconds", conv[key]["seconds"]["median"])
+            c.log_metric(rid, f"{p}.{key}.peak_rss_mb", conv[key]["peak_rss_mb"]["median"])
+    c.log_dict(rid, res, "bench.json")
+    c.set_terminated(rid)
+    return rid
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="S,M", help=f"of {','.join(SIZES)} (L: ~320M parameters)")
+    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--overhead", action=argparse.BooleanOptionalAction, default=True,
+                    help="also `baton run` vs the bare workers (one repetition, ~10 min here)")
+    ap.add_argument("--work", type=Path, default=Path(os.environ.get("BATON_CACHE", Path.home() / ".cache" / "baton"))
+                    / "bench")
+    ap.add_argument("--overhead-from", type=Path, default=None,
+                    help="use this overhead_bench.py result (JSON) instead of measuring the overhead again")
+    ap.add_argument("--report-only", action="store_true", help="rewrite the report from bench.json (+ --overhead-from)")
+    ap.add_argument("--prepare", action="store_true", help="only write the checkpoints (kept in --work)")
+    args = ap.parse_args(argv)
+    args.work.mkdir(parents=True, exist_ok=True)
+    if args.prepare:
+        for size in args.sizes.split(","):
+            for fmt in args.formats.split(","):
+                print(f"[bench] {size} {fmt}: {make(args.work, size, fmt)}", flush=True)
+        return 0
+    if args.report_only:
+        res = json.loads((RESULTS / "bench.json").read_text())
+    else:
+        res = {"machine": machine(), "reps": args.reps, "conversions": [], "started": time.strftime("%FT%TZ", time.gmtime())}
+        sizes, formats = args.sizes.split(","), args.formats.split(",")
+        res["hashing"] = hashing(make(args.work, sizes[-1], formats[0]), args.reps)
+        publish(res)
+        for fmt in formats:  # one format at all sizes before the next: a run cut short still has its exponents
+            for size in sizes:
+                src = make(args.work, size, fmt)
+                print(f"[bench] {size} {fmt}: {src}", flush=True)
+                res["conversions"].append({"size": size, **measure_conversion(fmt, src, args.work, args.reps)})
+                publish(res)
+    if args.overhead_from:
+        res["overhead"] = {**json.loads(args.overhead_from.read_text()), "source": str(args.overhead_from.name)}
+    elif args.overhead and not args.report_only:
+        import overhead_bench
+
+        res["overhead"] = overhead_bench.run(args.work / "overhead")
+    res["finished"] = time.strftime("%FT%TZ", time.gmtime())
+    table = publish(res)
+    try:
+        res["mlflow_run_id"] = log_mlflow(res)
+        (RESULTS / "bench.json").write_text(json.dumps(res, indent=2) + "\n")
+    except Exception as e:  # noqa: BLE001 - the numbers are on disk either way
+        print(f"MLflow logging failed: {e}", file=sys.stderr)
+    print(table)
+    return 0
+
+
+def publish(res: dict) -> str:
+    """bench.json, bench.md and the README table, rewritten after every measurement."""
+    formats = sorted({c["format"] for c in res["conversions"]})
+    res["exponents"] = {f: {"time": exponent([(c["parameters"], c["baton_warm"]["seconds"]["median"])
+                                              for c in res["conversions"] if c["format"] == f]),
+                            "rss": exponent([(c["parameters"], c["baton_warm"]["peak_rss_mb"]["median"])
+                                             for c in res["conversions"] if c["format"] == f])} for f in formats}
+    table = markdown(res)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "bench.json").write_text(json.dumps(res, indent=2) + "\n")
+    (RESULTS / "bench.md").write_text(table)
+    update_readme(table)
+    return table
+
+
+def make(work: Path, size: str, fmt: str) -> Path:
+    if fmt.startswith("zero"):
+        return zero_checkpoint(work, size, int(fmt[-1]))
+    tp, pp = (1, 1) if fmt == "megatron-tp1" else (2, 2)
+    return megatron_checkpoint(work, size, tp, pp)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
