@@ -24,9 +24,13 @@ def _poisoned(src: Path, dest: Path) -> Path:
     first = sorted(sd)[0]
     sd[first] = sd[first].clone()
     sd[first].view(-1)[0] = float("nan")
+    from safetensors.torch import save_file
+
     for f in hf.safetensors_files(dest):
         f.unlink()
-    hf.save_state_dict(dest, sd)
+    for extra in dest.glob("*.safetensors.index.json"):
+        extra.unlink()
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(dest / "model.safetensors"), metadata={"format": "pt"})
     mf.write(dest, mf.build(dest, format="hf-safetensors", stage="external", dtype="float32",
                             architecture=mf.read(src)["architecture"]))
     return dest
