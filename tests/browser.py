@@ -1,8 +1,10 @@
 """Headless Chromium (Debian's `chromium`) driven over the DevTools protocol: load a page, let its JavaScript render,
-read the rendered text, click a tab. Only the standard library and `websockets` (a Prefect dependency)."""
+read the rendered text, click a tab, save a screenshot. Only the standard library and `websockets` (a Prefect
+dependency); `optipng` (Debian) shrinks the screenshots when it is there."""
 from __future__ import annotations
 
 import itertools
+import base64
 import json
 import os
 import shutil
@@ -96,6 +98,17 @@ class Chromium:
             found.forEach(e => e.click());
             return found.length;
         }})()"""))
+
+    def screenshot(self, path: Path) -> int:
+        """Save the viewport as a PNG (losslessly optimised when optipng is installed); returns its size in bytes."""
+        data = base64.b64decode(self.send("Page.captureScreenshot", format="png")["data"])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp.png")
+        tmp.write_bytes(data)
+        if shutil.which("optipng"):
+            subprocess.run(["optipng", "-quiet", "-o2", "-strip", "all", str(tmp)], check=False, timeout=300)
+        os.replace(tmp, path)
+        return path.stat().st_size
 
     def close(self) -> None:
         try:
