@@ -47,6 +47,8 @@ class Chromium:
             page = next(t for t in json.loads(r.read()) if t["type"] == "page")
         self.ws = connect(page["webSocketDebuggerUrl"], max_size=None, open_timeout=30)
         self.ids = itertools.count(1)
+        # the viewport is exactly width × height (the window size alone leaves room for browser chrome)
+        self.send("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1, mobile=False)
 
     def send(self, method: str, **params) -> dict:
         msg_id = next(self.ids)
@@ -91,6 +93,15 @@ class Chromium:
             (el.closest('button, a, label, [role=tab], [role=switch]') || el).click();
             return true;
         }})()"""))
+
+    def scroll_to_bottom(self) -> None:
+        """Lists below the fold render their rows only once scrolled into view."""
+        self.evaluate("window.scrollTo(0, document.body.scrollHeight); "
+                      "document.querySelectorAll('*').forEach(e => { if (e.scrollHeight > e.clientHeight + 50) "
+                      "e.scrollTop = e.scrollHeight; })")
+
+    def scroll_to_top(self) -> None:
+        self.evaluate("window.scrollTo(0, 0); document.querySelectorAll('*').forEach(e => { e.scrollTop = 0; })")
 
     def click_all(self, selector: str) -> int:
         return int(self.evaluate(f"""(() => {{

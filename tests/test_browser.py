@@ -49,8 +49,10 @@ def test_prefect_flow_run_page_is_named_after_the_run_and_lists_the_stages(ops_s
         b.goto(f"{ops_stack.prefect_url}/runs/flow-run/{fr['id']}")
         b.wait_for([f"tiny-{run_id}", "baton-pipeline", "Completed"])
         assert b.click_text("Subflow Runs")
-        b.wait_for(["data", "pretrain", "convert-megatron-to-hf", "stage-pretrain"])
-        time.sleep(1)  # the list's last layout pass
+        b.scroll_to_bottom()
+        b.wait_for(["stage-data", "stage-pretrain", "stage-convert", "convert-megatron-to-hf"])
+        b.scroll_to_top()
+        time.sleep(2)  # the run graph (a canvas) draws its subflow boxes
         assert b.screenshot(DOCS / "prefect-flow-run.png") < SHOT_MAX_BYTES
 
 
@@ -70,14 +72,28 @@ def test_prefect_summary_artifact_carries_the_lineage_diagram(ops_stack, tiny_ru
         assert diagram.count("-->") >= 2, diagram
 
 
+def _close_mlflow_assistant(b: Chromium) -> None:
+    """A new browser profile opens MLflow's chat assistant beside every page; a reader of the screenshot wants the page."""
+    close = 'button[data-component-id="mlflow.assistant.chat_panel.close"]'
+    deadline = time.time() + 20
+    while time.time() < deadline and not b.click_all(close):
+        time.sleep(0.5)
+    time.sleep(1)
+
+
 def test_mlflow_run_and_model_version_pages_show_the_training_and_the_gate_report(ops_stack, tiny_run):
     stages = tiny_run["stages"]
     pre, conv = stages["pretrain"], stages["convert-megatron-to-hf"]
     reg = conv["registered"]
     exp = ops_stack.mlflow().get_experiment_by_name("baton").experiment_id
     with Chromium(**SHOT) as b:
-        b.goto(f"{ops_stack.mlflow_url}/#/experiments/{exp}/runs/{pre['mlflow_run_id']}")
-        b.wait_for(["pretrain", "Metrics", "loss", "heldout_ppl"])
+        run_page = f"{ops_stack.mlflow_url}/#/experiments/{exp}/runs/{pre['mlflow_run_id']}"
+        b.goto(run_page)
+        b.wait_for(["pretrain", "Overview", "Finished", "Registered models"])
+        b.click_text("Model training")  # the sidebar's workflow switch (a browser setting, not the experiment's)
+        b.goto(run_page)
+        b.wait_for(["pretrain", "Finished", "Registered models", "Model metrics (", "heldout_ppl", "loss"])
+        _close_mlflow_assistant(b)
         time.sleep(2)  # the metric table and parameter list settle
         assert b.screenshot(DOCS / "mlflow-run.png") < SHOT_MAX_BYTES
 
@@ -85,6 +101,7 @@ def test_mlflow_run_and_model_version_pages_show_the_training_and_the_gate_repor
         text = b.wait_for([f"Version {reg['version']}", "Gate", "L2.logits_parity", "L3.generation",
                            "Data digest"])
         assert "gate passed" in text, text[:3000]
+        _close_mlflow_assistant(b)
         assert "FAIL |" not in text
         time.sleep(1)
         assert b.screenshot(DOCS / "mlflow-model-version.png") < SHOT_MAX_BYTES
