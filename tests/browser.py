@@ -1,8 +1,10 @@
 """Headless Chromium (Debian's `chromium`) driven over the DevTools protocol: load a page, let its JavaScript render,
-read the rendered text, click a tab. Only the standard library and `websockets` (a Prefect dependency)."""
+read the rendered text, click a tab, save a screenshot. Only the standard library and `websockets` (a Prefect
+dependency); `optipng` (Debian) shrinks the screenshots when it is there."""
 from __future__ import annotations
 
 import itertools
+import base64
 import json
 import os
 import shutil
@@ -45,6 +47,8 @@ class Chromium:
             page = next(t for t in json.loads(r.read()) if t["type"] == "page")
         self.ws = connect(page["webSocketDebuggerUrl"], max_size=None, open_timeout=30)
         self.ids = itertools.count(1)
+        # the viewport is exactly width × height (the window size alone leaves room for browser chrome)
+        self.send("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1, mobile=False)
 
     def send(self, method: str, **params) -> dict:
         msg_id = next(self.ids)
@@ -90,12 +94,32 @@ class Chromium:
             return true;
         }})()"""))
 
+    def scroll_to_bottom(self) -> None:
+        """Lists below the fold render their rows only once scrolled into view."""
+        self.evaluate("window.scrollTo(0, document.body.scrollHeight); "
+                      "document.querySelectorAll('*').forEach(e => { if (e.scrollHeight > e.clientHeight + 50) "
+                      "e.scrollTop = e.scrollHeight; })")
+
+    def scroll_to_top(self) -> None:
+        self.evaluate("window.scrollTo(0, 0); document.querySelectorAll('*').forEach(e => { e.scrollTop = 0; })")
+
     def click_all(self, selector: str) -> int:
         return int(self.evaluate(f"""(() => {{
             const found = [...document.querySelectorAll({json.dumps(selector)})];
             found.forEach(e => e.click());
             return found.length;
         }})()"""))
+
+    def screenshot(self, path: Path) -> int:
+        """Save the viewport as a PNG (losslessly optimised when optipng is installed); returns its size in bytes."""
+        data = base64.b64decode(self.send("Page.captureScreenshot", format="png")["data"])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp.png")
+        tmp.write_bytes(data)
+        if shutil.which("optipng"):
+            subprocess.run(["optipng", "-quiet", "-o2", "-strip", "all", str(tmp)], check=False, timeout=300)
+        os.replace(tmp, path)
+        return path.stat().st_size
 
     def close(self) -> None:
         try:

@@ -1,10 +1,110 @@
-"""The UIs, rendered by headless Chromium (Debian's package): the Prefect flow-run page of a retraining run shows its
-stage subflows and artifacts; MLflow shows the stage runs of the experiment and the registry's `champion` alias."""
+"""The UIs, rendered by headless Chromium (Debian's package).
+
+- A tiny `baton run configs/tiny.yaml --stages data,pretrain,convert` against the stack (run once for the module): the
+  Prefect flow-run page is named `tiny-<run id>` and lists the stage subflows; the run summary artifact carries the
+  lineage diagram; the MLflow model version page shows its gate report. These tests save the screenshots in docs/ that
+  the README shows.
+- The nightly retraining: the Prefect flow-run page shows its stage subflows and artifacts; MLflow shows the stage runs
+  of the experiment and the registry's `champion` alias.
+"""
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
 
 from browser import Chromium
+
+pytestmark = pytest.mark.ops
+
+REPO = Path(__file__).resolve().parent.parent
+DOCS = REPO / "docs"
+SHOT = {"width": 1280, "height": 800}
+SHOT_MAX_BYTES = 400_000
+
+
+@pytest.fixture(scope="module")
+def tiny_run(ops_stack) -> dict:
+    """One real run against the stack, as a user types it after `make up`; its summary.json and flow run."""
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", "--stages",
+                           "data,pretrain,convert"], cwd=REPO, env=ops_stack.env, capture_output=True, text=True,
+                          timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    summary = json.loads((Path(proc.stdout.strip().splitlines()[-1]) / "summary.json").read_text())
+    print(f"tiny data,pretrain,convert on the stack: {time.time() - t0:.0f}s")
+    return {"summary": summary, "flow_run": ops_stack.flow_run(summary["prefect_flow_run_id"]),
+            "stages": {s["label"]: s for s in summary["stages"]}}
+
+
+def test_prefect_flow_run_page_is_named_after_the_run_and_lists_the_stages(ops_stack, tiny_run):
+    fr, run_id = tiny_run["flow_run"], tiny_run["summary"]["run_id"]
+    assert fr["name"] == f"tiny-{run_id}"
+    with Chromium(**SHOT) as b:
+        b.goto(f"{ops_stack.prefect_url}/runs/flow-run/{fr['id']}")
+        b.wait_for([f"tiny-{run_id}", "baton-pipeline", "Completed"])
+        assert b.click_text("Subflow Runs")
+        b.scroll_to_bottom()
+        b.wait_for(["stage-data", "stage-pretrain", "stage-convert", "convert-megatron-to-hf"])
+        b.scroll_to_top()
+        time.sleep(2)  # the run graph (a canvas) draws its subflow boxes
+        assert b.screenshot(DOCS / "prefect-flow-run.png") < SHOT_MAX_BYTES
+
+
+def test_prefect_summary_artifact_carries_the_lineage_diagram(ops_stack, tiny_run):
+    fr = tiny_run["flow_run"]
+    (art,) = ops_stack.api("POST", "/artifacts/filter", {"artifacts": {
+        "flow_run_id": {"any_": [fr["id"]]}, "key": {"any_": ["baton-run-summary"]}}})
+    assert "```mermaid" in art["data"] and "flowchart LR" in art["data"]
+    with Chromium(**SHOT) as b:
+        b.goto(f"{ops_stack.prefect_url}/artifacts/artifact/{art['id']}")
+        text = b.wait_for(["Lineage", "flowchart LR", "-->"])
+        # every step of the chain is a box of the diagram, from the data to the HF checkpoint
+        diagram = b.evaluate("[...document.querySelectorAll('pre, code, .mermaid')].map(e => e.textContent)"
+                             ".find(t => t.includes('flowchart LR')) || ''")
+        for step in ("data", "pretrain", "convert-megatron-to-hf"):
+            assert f"<b>{step}</b>" in diagram, (step, diagram or text[:3000])
+        assert diagram.count("-->") >= 2, diagram
+
+
+def _close_mlflow_assistant(b: Chromium) -> None:
+    """A new browser profile opens MLflow's chat assistant beside every page; a reader of the screenshot wants the page."""
+    close = 'button[data-component-id="mlflow.assistant.chat_panel.close"]'
+    deadline = time.time() + 20
+    while time.time() < deadline and not b.click_all(close):
+        time.sleep(0.5)
+    time.sleep(1)
+
+
+def test_mlflow_run_and_model_version_pages_show_the_training_and_the_gate_report(ops_stack, tiny_run):
+    stages = tiny_run["stages"]
+    pre, conv = stages["pretrain"], stages["convert-megatron-to-hf"]
+    reg = conv["registered"]
+    exp = ops_stack.mlflow().get_experiment_by_name("baton").experiment_id
+    with Chromium(**SHOT) as b:
+        run_page = f"{ops_stack.mlflow_url}/#/experiments/{exp}/runs/{pre['mlflow_run_id']}"
+        b.goto(run_page)
+        b.wait_for(["pretrain", "Overview", "Finished", "Registered models"])
+        b.click_text("Model training")  # the sidebar's workflow switch (a browser setting, not the experiment's)
+        b.goto(run_page)
+        b.wait_for(["pretrain", "Finished", "Registered models", "Model metrics (", "heldout_ppl", "loss"])
+        _close_mlflow_assistant(b)
+        time.sleep(2)  # the metric table and parameter list settle
+        assert b.screenshot(DOCS / "mlflow-run.png") < SHOT_MAX_BYTES
+
+        b.goto(f"{ops_stack.mlflow_url}/#/models/{reg['name']}/versions/{reg['version']}")
+        text = b.wait_for([f"Version {reg['version']}", "Gate", "L2.logits_parity", "L3.generation",
+                           "Data digest"])
+        assert "gate passed" in text, text[:3000]
+        _close_mlflow_assistant(b)
+        assert "FAIL |" not in text
+        time.sleep(1)
+        assert b.screenshot(DOCS / "mlflow-model-version.png") < SHOT_MAX_BYTES
 
 
 def test_prefect_flow_run_page_shows_the_stages(ops_stack, retrain_outcomes):
