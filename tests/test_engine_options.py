@@ -1,0 +1,121 @@
+"""The engine options that need no engine to check: interleaved pipeline and FP8 (pretrain), ZeRO-Infinity NVMe
+offload and ZeRO++ (finetune). Each is refused before launch, with the reason, where it cannot run; where it can, it
+reaches the engine's own config (the Megatron worker spec, the DeepSpeed JSON)."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import TINY
+
+pytestmark = pytest.mark.fast
+
+
+def _load(stage: str, *overrides: str):
+    from flows.config import load
+
+    return load(TINY, list(overrides), stages=["data", stage])
+
+
+def _errors(stage: str, *overrides: str) -> str:
+    from flows.config import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        _load(stage, *overrides)
+    return str(e.value)
+
+
+VP = ["pretrain.device=cpu", "pretrain.nproc_per_node=2", "pretrain.pipeline_parallel=2"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["pretrain.virtual_pipeline_parallel=2"], "virtual_pipeline_parallel 2 needs pipeline_parallel > 1 (it is 1)"),
+    ([*VP, "pretrain.virtual_pipeline_parallel=4"],
+     "model.num_layers 4 is not divisible by pipeline_parallel × virtual_pipeline_parallel = 8"),
+    ([*VP, "pretrain.virtual_pipeline_parallel=2", "pretrain.global_batch_size=24"],
+     "micro batches per step (global_batch_size / (micro_batch_size × data parallel) = 3) to be a multiple of "
+     "pipeline_parallel 2"),
+    (["pretrain.device=cpu", "pretrain.fp8=hybrid"],
+     "pretrain.fp8 hybrid: FP8 needs a GPU with Transformer Engine (Hopper or newer); this run's device is cpu"),
+    (["pretrain.fp8=e5m2"], "pretrain.fp8"),
+])
+def test_pretrain_options_are_refused_before_launch(overrides, message):
+    assert message in _errors("pretrain", *overrides)
+
+
+def test_fp8_on_a_gpu_host_needs_transformer_engine_and_its_layer_spec(monkeypatch):
+    import importlib.util
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # the probe's input: one visible GPU
+    assert "needs transformer_impl transformer_engine or auto" in _errors(
+        "pretrain", "pretrain.device=cuda", "pretrain.fp8=e4m3", "pretrain.transformer_impl=local")
+    if importlib.util.find_spec("transformer_engine") is None:
+        assert "Transformer Engine (transformer_engine) is not installed" in _errors(
+            "pretrain", "pretrain.device=cuda", "pretrain.fp8=hybrid")
+    else:
+        assert _load("pretrain", "pretrain.device=cuda", "pretrain.fp8=hybrid").pretrain.fp8 == "hybrid"
+
+
+def test_interleaved_pipeline_reaches_the_worker_spec(tmp_path, data_dir):
+    from tasks.pretrain.task import build_spec
+    from tasks.stage import StageContext
+
+    cfg = _load("pretrain", *VP, "pretrain.virtual_pipeline_parallel=2")
+    p = cfg.pretrain
+    assert (p.pipeline_parallel, p.virtual_pipeline_parallel, p.accumulation(), p.fp8) == (2, 2, 2, "none")
+    ctx = StageContext(stage="pretrain", run_id="t", run_dir=tmp_path, work_dir=tmp_path, model=cfg.model.model_dump(),
+                       seed=0, data_dir=data_dir)
+    spec = build_spec(ctx, p)
+    assert spec["config"]["virtual_pipeline_parallel"] == 2 and spec["config"]["fp8"] == "none"
+
+
+NVME = ["finetune.zero.stage=3", "finetune.zero.offload_optimizer=nvme", "finetune.zero.offload_params=nvme"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["finetune.zero.offload_optimizer=nvme", "finetune.zero.nvme_path=/tmp/x"],
+     "finetune.zero.offload_optimizer: nvme offload needs ZeRO stage 3 (stage is 2)"),
+    (NVME, "finetune.zero.nvme_path: required by zero.offload_optimizer: nvme"),
+    ([*NVME, "finetune.zero.nvme_path=swap"], "finetune.zero.nvme_path: 'swap' is not an absolute path"),
+    (["finetune.zero.nvme_path=/tmp/x"], "neither offload_optimizer nor offload_params is nvme"),
+    (["finetune.device=cpu", "finetune.zero.stage=3", "finetune.zero.quantized_weights=true"],
+     "finetune.zero.quantized_weights: refused on cpu: ZeRO++ quantization runs DeepSpeed's CUDA quantizer kernels"),
+    (["finetune.device=cpu", "finetune.zero.stage=3", "finetune.zero.quantized_gradients=true"],
+     "finetune.zero.quantized_gradients: refused on cpu"),
+    (["finetune.device=cpu", "finetune.zero.quantized_gradients=true"],
+     "finetune.zero.quantized_gradients: ZeRO++ needs ZeRO stage 3 (stage is 2)"),
+    (["finetune.zero.stage=3", "finetune.zero.hpz_partition_size=2"],
+     "finetune.zero.hpz_partition_size 2: hpZ needs more than one node (nnodes is 1)"),
+    (["finetune.zero.stage=3", "finetune.zero.hpz_partition_size=4", "finetune.nnodes=2", "finetune.global_batch_size=64"],
+     "finetune.zero.hpz_partition_size 4: must divide nproc_per_node 2"),
+])
+def test_finetune_zero_options_are_refused_before_launch(overrides, message):
+    assert message in _errors("finetune", *overrides)
+
+
+def test_nvme_offload_and_zero_plus_plus_reach_the_deepspeed_config():
+    from tasks.finetune import ds_config
+
+    cfg = _load("finetune", *NVME, "finetune.zero.nvme_path=/tmp/swap").finetune
+    zero = ds_config.build(cfg)["zero_optimization"]
+    assert zero["offload_optimizer"] == {"device": "nvme", "nvme_path": "/tmp/swap", "pin_memory": False}
+    assert zero["offload_param"] == {"device": "nvme", "nvme_path": "/tmp/swap", "pin_memory": False}
+    assert ds_config.build(cfg)["aio"]["block_size"] == 1 << 20
+    assert (zero["zero_quantized_weights"], zero["zero_quantized_gradients"], zero["zero_hpz_partition_size"]) == (
+        False, False, 1)
+    multi = _load("finetune", "finetune.zero.stage=3", "finetune.zero.hpz_partition_size=2", "finetune.nnodes=2",
+                  "finetune.global_batch_size=64").finetune
+    assert ds_config.build(multi)["zero_optimization"]["zero_hpz_partition_size"] == 2
+    assert "aio" not in ds_config.build(multi) and "zero_hpz_partition_size" not in ds_config.build(
+        _load("finetune").finetune)["zero_optimization"]
+
+
+def test_baton_config_prints_the_new_keys(baton_home):
+    from conftest import baton
+
+    r = baton("config", str(TINY), "--stages", "data,pretrain,finetune", "--set", "pretrain.nproc_per_node=2",
+              "--set", "pretrain.pipeline_parallel=2", "--set", "pretrain.virtual_pipeline_parallel=2",
+              home=baton_home, timeout=120)
+    assert r.returncode == 0, r.stderr
+    for key in ("virtual_pipeline_parallel", "fp8", "nvme_path", "quantized_weights", "quantized_gradients",
+                "hpz_partition_size"):
+        assert key in r.stdout, key
