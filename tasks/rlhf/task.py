@@ -125,7 +125,8 @@ def worker_command(ctx: StageContext, cfg: RlhfConfig, out: Path) -> list[str]:
             "--beta", str(cfg.beta), "--sft-weight", str(cfg.sft_weight),
             "--max-seq-length", str(cfg.max_seq_length or ctx.model.get("seq_length", 128)), "--reference", cfg.reference,
             "--num-generations", str(cfg.num_generations), "--max-completion-length", str(cfg.max_completion_length),
-            "--seed", str(ctx.seed), "--stage", ctx.stage]
+            "--seed", str(ctx.seed), "--stage", ctx.stage,
+            "--checkpoint-every", str(cfg.checkpoint_every), "--keep-checkpoints", str(cfg.keep_checkpoints)]
     if cfg.reference_model:
         args += ["--reference-model", str(cfg.reference_model)]
     py = ctx.python("main")
@@ -144,13 +145,15 @@ def run_trl(ctx: StageContext, cfg: RlhfConfig) -> StageOutput:
     _fresh(trained)
     res = ctx.launch(worker_command(ctx, cfg, partial), name=f"rlhf-trl-{cfg.algorithm}", timeout=cfg.timeout_s,
                      env={"OMP_NUM_THREADS": "1"} if cfg.nproc_per_node > 1 else None)
-    shutil.rmtree(work / f"{partial.name}.trl", ignore_errors=True)  # trainer scratch (no checkpoints are saved)
+    # TRL's checkpoints outlive a failed attempt (the next one resumes from them), not a finished one
+    shutil.rmtree(work / f"{partial.name}.trl", ignore_errors=True)
     partial.rename(trained)
     facts = res.results()
     if cfg.algorithm == "rm":
         pass_through_policy(Path(ctx.input), out, trained, ctx.stage, backend="trl")
     margins = _series(res, "rewards/margins") or _series(res, "margin") or _series(res, "reward")
-    metrics = {"seconds": facts.get("seconds"), "heldout_kl_to_reference": facts.get("heldout_kl_to_reference"),
+    metrics = {"seconds": facts.get("seconds"), "resumed_from_step": facts.get("resumed_from"),
+               "heldout_kl_to_reference": facts.get("heldout_kl_to_reference"),
                "train_pairs": facts.get("train_pairs"), "heldout_pairs": facts.get("heldout_pairs")}
     if margins:
         metrics.update(margin_first=margins[0], margin_last=margins[-1])
