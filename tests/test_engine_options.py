@@ -3,6 +3,9 @@ offload and ZeRO++ (finetune). Each is refused before launch, with the reason, w
 reaches the engine's own config (the Megatron worker spec, the DeepSpeed JSON)."""
 from __future__ import annotations
 
+import argparse
+from pathlib import Path
+
 import pytest
 
 from conftest import TINY
@@ -85,7 +88,8 @@ NVME = ["finetune.zero.stage=3", "finetune.zero.offload_optimizer=nvme", "finetu
      "finetune.zero.quantized_gradients: ZeRO++ needs ZeRO stage 3 (stage is 2)"),
     (["finetune.zero.stage=3", "finetune.zero.hpz_partition_size=2"],
      "finetune.zero.hpz_partition_size 2: hpZ needs more than one node (nnodes is 1)"),
-    (["finetune.zero.stage=3", "finetune.zero.hpz_partition_size=4", "finetune.nnodes=2", "finetune.global_batch_size=64"],
+    (["finetune.zero.stage=3", "finetune.zero.hpz_partition_size=4", "finetune.nnodes=2",
+      "finetune.global_batch_size=64"],
      "finetune.zero.hpz_partition_size 4: must divide nproc_per_node 2"),
 ])
 def test_finetune_zero_options_are_refused_before_launch(overrides, message):
@@ -119,3 +123,40 @@ def test_baton_config_prints_the_new_keys(baton_home):
     for key in ("virtual_pipeline_parallel", "fp8", "nvme_path", "quantized_weights", "quantized_gradients",
                 "hpz_partition_size"):
         assert key in r.stdout, key
+
+
+def test_rlhf_resumes_only_from_a_checkpoint_marked_complete(tmp_path):
+    from tasks.rlhf import worker
+
+    def checkpoint(step: int, payload: bytes, mark: bool) -> Path:
+        d = tmp_path / f"checkpoint-{step}"
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(payload)
+        if mark:
+            worker.mark_complete(d)
+        return d
+
+    done = checkpoint(2, b"x" * 10, mark=True)
+    torn = checkpoint(4, b"x" * 10, mark=True)
+    (torn / "model.safetensors").write_bytes(b"x" * 3)  # lost bytes after the marker: not complete
+    unmarked = checkpoint(6, b"x" * 10, mark=False)  # killed before the marker
+    assert worker.is_complete(done) and not worker.is_complete(torn) and not worker.is_complete(unmarked)
+    assert worker.newest_complete(tmp_path) == done
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"]  # the others are deleted
+    assert worker.checkpoint_args(argparse.Namespace(checkpoint_every=0, keep_checkpoints=2)) == {"save_strategy": "no"}
+
+
+def test_nvme_offload_checks_its_folder_and_libaio_before_launch(tmp_path):
+    from tasks.finetune import engine_env
+    from tasks.finetune.task import nvme_problems
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    cfg = _load("finetune", *NVME, f"finetune.zero.nvme_path={blocker / 'swap'}").finetune
+    problems = nvme_problems(cfg)
+    assert any(p.startswith(f"finetune.zero.nvme_path: cannot create {blocker / 'swap'}") for p in problems)
+    ok = _load("finetune", *NVME, f"finetune.zero.nvme_path={tmp_path / 'swap'}").finetune
+    expected = [] if engine_env.libaio_available() else [
+        "finetune.zero: nvme offload builds DeepSpeed's async I/O op against libaio, which is not installed "
+        "(make system-deps: Debian's libaio-dev)"]
+    assert nvme_problems(ok) == expected and (tmp_path / "swap").is_dir()

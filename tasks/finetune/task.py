@@ -7,6 +7,7 @@ the same work dir resumes from the newest complete tag.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 from pathlib import Path
@@ -37,8 +38,29 @@ def check_inputs(ctx: StageContext, cfg: FinetuneConfig) -> None:
     for split in ("train", "heldout"):
         if ctx.data_dir is None or not (Path(ctx.data_dir) / "sft" / f"{split}.jsonl").exists():
             problems.append(f"finetune: data {ctx.data_dir} lacks sft/{split}.jsonl (run the data stage)")
+    problems += nvme_problems(cfg)
     if problems:
         raise FinetuneInputError("; ".join(problems))
+
+
+def nvme_problems(cfg: FinetuneConfig) -> list[str]:
+    """ZeRO-Infinity needs a writable swap folder and libaio to build DeepSpeed's async I/O op (found before launch,
+    not minutes into the op build)."""
+    if not ds_config.uses_nvme(cfg):
+        return []
+    problems = []
+    folder = Path(cfg.zero.nvme_path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        problems.append(f"finetune.zero.nvme_path: cannot create {folder}: {e.strerror}")
+    else:
+        if not os.access(folder, os.W_OK):
+            problems.append(f"finetune.zero.nvme_path: {folder} is not writable")
+    if not engine_env.libaio_available():
+        problems.append("finetune.zero: nvme offload builds DeepSpeed's async I/O op against libaio, which is not "
+                        "installed (make system-deps: Debian's libaio-dev)")
+    return problems
 
 
 def free_port() -> int:

@@ -166,7 +166,7 @@ def checkpoint_args(a: argparse.Namespace) -> dict:
 
 def _files(ckpt: Path) -> dict[str, int]:
     return {str(f.relative_to(ckpt)): f.stat().st_size for f in sorted(ckpt.rglob("*"))
-            if f.is_file() and f.name != COMPLETE}
+            if f.is_file() and not f.name.startswith(COMPLETE)}
 
 
 def mark_complete(ckpt: Path) -> None:
@@ -183,7 +183,8 @@ def is_complete(ckpt: Path) -> bool:
         listed = json.loads((ckpt / COMPLETE).read_text())["files"]
     except (OSError, ValueError, KeyError):
         return False
-    return bool(listed) and all((ckpt / n).is_file() and (ckpt / n).stat().st_size == size for n, size in listed.items())
+    return bool(listed) and all((ckpt / n).is_file() and (ckpt / n).stat().st_size == size
+                                for n, size in listed.items())
 
 
 def _step_of(ckpt: Path) -> int:
