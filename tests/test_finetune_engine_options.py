@@ -33,9 +33,9 @@ def test_zero3_nvme_offload_trains_resumes_and_converts_exactly(tmp_path, tiny_c
     assert straight.metrics["loss_last"] < straight.metrics["loss_first"]
     zero_cfg = straight.extra["zero"]
     assert zero_cfg["offload_param"]["device"] == zero_cfg["offload_optimizer"]["device"] == "nvme"
-    swapped = list((tmp_path / "swap1").rglob("*.swp"))
-    assert swapped, "DeepSpeed wrote no swap files: the NVMe path was not used"
-    print(f"nvme offload: {len(swapped)} swap files, {sum(f.stat().st_size for f in swapped)} bytes")
+    swapped = straight.metrics["nvme_swap_bytes"]
+    print(f"nvme offload: {swapped} bytes of swap files, {straight.metrics['seconds']} s")
+    assert swapped > 0 and not (tmp_path / "swap1" / "zero_stage_3").exists()  # used, then cleared
 
     conv = convert_and_gate(straight.output, tmp_path / "convert", tiny_config, data_dir)
     assert conv.gate["passed"], conv.gate

@@ -131,6 +131,17 @@ def gate(out: Path, before: float, after: float) -> dict:
     return verify.report(checks)
 
 
+def clear_nvme_swap(cfg: FinetuneConfig) -> int:
+    """DeepSpeed leaves its NVMe swap files (a copy of the partitions and optimizer states) behind; a finished run
+    removes them. Returns how many bytes they held (what was offloaded)."""
+    if not ds_config.uses_nvme(cfg):
+        return 0
+    swap = Path(cfg.zero.nvme_path) / "zero_stage_3"  # the only folder DeepSpeed writes there
+    size = sum(f.stat().st_size for f in swap.rglob("*.swp") if f.is_file())
+    shutil.rmtree(swap, ignore_errors=True)
+    return size
+
+
 @task(name="finetune", cache_policy=NO_CACHE)
 def run_finetune(ctx: StageContext, cfg: FinetuneConfig) -> StageOutput:
     cmd, env, out, port = prepare(ctx, cfg)
@@ -139,6 +150,7 @@ def run_finetune(ctx: StageContext, cfg: FinetuneConfig) -> StageOutput:
     finally:
         engine_env.remove_shm_segments(port)
     r = res.results()
+    swap_bytes = clear_nvme_swap(cfg)
     m = finalize(out, ctx, cfg, r)
     before, after = float(r["before"]), float(r["after"])
     metric_events = res.metrics()
@@ -152,7 +164,7 @@ def run_finetune(ctx: StageContext, cfg: FinetuneConfig) -> StageOutput:
                  "peak_mem_mb_max": last.get("peak_mem_mb_max", r.get("peak_mem_mb")),
                  "resumed_from_step": r.get("resumed_from"),
                  "step_time_s_last": last.get("step_time_s"), "tokens_per_s_last": last.get("tokens_per_s"),
-                 "seconds": round(res.seconds, 2)},
+                 "seconds": round(res.seconds, 2), **({"nvme_swap_bytes": swap_bytes} if swap_bytes else {})},
         eval={"metric": "heldout_exact_match", "before": before, "after": after},
         extra={"zero": m["extra"]["deepspeed_config"]["zero_optimization"], "deepspeed_config":
                m["extra"]["deepspeed_config"], "tag": m["extra"]["tag"], "samples": r.get("samples")})
