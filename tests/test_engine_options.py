@@ -71,13 +71,15 @@ def test_interleaved_pipeline_reaches_the_worker_spec(tmp_path, data_dir):
     assert spec["config"]["virtual_pipeline_parallel"] == 2 and spec["config"]["fp8"] == "none"
 
 
-NVME = ["finetune.zero.stage=3", "finetune.zero.offload_optimizer=nvme", "finetune.zero.offload_params=nvme"]
+NVME = ["finetune.zero.stage=3", "finetune.zero.offload_optimizer=cpu", "finetune.zero.offload_params=nvme"]
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["finetune.zero.offload_optimizer=nvme", "finetune.zero.nvme_path=/tmp/x"],
-     "finetune.zero.offload_optimizer: nvme offload needs ZeRO stage 3 (stage is 2)"),
-    (NVME, "finetune.zero.nvme_path: required by zero.offload_optimizer: nvme"),
+    (["finetune.zero.offload_params=nvme", "finetune.zero.nvme_path=/tmp/x"],
+     "finetune.zero.offload_params: nvme offload needs ZeRO stage 3 (stage is 2)"),
+    (["finetune.zero.stage=3", "finetune.zero.offload_optimizer=nvme", "finetune.zero.nvme_path=/tmp/x"],
+     "finetune.zero.offload_optimizer: nvme is refused: DeepSpeed writes no fp32 master weights or Adam state"),
+    (NVME, "finetune.zero.nvme_path: required by zero.offload_params: nvme"),
     ([*NVME, "finetune.zero.nvme_path=swap"], "finetune.zero.nvme_path: 'swap' is not an absolute path"),
     (["finetune.zero.nvme_path=/tmp/x"], "neither offload_optimizer nor offload_params is nvme"),
     (["finetune.device=cpu", "finetune.zero.stage=3", "finetune.zero.quantized_weights=true"],
@@ -101,8 +103,9 @@ def test_nvme_offload_and_zero_plus_plus_reach_the_deepspeed_config():
 
     cfg = _load("finetune", *NVME, "finetune.zero.nvme_path=/tmp/swap").finetune
     zero = ds_config.build(cfg)["zero_optimization"]
-    assert zero["offload_optimizer"] == {"device": "nvme", "nvme_path": "/tmp/swap", "pin_memory": False}
-    assert zero["offload_param"] == {"device": "nvme", "nvme_path": "/tmp/swap", "pin_memory": False}
+    assert zero["offload_optimizer"] == {"device": "cpu", "pin_memory": False}
+    assert zero["offload_param"] == {"device": "nvme", "nvme_path": "/tmp/swap", "pin_memory": False,
+                                     "max_in_cpu": 1_000_000_000}
     assert ds_config.build(cfg)["aio"]["block_size"] == 1 << 20
     assert (zero["zero_quantized_weights"], zero["zero_quantized_gradients"], zero["zero_hpz_partition_size"]) == (
         False, False, 1)

@@ -14,9 +14,12 @@ class ZeroConfig(StrictModel):
 
     stage: int = Field(2, description="ZeRO stage: 1, 2 or 3")
     offload_optimizer: Literal["none", "cpu", "nvme"] = Field(
-        "none", description="cpu: ZeRO-Offload; nvme: ZeRO-Infinity (ZeRO-3, nvme_path, DeepSpeed's async I/O op)")
+        "none", description="cpu: ZeRO-Offload; nvme: refused (DeepSpeed's checkpoints then lack the optimizer state)")
     offload_params: Literal["none", "cpu", "nvme"] = Field("none", description="ZeRO-3 only; nvme needs nvme_path")
     nvme_path: str | None = Field(None, description="absolute folder for NVMe offload files (fast local disk)")
+    nvme_max_in_cpu: int = Field(
+        1_000_000_000, ge=0, description="offload_params nvme: parameter elements DeepSpeed keeps in CPU memory "
+                                         "before swapping to nvme_path (its max_in_cpu)")
     quantized_weights: bool = Field(False, description="ZeRO++ qwZ: int8 weight all-gather (ZeRO-3, CUDA only)")
     quantized_gradients: bool = Field(False, description="ZeRO++ qgZ: int4 gradient reduce-scatter (ZeRO-3, CUDA only)")
     hpz_partition_size: int = Field(
@@ -92,6 +95,10 @@ def offload_errors(cfg: FinetuneConfig) -> list[str]:
     z = cfg.zero
     nvme = [k for k in ("offload_optimizer", "offload_params") if getattr(z, k) == "nvme"]
     errors = [f"finetune.zero.{k}: nvme offload needs ZeRO stage 3 (stage is {z.stage})" for k in nvme if z.stage != 3]
+    if z.offload_optimizer == "nvme":  # measured on DeepSpeed 0.19.8, see README "Engine options"
+        errors.append("finetune.zero.offload_optimizer: nvme is refused: DeepSpeed writes no fp32 master weights or Adam "
+                      "state into its checkpoints while they are swapped to NVMe (empty partitions), so neither resume "
+                      "nor conversion could recover the training; use offload_optimizer: cpu with offload_params: nvme")
     if nvme and not z.nvme_path:
         errors.append(f"finetune.zero.nvme_path: required by zero.{nvme[0]}: nvme")
     if z.nvme_path is not None:

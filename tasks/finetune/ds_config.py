@@ -18,6 +18,8 @@ def zero_section(cfg: FinetuneConfig) -> dict:
         out["offload_optimizer"] = offload_target(z.offload_optimizer, z.nvme_path, pin)
     if z.offload_params != "none":
         out["offload_param"] = offload_target(z.offload_params, z.nvme_path, pin)
+        if z.offload_params == "nvme":
+            out["offload_param"]["max_in_cpu"] = z.nvme_max_in_cpu
     if z.stage == 3:  # ZeRO++ (validated: quantization on CUDA, hpZ over several nodes)
         out.update({"zero_quantized_weights": z.quantized_weights, "zero_quantized_gradients": z.quantized_gradients,
                     "zero_hpz_partition_size": z.hpz_partition_size})
