@@ -137,7 +137,7 @@ def clear_nvme_swap(cfg: FinetuneConfig) -> int:
     if not ds_config.uses_nvme(cfg):
         return 0
     swap = Path(cfg.zero.nvme_path) / "zero_stage_3"  # the only folder DeepSpeed writes there
-    size = sum(f.stat().st_size for f in swap.rglob("*.swp") if f.is_file())
+    size = sum(f.stat().st_size for f in swap.rglob("*") if f.is_file())
     shutil.rmtree(swap, ignore_errors=True)
     return size
 
@@ -164,7 +164,7 @@ def run_finetune(ctx: StageContext, cfg: FinetuneConfig) -> StageOutput:
                  "peak_mem_mb_max": last.get("peak_mem_mb_max", r.get("peak_mem_mb")),
                  "resumed_from_step": r.get("resumed_from"),
                  "step_time_s_last": last.get("step_time_s"), "tokens_per_s_last": last.get("tokens_per_s"),
-                 "seconds": round(res.seconds, 2), **({"nvme_swap_bytes": swap_bytes} if swap_bytes else {})},
+                 "seconds": round(res.seconds, 2), **({"nvme_swap_bytes": swap_bytes} if ds_config.uses_nvme(cfg) else {})},
         eval={"metric": "heldout_exact_match", "before": before, "after": after},
         extra={"zero": m["extra"]["deepspeed_config"]["zero_optimization"], "deepspeed_config":
                m["extra"]["deepspeed_config"], "tag": m["extra"]["tag"], "samples": r.get("samples")})
