@@ -10,13 +10,18 @@ export DO_NOT_TRACK ?= true
 export MLFLOW_DISABLE_TELEMETRY ?= true
 PYTEST_ARGS ?=
 
-.PHONY: setup runtimes lock demo test test-fast test-multinode reliability clean up down gpu-wheels gpu-check bench
+.PHONY: setup system-deps runtimes lock demo test test-fast test-multinode reliability clean up down gpu-wheels gpu-check bench
 
 # The main venv: an overlay over the cached runtime built from infra/runtimes/main.txt (see infra/runtimes/build.py).
 setup: $(VENV)/.baton-overlay
 
 $(VENV)/.baton-overlay: infra/runtimes/main.txt infra/runtimes/main.lock infra/runtimes/build.py
 	$(PYTHON) infra/runtimes/build.py main --overlay $(VENV) >/dev/null
+
+# Debian packages engines build against: libaio-dev for DeepSpeed's async I/O op (ZeRO-Infinity NVMe offload).
+# A quick no-op when installed; needs root or sudo otherwise.
+system-deps:
+	@bash infra/stack/system-deps.sh libaio-dev
 
 # Engine runtimes whose pins conflict with the main venv (serving). Built once per requirements digest.
 runtimes: setup
@@ -30,7 +35,7 @@ lock:
 demo: setup runtimes
 	$(VENV)/bin/baton run configs/tiny.yaml
 
-test: setup runtimes
+test: setup system-deps runtimes
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 # The inner loop: config, planning, conversions and checks that start no engine, server or cluster (~1-2 min).

@@ -211,8 +211,8 @@ def merge_lora(readers: dict, adapter: dict, prefix: str = "base_model.model.", 
             stem = key[: -len(".base_layer.weight")]
             a, b = readers[f"{stem}.lora_A.{name}.weight"][2], readers[f"{stem}.lora_B.{name}.weight"][2]
 
-            def read(base=read, a=a, b=b):
-                return base().float().add_(b().float() @ a().float(), alpha=scale)
+            def read(base=read, a=a, b=b):  # peft's own arithmetic: W += (B @ A) * scale, bit for bit
+                return base().float().add_((b().float() @ a().float()) * scale)
         out[plain] = (shape, src_dtype, read)
     return out
 

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from pathlib import Path
 from typing import ClassVar, Literal
 
 from pydantic import Field
@@ -13,8 +14,18 @@ class ZeroConfig(StrictModel):
     """DeepSpeed ZeRO partitioning: 1 optimizer states, 2 + gradients, 3 + parameters."""
 
     stage: int = Field(2, description="ZeRO stage: 1, 2 or 3")
-    offload_optimizer: Literal["none", "cpu"] = "none"
-    offload_params: Literal["none", "cpu"] = Field("none", description="ZeRO-3 only")
+    offload_optimizer: Literal["none", "cpu", "nvme"] = Field(
+        "none", description="cpu: ZeRO-Offload; nvme: refused (DeepSpeed's checkpoints then lack the optimizer state)")
+    offload_params: Literal["none", "cpu", "nvme"] = Field("none", description="ZeRO-3 only; nvme needs nvme_path")
+    nvme_path: str | None = Field(None, description="absolute folder for NVMe offload files (fast local disk)")
+    nvme_max_in_cpu: int = Field(
+        1_000_000_000, ge=0, description="offload_params nvme: parameter elements DeepSpeed keeps in CPU memory "
+                                         "before swapping to nvme_path (its max_in_cpu)")
+    quantized_weights: bool = Field(False, description="ZeRO++ qwZ: int8 weight all-gather (ZeRO-3, CUDA only)")
+    quantized_gradients: bool = Field(False, description="ZeRO++ qgZ: int4 gradient reduce-scatter (ZeRO-3, CUDA only)")
+    hpz_partition_size: int = Field(
+        1, ge=1, description="ZeRO++ hpZ: ranks holding a secondary weight copy (ZeRO-3, more than one node; "
+                             "usually nproc_per_node)")
     overlap_comm: bool = False
     contiguous_gradients: bool = True
     reduce_bucket_size: int = Field(50_000_000, ge=1)
@@ -74,6 +85,7 @@ def validate(cfg: FinetuneConfig, pipeline=None) -> list[str]:
         errors.append(f"finetune.zero.stage: {z.stage} is not a ZeRO stage (1, 2 or 3)")
     if z.offload_params != "none" and z.stage != 3:
         errors.append(f"finetune.zero.offload_params: parameter offload needs ZeRO stage 3 (stage is {z.stage})")
+    errors += offload_errors(cfg) + zero_plus_plus_errors(cfg)
     errors += batch_errors(cfg, "finetune") + schedule_errors(cfg, "finetune")
     if cfg.gate.metric == "preference_accuracy":
         errors.append("finetune.gate.metric: preference_accuracy is an rlhf metric (heldout_loss or exact_match)")
@@ -85,4 +97,44 @@ def validate(cfg: FinetuneConfig, pipeline=None) -> list[str]:
             errors.append(f"finetune.max_seq_length: {cfg.max_seq_length} must be between 8 and model.seq_length {seq}")
     elif cfg.max_seq_length is not None and cfg.max_seq_length < 8:
         errors.append(f"finetune.max_seq_length: {cfg.max_seq_length} is below 8")
+    return errors
+
+
+def offload_errors(cfg: FinetuneConfig) -> list[str]:
+    """ZeRO-Infinity: NVMe offload is a ZeRO-3 feature and needs a folder for its swap files."""
+    z = cfg.zero
+    nvme = [k for k in ("offload_optimizer", "offload_params") if getattr(z, k) == "nvme"]
+    errors = [f"finetune.zero.{k}: nvme offload needs ZeRO stage 3 (stage is {z.stage})" for k in nvme if z.stage != 3]
+    if z.offload_optimizer == "nvme":  # measured on DeepSpeed 0.19.8, see README "Engine options"
+        errors.append("finetune.zero.offload_optimizer: nvme is refused: DeepSpeed writes no fp32 master weights or Adam "
+                      "state into its checkpoints while they are swapped to NVMe (empty partitions), so neither resume "
+                      "nor conversion could recover the training; use offload_optimizer: cpu with offload_params: nvme")
+    if nvme and not z.nvme_path:
+        errors.append(f"finetune.zero.nvme_path: required by zero.{nvme[0]}: nvme")
+    if z.nvme_path is not None:
+        if not nvme:
+            errors.append("finetune.zero.nvme_path: set, but neither offload_optimizer nor offload_params is nvme")
+        elif not Path(z.nvme_path).is_absolute():
+            errors.append(f"finetune.zero.nvme_path: {z.nvme_path!r} is not an absolute path")
+    return errors
+
+
+def zero_plus_plus_errors(cfg: FinetuneConfig) -> list[str]:
+    """ZeRO++ (qwZ, qgZ, hpZ) extends ZeRO-3; its quantizers are CUDA kernels, and hpZ's secondary copy only saves
+    traffic when it spans fewer ranks than the whole world (one node of several)."""
+    z = cfg.zero
+    errors = []
+    quantized = [k for k in ("quantized_weights", "quantized_gradients") if getattr(z, k)]
+    used = quantized + (["hpz_partition_size"] if z.hpz_partition_size > 1 else [])
+    errors += [f"finetune.zero.{k}: ZeRO++ needs ZeRO stage 3 (stage is {z.stage})" for k in used if z.stage != 3]
+    device = cfg.resolved_device()
+    errors += [f"finetune.zero.{k}: refused on {device}: ZeRO++ quantization runs DeepSpeed's CUDA quantizer kernels "
+               "(needs device cuda)" for k in quantized if device != "cuda"]
+    if z.hpz_partition_size > 1:
+        if cfg.nnodes < 2:
+            errors.append(f"finetune.zero.hpz_partition_size {z.hpz_partition_size}: hpZ needs more than one node "
+                          f"(nnodes is {cfg.nnodes}); on one node it only duplicates the ZeRO-3 partitions")
+        elif cfg.nproc_per_node % z.hpz_partition_size:
+            errors.append(f"finetune.zero.hpz_partition_size {z.hpz_partition_size}: must divide nproc_per_node "
+                          f"{cfg.nproc_per_node} (the secondary partition stays inside a node)")
     return errors

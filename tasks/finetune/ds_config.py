@@ -15,10 +15,30 @@ def zero_section(cfg: FinetuneConfig) -> dict:
         out["stage3_prefetch_bucket_size"] = z.prefetch_bucket_size
         out["stage3_param_persistence_threshold"] = z.param_persistence_threshold
     if z.offload_optimizer != "none":
-        out["offload_optimizer"] = {"device": z.offload_optimizer, "pin_memory": pin}
+        out["offload_optimizer"] = offload_target(z.offload_optimizer, z.nvme_path, pin)
     if z.offload_params != "none":
-        out["offload_param"] = {"device": z.offload_params, "pin_memory": pin}
+        out["offload_param"] = offload_target(z.offload_params, z.nvme_path, pin)
+        if z.offload_params == "nvme":
+            out["offload_param"]["max_in_cpu"] = z.nvme_max_in_cpu
+    if z.stage == 3:  # ZeRO++ (validated: quantization on CUDA, hpZ over several nodes)
+        out.update({"zero_quantized_weights": z.quantized_weights, "zero_quantized_gradients": z.quantized_gradients,
+                    "zero_hpz_partition_size": z.hpz_partition_size})
     return out
+
+
+def offload_target(device: str, nvme_path: str | None, pin: bool) -> dict:
+    target = {"device": device, "pin_memory": pin}
+    if device == "nvme":
+        target["nvme_path"] = nvme_path
+    return target
+
+
+def uses_nvme(cfg: FinetuneConfig) -> bool:
+    return "nvme" in (cfg.zero.offload_optimizer, cfg.zero.offload_params)
+
+
+# DeepSpeed's async I/O settings for NVMe swapping (its documented defaults, written out so the run records them)
+AIO = {"block_size": 1048576, "queue_depth": 8, "thread_count": 1, "single_submit": False, "overlap_events": True}
 
 
 def scheduler_section(cfg: FinetuneConfig) -> dict:
@@ -45,6 +65,7 @@ def build(cfg: FinetuneConfig) -> dict:
             # torch's AdamW avoids JIT-building FusedAdam/DeepSpeedCPUAdam (minutes on CPU)
             "torch_adam": cfg.optimizer == "torch_adamw"}},
         "scheduler": scheduler_section(cfg),
+        **({"aio": dict(AIO)} if uses_nvme(cfg) else {}),
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }

@@ -34,6 +34,15 @@ def torch_extensions_dir() -> Path:
     return CACHE_ROOT / "torch_extensions" / hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
+def libaio_available() -> bool:
+    """libaio's header and library, what DeepSpeed's async I/O op (NVMe offload) compiles and links against."""
+    import ctypes.util
+
+    includes = [Path(d) for d in ("/usr/include", "/usr/local/include")]
+    includes += [Path(d) for d in os.environ.get("CPATH", "").split(os.pathsep) if d]
+    return ctypes.util.find_library("aio") is not None and any((d / "libaio.h").exists() for d in includes)
+
+
 def worker_env(accelerator: str = "cpu") -> dict:
     env = {"TORCH_EXTENSIONS_DIR": str(torch_extensions_dir()), "OMP_NUM_THREADS": "1"}
     if accelerator == "cpu":

@@ -7,6 +7,7 @@ the same work dir resumes from the newest complete tag.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -40,6 +41,7 @@ def check_inputs(ctx: StageContext, cfg: FinetuneConfig) -> None:
     for split in ("train", "heldout"):
         if ctx.data_dir is None or not (Path(ctx.data_dir) / "sft" / f"{split}.jsonl").exists():
             problems.append(f"finetune: data {ctx.data_dir} lacks sft/{split}.jsonl (run the data stage)")
+    problems += nvme_problems(cfg)
     if problems:
         raise FinetuneInputError("; ".join(problems))
 
@@ -71,6 +73,27 @@ def worker_spec(ctx: StageContext, cfg: FinetuneConfig, out: Path, ds_config_pat
         "lora": cfg.lora.model_dump(), "gate_metric": gates.resolve_metric(cfg.gate, ctx.data_dir, "sft", "exact_match"),
         "overlong": cfg.overlong, "eval_batch_size": cfg.micro_batch_size,
     }
+
+
+def nvme_problems(cfg: FinetuneConfig) -> list[str]:
+    """ZeRO-Infinity needs a writable swap folder and libaio to build DeepSpeed's async I/O op (found before launch,
+    not minutes into the op build)."""
+    if not ds_config.uses_nvme(cfg):
+        return []
+    problems = []
+    folder = Path(cfg.zero.nvme_path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        problems.append(f"finetune.zero.nvme_path: cannot create {folder}: {e.strerror}")
+    else:
+        if not os.access(folder, os.W_OK):
+            problems.append(f"finetune.zero.nvme_path: {folder} is not writable")
+    if not engine_env.libaio_available():
+        problems.append("finetune.zero: nvme offload builds DeepSpeed's async I/O op against libaio, which is not "
+                        "installed (make system-deps: Debian's libaio-dev)")
+    return problems
+
 
 
 def prepare(ctx: StageContext, cfg: FinetuneConfig) -> tuple[list[str], dict, Path, int]:
@@ -131,6 +154,17 @@ def heldout_metrics(before: dict, after: dict) -> dict:
             for when, facts in (("before", before), ("after", after)) for k, v in facts.items()}
 
 
+def clear_nvme_swap(cfg: FinetuneConfig) -> int:
+    """DeepSpeed leaves its NVMe swap files (a copy of the partitions and optimizer states) behind; a finished run
+    removes them. Returns how many bytes they held (what was offloaded)."""
+    if not ds_config.uses_nvme(cfg):
+        return 0
+    swap = Path(cfg.zero.nvme_path) / "zero_stage_3"  # the only folder DeepSpeed writes there
+    size = sum(f.stat().st_size for f in swap.rglob("*") if f.is_file())
+    shutil.rmtree(swap, ignore_errors=True)
+    return size
+
+
 @task(name="finetune", cache_policy=NO_CACHE)
 def run_finetune(ctx: StageContext, cfg: FinetuneConfig) -> StageOutput:
     cmd, env, out, port = prepare(ctx, cfg)
@@ -140,6 +174,7 @@ def run_finetune(ctx: StageContext, cfg: FinetuneConfig) -> StageOutput:
         if port:
             remove_shm_segments(port)
     r = res.results()
+    swap_bytes = clear_nvme_swap(cfg)
     m = finalize(out, ctx, cfg, r)
     before, after = r["before"], r["after"]
     metric = json.loads((Path(ctx.work_dir) / "finetune_spec.json").read_text())["gate_metric"]
@@ -156,7 +191,8 @@ def run_finetune(ctx: StageContext, cfg: FinetuneConfig) -> StageOutput:
                  "peak_reserved_mb": r.get("peak_reserved_mb"),
                  "resumed_from_step": r.get("resumed_from"),
                  "step_time_s_last": last.get("step_time_s"), "tokens_per_s_last": last.get("tokens_per_s"),
-                 "seconds": round(res.seconds, 2)},
+                 "seconds": round(res.seconds, 2),
+                 **({"nvme_swap_bytes": swap_bytes} if ds_config.uses_nvme(cfg) else {})},
         eval={"metric": eval_name(metric), "before": before.get(metric), "after": after.get(metric)},
         extra={"zero": m["extra"]["deepspeed_config"]["zero_optimization"], "deepspeed_config":
                m["extra"]["deepspeed_config"], "tag": m["extra"]["tag"], "samples": r.get("samples")})

@@ -288,27 +288,20 @@ def peak_reserved_mb(device: str) -> float | None:
     return torch.cuda.max_memory_reserved() / 2**20 if device == "cuda" else None
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--spec", type=Path, required=True)
-    ap.add_argument("--local_rank", type=int, default=None)  # passed by the deepspeed launcher
-    args = ap.parse_args()
-    spec = json.loads(args.spec.read_text())
-    ds_config = json.loads(Path(spec["ds_config"]).read_text())
-    device = spec["device"]
-
-    timings = {"imports_s": time.time() - T_START}
+def init_process(spec: dict, timings: dict) -> tuple[int, int]:
     t = time.time()
-    deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo")
+    deepspeed.init_distributed(dist_backend="nccl" if spec["device"] == "cuda" else "gloo")
     timings["init_distributed_s"] = time.time() - t
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if device == "cuda":
+    if spec["device"] == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     torch.manual_seed(spec["seed"])
-    stage = ds_config["zero_optimization"]["stage"]
-    facts = {"world_size": world, "zero_stage": stage}
+    return dist.get_rank(), dist.get_world_size()
 
-    input_dir, data_dir, ckpt_dir = Path(spec["input"]), Path(spec["data_dir"]), Path(spec["output"])
+
+def load_data(spec: dict):
+    """The tokenizer, the encoded training examples (over-long ones dropped or truncated, counted), the held-out rows
+    and their encodings."""
+    input_dir, data_dir = Path(spec["input"]), Path(spec["data_dir"])
     tok = AutoTokenizer.from_pretrained(str(input_dir))
     train_rows = read_jsonl(data_dir / "sft" / "train.jsonl")
     heldout = read_jsonl(data_dir / "sft" / "heldout.jsonl")
@@ -317,9 +310,12 @@ def main() -> None:
     if not train:
         raise SystemExit(f"no training example fits in max_seq_length {spec['max_seq_length']} "
                          f"({length_counts['overlong_dropped']} dropped as over-long)")
+    return tok, train, heldout, held_ids, length_counts
 
+
+def build_engine(spec: dict, ds_config: dict, stage: int, timings: dict):
     t = time.time()
-    model = build_model(input_dir, ds_config, zero3=stage == 3 and spec.get("zero_init", True))
+    model = build_model(Path(spec["input"]), ds_config, zero3=stage == 3 and spec.get("zero_init", True))
     if spec.get("activation_checkpointing"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if spec["lora"]["enabled"]:
@@ -327,26 +323,14 @@ def main() -> None:
     groups = param_groups(model, ds_config["optimizer"]["params"]["weight_decay"])
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config)
     timings["model_and_engine_s"] = time.time() - t
-    dev = engine.device
-    vocab = engine.module.config.vocab_size
+    return engine
 
-    t = time.time()
-    before, _ = evaluate(engine, tok, heldout, held_ids, spec, stage == 3)
-    timings["eval_before_s"] = time.time() - t
-    start = resume(engine, ckpt_dir, rank, facts)
-    if start > spec["steps"]:
-        raise SystemExit(f"{ckpt_dir}: the checkpoint at step {start} is past steps={spec['steps']} "
-                         "(start in a fresh work dir)")
-    if rank == 0:
-        print(f"rank 0: {len(train)} training examples, {len(heldout)} held out; before {before}; {length_counts}; "
-              f"ZeRO-{stage}, {world} ranks, starting at step {start}; start-up "
-              + ", ".join(f"{k} {v:.1f}" for k, v in timings.items()), flush=True)
-        events.emit("result", before=before, resumed_from=start, train_examples=len(train), world_size=world,
-                    zero_stage=stage, **length_counts)
 
-    t_train = time.time()
+def train_steps(engine, tok, train: list, spec: dict, ds_config: dict, start: int, rank: int, world: int,
+                facts: dict) -> None:
+    """Steps start..steps: each rank's micro batches at their global sample positions; metrics; checkpoints."""
     steps, mb, ga = spec["steps"], ds_config["train_micro_batch_size_per_gpu"], ds_config["gradient_accumulation_steps"]
-    order_cache: dict = {}
+    ckpt_dir, dev, order_cache = Path(spec["output"]), engine.device, {}
     engine.train()
     for step in range(start, steps):
         t0 = time.time()
@@ -361,34 +345,81 @@ def main() -> None:
             engine.step()
             stop_if_not_finite(loss.item(), rank, step + 1, micro)
             loss_sum += loss.item()
-        step_time = time.time() - t0
         done = step + 1
         if done % spec["log_every"] == 0 or done == steps:
-            stats = torch.zeros(2 + world, dtype=torch.float64)
-            stats[0], stats[1], stats[2 + rank] = loss_sum / ga, tokens, peak_memory_mb(device)
-            dist.all_reduce(stats)  # gloo has no AVG: sum, then divide
-            if rank == 0:
-                mem = {f"peak_mem_mb_rank{r}": stats[2 + r].item() for r in range(world)}
-                events.metric(done, loss=stats[0].item() / world, lr=engine.get_lr()[0],
-                              tokens_per_s=stats[1].item() / step_time, step_time_s=step_time,
-                              peak_mem_mb_max=max(mem.values()), **mem)
-                events.progress(done, steps)
+            report_step(engine, done, steps, loss_sum / ga, tokens, time.time() - t0, spec["device"], rank, world)
         if done % spec["checkpoint_every"] == 0 or done == steps:
             save(engine, ckpt_dir, done, spec["keep_checkpoints"], rank, facts)
 
-    if start >= steps and rank == 0:
-        print(f"rank 0: checkpoint at step {start} already complete; nothing to train", flush=True)
-    timings["train_s"] = time.time() - t_train
+
+def report_step(engine, done: int, steps: int, loss: float, tokens: int, step_time: float, device: str, rank: int,
+                world: int) -> None:
+    stats = torch.zeros(2 + world, dtype=torch.float64)
+    stats[0], stats[1], stats[2 + rank] = loss, tokens, peak_memory_mb(device)
+    dist.all_reduce(stats)  # gloo has no AVG: sum, then divide
+    if rank == 0:
+        mem = {f"peak_mem_mb_rank{r}": stats[2 + r].item() for r in range(world)}
+        events.metric(done, loss=stats[0].item() / world, lr=engine.get_lr()[0],
+                      tokens_per_s=stats[1].item() / step_time, step_time_s=step_time,
+                      peak_mem_mb_max=max(mem.values()), **mem)
+        events.progress(done, steps)
+
+
+def finish(engine, tok, heldout: list, held_ids: list, spec: dict, stage: int, rank: int, timings: dict) -> None:
+    """Score again, write the in-memory model's probe logits (and the LoRA config the converter merges with)."""
+    ckpt_dir, dev, device = Path(spec["output"]), engine.device, spec["device"]
     after, samples = evaluate(engine, tok, heldout, held_ids, spec, stage == 3)
-    ids, logits = probe_logits(engine.module, vocab, dev)
+    ids, logits = probe_logits(engine.module, engine.module.config.vocab_size, dev)
     final_tag = complete_tags(ckpt_dir)[-1][1]
     if rank == 0:
         probe.save_reference(ckpt_dir, ids, logits, source=f"deepspeed ZeRO-{stage} engine, {final_tag}")
         if spec["lora"]["enabled"]:  # how the converter merges the adapters (r, lora_alpha, ...)
             engine.module.peft_config["default"].save_pretrained(str(ckpt_dir))
-        events.emit("result", after=after, samples=samples, tag=final_tag, steps=steps, timings=timings,
+        events.emit("result", after=after, samples=samples, tag=final_tag, steps=spec["steps"], timings=timings,
                     peak_mem_mb=peak_memory_mb(device), peak_reserved_mb=peak_reserved_mb(device))
     dist.barrier()
+
+
+def start_step(engine, tok, heldout: list, held_ids: list, spec: dict, facts: dict, rank: int, timings: dict,
+               counts: dict, n_train: int) -> int:
+    """Score the input, resume from the newest complete checkpoint, announce where training starts."""
+    stage, world = facts["zero_stage"], facts["world_size"]
+    t = time.time()
+    before, _ = evaluate(engine, tok, heldout, held_ids, spec, stage == 3)
+    timings["eval_before_s"] = time.time() - t
+    ckpt_dir = Path(spec["output"])
+    start = resume(engine, ckpt_dir, rank, facts)
+    if start > spec["steps"]:
+        raise SystemExit(f"{ckpt_dir}: the checkpoint at step {start} is past steps={spec['steps']} "
+                         "(start in a fresh work dir)")
+    if rank == 0:
+        print(f"rank 0: {n_train} training examples, {len(heldout)} held out; before {before}; {counts}; "
+              f"ZeRO-{stage}, {world} ranks, starting at step {start}; start-up "
+              + ", ".join(f"{k} {v:.1f}" for k, v in timings.items()), flush=True)
+        events.emit("result", before=before, resumed_from=start, train_examples=n_train, world_size=world,
+                    zero_stage=stage, **counts)
+    return start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--spec", type=Path, required=True)
+    ap.add_argument("--local_rank", type=int, default=None)  # passed by the deepspeed launcher
+    spec = json.loads(ap.parse_args().spec.read_text())
+    ds_config = json.loads(Path(spec["ds_config"]).read_text())
+    timings = {"imports_s": time.time() - T_START}
+    rank, world = init_process(spec, timings)
+    stage = ds_config["zero_optimization"]["stage"]
+    facts = {"world_size": world, "zero_stage": stage}
+    tok, train, heldout, held_ids, counts = load_data(spec)
+    engine = build_engine(spec, ds_config, stage, timings)
+    start = start_step(engine, tok, heldout, held_ids, spec, facts, rank, timings, counts, len(train))
+    t_train = time.time()
+    train_steps(engine, tok, train, spec, ds_config, start, rank, world, facts)
+    if start >= spec["steps"] and rank == 0:
+        print(f"rank 0: checkpoint at step {start} already complete; nothing to train", flush=True)
+    timings["train_s"] = time.time() - t_train
+    finish(engine, tok, heldout, held_ids, spec, stage, rank, timings)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import ClassVar, Literal
 
@@ -19,6 +20,9 @@ class PretrainConfig(TrainingConfig):
 
     tensor_parallel: int = Field(1, ge=1, description="--tensor-model-parallel-size")
     pipeline_parallel: int = Field(1, ge=1, description="--pipeline-model-parallel-size (1F1B schedule when > 1)")
+    virtual_pipeline_parallel: int | None = Field(
+        None, ge=1, description="--virtual-pipeline-model-parallel-size: model chunks per pipeline rank (interleaved "
+                                "1F1B, a smaller bubble); needs pipeline_parallel > 1")
     micro_batch_size: int = Field(8, ge=1, description="sequences per rank per forward/backward pass")
     global_batch_size: int | None = Field(16, ge=1, description="sequences per optimizer step, over all DP ranks")
     lr: float = Field(3e-3, gt=0, description="peak learning rate")
@@ -38,6 +42,9 @@ class PretrainConfig(TrainingConfig):
     eval_iters: int = Field(2, ge=1, description="global batches per held-out evaluation")
     transformer_impl: Literal["auto", "local", "transformer_engine"] = Field(
         "auto", description="layer spec; auto: transformer_engine on GPU when installed, else local")
+    fp8: Literal["none", "hybrid", "e4m3"] = Field(
+        "none", description="--fp8-format: FP8 GEMMs through Transformer Engine (Hopper or newer GPUs); hybrid: e4m3 "
+                            "forward, e5m2 gradients")
     peak_tflops_per_rank: float | None = Field(
         None, gt=0, description="peak dense TFLOP/s of one rank for MFU (default: by device, see worker)")
 
@@ -62,6 +69,7 @@ def validate(cfg: PretrainConfig, pipeline) -> list[str]:
         e.append(f"pretrain.tensor_parallel {tp}: model.ffn_hidden_size {m.ffn_hidden_size} is not divisible by it")
     if m.num_layers % pp:
         e.append(f"pretrain.pipeline_parallel {pp}: model.num_layers {m.num_layers} is not divisible by it")
+    e += virtual_pipeline_errors(cfg, m.num_layers)
     world = cfg.world_size()
     if world % (tp * pp):
         e.append(f"pretrain: {world} ranks (nproc_per_node {cfg.nproc_per_node} × nnodes {cfg.nnodes}) are not a "
@@ -101,4 +109,39 @@ def host_errors(cfg: PretrainConfig) -> list[str]:
                      "one single-threaded rank per core; more ranks than it can host")
         if cfg.transformer_impl == "transformer_engine":
             e.append("pretrain.transformer_impl transformer_engine needs a GPU")
+    return e + fp8_errors(cfg, device)
+
+
+def virtual_pipeline_errors(cfg: PretrainConfig, num_layers: int) -> list[str]:
+    """Interleaved 1F1B: every pipeline rank holds VP equal chunks of layers, and the micro batches of a step are
+    scheduled in groups of PP (Megatron refuses a remainder group smaller than PP)."""
+    vp, pp = cfg.virtual_pipeline_parallel, cfg.pipeline_parallel
+    if vp is None:
+        return []
+    if pp < 2:
+        return [f"pretrain.virtual_pipeline_parallel {vp} needs pipeline_parallel > 1 (it is {pp})"]
+    e = []
+    if num_layers % (pp * vp):
+        e.append(f"pretrain.virtual_pipeline_parallel {vp}: model.num_layers {num_layers} is not divisible by "
+                 f"pipeline_parallel × virtual_pipeline_parallel = {pp * vp}")
+    dp = cfg.data_parallel()
+    if dp >= 1 and cfg.accumulation() % pp:
+        e.append(f"pretrain.virtual_pipeline_parallel {vp}: the interleaved schedule needs micro batches per step "
+                 f"(global_batch_size / (micro_batch_size × data parallel) = {cfg.accumulation()}) to be a multiple "
+                 f"of pipeline_parallel {pp}")
     return e
+
+
+def fp8_errors(cfg: PretrainConfig, device: str) -> list[str]:
+    """FP8 runs only in Transformer Engine's kernels on a GPU: refused before launch anywhere else."""
+    if cfg.fp8 == "none":
+        return []
+    if device != "cuda":
+        return [f"pretrain.fp8 {cfg.fp8}: FP8 needs a GPU with Transformer Engine (Hopper or newer); this run's "
+                f"device is {device}"]
+    if cfg.transformer_impl == "local":
+        return [f"pretrain.fp8 {cfg.fp8}: needs transformer_impl transformer_engine or auto (the local layer spec has "
+                "no FP8 kernels)"]
+    if importlib.util.find_spec("transformer_engine") is None:
+        return [f"pretrain.fp8 {cfg.fp8}: Transformer Engine (transformer_engine) is not installed in this runtime"]
+    return []

@@ -25,9 +25,13 @@ PREFIX = "iter_"
 
 
 def layout() -> dict:
-    return {"tensor_parallel": ps.get_tensor_model_parallel_world_size(),
-            "pipeline_parallel": ps.get_pipeline_model_parallel_world_size(),
-            "data_parallel": ps.get_data_parallel_world_size()}
+    out = {"tensor_parallel": ps.get_tensor_model_parallel_world_size(),
+           "pipeline_parallel": ps.get_pipeline_model_parallel_world_size(),
+           "data_parallel": ps.get_data_parallel_world_size()}
+    vp = ps.get_virtual_pipeline_model_parallel_world_size()
+    if vp is not None:
+        out["virtual_pipeline_parallel"] = vp
+    return out
 
 
 def _rng_object() -> ShardedObject:
@@ -49,12 +53,14 @@ def _restore_rng(state: dict) -> None:
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def model_state(model) -> dict:
-    return model.sharded_state_dict()
+def model_state(chunks: list) -> dict:
+    """Megatron-LM's naming: `model` for one chunk, `model0`, `model1`, … for the interleaved schedule's chunks. The
+    sharded keys inside are global (layers at their global index), so any TP/PP/VP layout reads any other's."""
+    return {name: chunk.sharded_state_dict() for name, chunk in zip(model_state_names(chunks), chunks)}
 
 
 def weights_only(sharded: dict) -> dict:
-    """A model's sharded state without `_extra_state` entries (Transformer Engine / fp8 metadata, not weights):
+    """A chunk's sharded state without `_extra_state` entries (Transformer Engine / fp8 metadata, not weights):
     what a weights-only checkpoint such as an HF import provides."""
     return {k: v for k, v in sharded.items() if not k.endswith("_extra_state")}
 
@@ -94,13 +100,13 @@ def _restore_adam_steps(optimizer, loaded: dict) -> None:
             state["step"] = torch.tensor(step)
 
 
-def full_state(model, optimizer, scheduler, iteration: int, arch: dict, extra: dict, *, loading: bool,
+def full_state(chunks: list, optimizer, scheduler, iteration: int, arch: dict, extra: dict, *, loading: bool,
                with_rng: bool = True) -> dict:
-    model_sd = model_state(model)
+    model_sd = model_state(chunks)
     if loading:
         _prime_adam_state(optimizer)
     sd = {
-        "model": model_sd,
+        **model_sd,
         "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=OPTIMIZER_METADATA),
         "scheduler": scheduler.state_dict(),
         "iteration": iteration,
@@ -193,13 +199,14 @@ def read_info(ckpt: Path) -> dict:
     return json.loads((ckpt / STATE_FILE).read_text())
 
 
-def resume(ckpt: Path, model, optimizer, scheduler, arch: dict) -> dict:
+def resume(ckpt: Path, chunks: list, optimizer, scheduler, arch: dict) -> dict:
     """Load everything saved at ckpt into the live objects; RNG only when the TP/PP/DP layout is unchanged."""
     info = read_info(ckpt)
     same_layout = info.get("layout") == layout()
-    sd = full_state(model, optimizer, scheduler, info["iteration"], arch, {}, loading=True, with_rng=same_layout)
+    sd = full_state(chunks, optimizer, scheduler, info["iteration"], arch, {}, loading=True, with_rng=same_layout)
     loaded = dist_checkpointing.load(sd, str(ckpt))
-    model.load_state_dict(loaded["model"])
+    for name, chunk in zip(model_state_names(chunks), chunks):
+        chunk.load_state_dict(loaded[name])
     with torch.no_grad():
         optimizer.load_state_dict(loaded["optimizer"])
     _restore_adam_steps(optimizer, loaded["optimizer"])
@@ -209,15 +216,21 @@ def resume(ckpt: Path, model, optimizer, scheduler, arch: dict) -> dict:
     return info
 
 
-def load_weights(ckpt: Path, model) -> None:
-    """Model weights only (an input checkpoint: another run's output or an HF import), into any TP/PP layout."""
-    sharded = weights_only(model_state(model))
+def model_state_names(chunks: list) -> list[str]:
+    return ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+
+
+def load_weights(ckpt: Path, chunks: list) -> None:
+    """Model weights only (an input checkpoint: another run's output or an HF import), into any TP/PP/VP layout."""
+    sharded = {name: weights_only(sd) for name, sd in model_state(chunks).items()}
     loaded = dist_checkpointing.load(sharded, str(ckpt))
-    loaded = {k: loaded[k] for k in sharded}  # load() also returns the checkpoint's common (non-tensor) entries
-    missing, unexpected = model.load_state_dict(loaded, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
-    if missing or unexpected:
-        raise RuntimeError(f"{ckpt}: weights do not fit the model (missing {missing[:5]}, unexpected {unexpected[:5]})")
+    for (name, want), chunk in zip(sharded.items(), chunks):
+        weights = {k: loaded[name][k] for k in want}  # load() also returns the checkpoint's common entries
+        missing, unexpected = chunk.load_state_dict(weights, strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise RuntimeError(f"{ckpt}: weights do not fit the model (missing {missing[:5]}, "
+                               f"unexpected {unexpected[:5]})")
 
 
 def clean_partials(root: Path) -> None:

@@ -46,6 +46,8 @@ def transformer_config(arch: dict, cfg: dict, on_gpu: bool) -> TransformerConfig
         normalization="RMSNorm", layernorm_epsilon=arch["norm_eps"], gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=arch["init_std"],
         tensor_model_parallel_size=cfg["tensor_parallel"], pipeline_model_parallel_size=cfg["pipeline_parallel"],
+        virtual_pipeline_model_parallel_size=cfg.get("virtual_pipeline_parallel"),
+        fp8=None if cfg.get("fp8", "none") == "none" else cfg["fp8"],  # Transformer Engine's --fp8-format
         sequence_parallel=cfg["sequence_parallel"], bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype,
         use_cpu_initialization=not on_gpu, perform_initialization=True,
         recompute_granularity=None if recompute == "none" else recompute,
@@ -57,34 +59,47 @@ def transformer_config(arch: dict, cfg: dict, on_gpu: bool) -> TransformerConfig
     )
 
 
-def gpt_model(config: TransformerConfig, spec, arch: dict, padded_vocab: int, seq_length: int) -> GPTModel:
-    return GPTModel(
+def gpt_chunks(config: TransformerConfig, spec, arch: dict, padded_vocab: int, seq_length: int) -> list[GPTModel]:
+    """This rank's model chunks: one, or VP of them with the interleaved schedule (chunk i holds the layers of
+    virtual stage i; only the first chunk of the first stage embeds, only the last chunk of the last stage outputs)."""
+    vp = config.virtual_pipeline_model_parallel_size
+    stages = [None] if vp is None else list(range(vp))
+    return [GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=padded_vocab,
         max_sequence_length=max(seq_length, arch["seq_length"]),
-        pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+        pre_process=ps.is_pipeline_first_stage(ignore_virtual=vp is None, vp_stage=i),
+        post_process=ps.is_pipeline_last_stage(ignore_virtual=vp is None, vp_stage=i),
         share_embeddings_and_output_weights=arch["tie_word_embeddings"], parallel_output=True,
-        position_embedding_type="rope", rotary_base=int(arch["rope_theta"]),
-    )
+        position_embedding_type="rope", rotary_base=int(arch["rope_theta"]), vp_stage=i,
+    ) for i in stages]
 
 
-def wrap_ddp(model: GPTModel, config: TransformerConfig, cfg: dict) -> DistributedDataParallel:
+def wrap_ddp(chunks: list[GPTModel], config: TransformerConfig, cfg: dict) -> list[DistributedDataParallel]:
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=cfg["overlap_grad_reduce"],
         overlap_param_gather=cfg["overlap_param_gather"], use_distributed_optimizer=cfg["distributed_optimizer"],
     )
-    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
-    ddp.broadcast_params()  # identical replicas across DP, whatever each rank initialised
-    return ddp
+    wrapped = []
+    for i, chunk in enumerate(chunks):
+        # as Megatron-LM: only the first chunk's gradients are bucketed (the others reduce as one bucket each)
+        ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
+        ddp.broadcast_params()  # identical replicas across DP, whatever each rank initialised
+        wrapped.append(ddp)
+    return wrapped
 
 
-def optimizer_and_scheduler(ddp: DistributedDataParallel, config: TransformerConfig, cfg: dict):
+def _per_chunk(funcs: list):
+    return funcs[0] if len(funcs) == 1 else funcs
+
+
+def optimizer_and_scheduler(ddps: list[DistributedDataParallel], config: TransformerConfig, cfg: dict):
     opt_config = OptimizerConfig(
         optimizer="adam", lr=cfg["lr"], min_lr=cfg["min_lr"], weight_decay=cfg["weight_decay"],
         adam_beta1=cfg["adam_beta1"], adam_beta2=cfg["adam_beta2"], clip_grad=cfg["grad_clip"],
         bf16=cfg["precision"] == "bf16", fp16=cfg["precision"] == "fp16", params_dtype=config.params_dtype,
         use_distributed_optimizer=cfg["distributed_optimizer"], overlap_param_gather=cfg["overlap_param_gather"],
     )
-    optimizer = get_megatron_optimizer(opt_config, [ddp])
+    optimizer = get_megatron_optimizer(opt_config, ddps)
     steps = cfg["steps"]
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=cfg["lr"], min_lr=cfg["min_lr"], lr_warmup_steps=cfg["warmup_steps"],
@@ -95,10 +110,10 @@ def optimizer_and_scheduler(ddp: DistributedDataParallel, config: TransformerCon
     config.grad_scale_func = optimizer.scale_loss
     config.finalize_model_grads_func = finalize_model_grads
     if cfg["overlap_grad_reduce"]:
-        config.no_sync_func = ddp.no_sync
-        config.grad_sync_func = ddp.start_grad_sync
+        config.no_sync_func = _per_chunk([d.no_sync for d in ddps])
+        config.grad_sync_func = _per_chunk([d.start_grad_sync for d in ddps])
     if cfg["overlap_param_gather"]:
-        config.param_sync_func = ddp.start_param_sync
+        config.param_sync_func = _per_chunk([d.start_param_sync for d in ddps])
     return optimizer, scheduler
 
 

@@ -132,6 +132,12 @@ def gate(out: Path, r: dict, dtype: str = "float32") -> dict:
     return verify.report(checks)
 
 
+def backend(cfg: PretrainConfig, device: str) -> str:
+    vp = f"(VP{cfg.virtual_pipeline_parallel} interleaved)" if cfg.virtual_pipeline_parallel else ""
+    fp8 = f" fp8 {cfg.fp8}" if cfg.fp8 != "none" else ""
+    return f"TP{cfg.tensor_parallel}×PP{cfg.pipeline_parallel}{vp}×DP{cfg.data_parallel()} {device}{fp8}"
+
+
 def _median(values):
     return statistics.median(values) if values else None
 
@@ -153,7 +159,7 @@ def run_pretrain(ctx: StageContext, cfg: PretrainConfig) -> StageOutput:
     before, after = r.get("heldout_before"), r.get("heldout_after")
     return StageOutput(
         output=out, engine="megatron-core",
-        backend=f"TP{cfg.tensor_parallel}×PP{cfg.pipeline_parallel}×DP{cfg.data_parallel()} {spec['device']}",
+        backend=backend(cfg, spec["device"]),
         gate=gate(out, r, cfg.torch_dtype()),
         metrics={"loss_first": r.get("loss_first"), "loss_last": train[-1]["loss"] if train else None,
                  "heldout_loss": after[1] if after else None, "heldout_ppl": after[2] if after else None,
@@ -163,6 +169,6 @@ def run_pretrain(ctx: StageContext, cfg: PretrainConfig) -> StageOutput:
                  "resumed_from": r.get("resumed_from"),
                  **{k: v for k, v in r.items() if k.startswith(("peak_mem_mb", "peak_gpu_"))}},
         eval={"metric": "heldout_ppl", "before": before[2] if before else None, "after": after[2] if after else None},
-        extra={"layout": r.get("layout"), "padded_vocab_size": spec["padded_vocab_size"],
+        extra={"layout": r.get("layout"), "padded_vocab_size": spec["padded_vocab_size"], "fp8": cfg.fp8,
                "peak_tflops_source": r.get("peak_tflops_source")},
     )

@@ -76,76 +76,101 @@ class Run:
 
     # ---- the recipe ------------------------------------------------------------------------------------------
     def main(self) -> None:
+        self.init_parallel()
+        self.init_data()
+        n_params, impl = self.init_model()
+        start, state = self.starting_point(n_params, impl)
+        peak, peak_src = self.train(start, state)
+        self.finish(self.cfg["steps"], state, peak, peak_src)
+
+    def init_parallel(self) -> None:
         import torch
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
-        from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-        import mcore_checkpoint as ckpt
-        import mcore_data as data
-        import mcore_model as mm
-
-        cfg, arch, spec = self.cfg, self.arch, self.spec
-        tp, pp = cfg["tensor_parallel"], cfg["pipeline_parallel"]
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        cfg, spec = self.cfg, self.spec
+        tp, pp, vp = cfg["tensor_parallel"], cfg["pipeline_parallel"], cfg.get("virtual_pipeline_parallel")
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                     virtual_pipeline_model_parallel_size=vp)
         self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         self.is_last = ps.is_pipeline_last_stage()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
-        seed = spec["seed"]
-        torch.manual_seed(seed)
-        model_parallel_cuda_manual_seed(seed)
-        self.log(f"world {dist.get_world_size()}: TP={tp} PP={pp} DP={self.dp}, device "
-                 f"{self.device.type}, {cfg['precision']}, seq {spec['seq_length']}, micro {cfg['micro_batch_size']}, "
-                 f"global {cfg['global_batch_size']}, {cfg['steps']} steps")
+        torch.manual_seed(spec["seed"])
+        model_parallel_cuda_manual_seed(spec["seed"])
+        self.log(f"world {dist.get_world_size()}: TP={tp} PP={pp}{f' (VP={vp}, interleaved)' if vp else ''} "
+                 f"DP={self.dp}, device {self.device.type}, {cfg['precision']}, fp8 {cfg.get('fp8', 'none')}, seq "
+                 f"{spec['seq_length']}, micro {cfg['micro_batch_size']}, global {cfg['global_batch_size']}, "
+                 f"{cfg['steps']} steps")
 
-        # data
+    def init_data(self) -> None:
+        import mcore_data as data
+
+        cfg, spec = self.cfg, self.spec
         self.tokenizer = data.HFTokenizer(Path(spec["data_dir"]) / "tokenizer")
         prefixes = data.prepare(Path(spec["data_dir"]), self.work / "data", self.tokenizer)
-        gbs, mbs, steps = cfg["global_batch_size"], cfg["micro_batch_size"], cfg["steps"]
+        gbs, mbs = cfg["global_batch_size"], cfg["micro_batch_size"]
         self.num_micro = gbs // (mbs * self.dp)
         self.train_ds, self.heldout_ds = data.build_datasets(
-            prefixes, self.tokenizer, spec["seq_length"], seed, train_samples=steps * gbs,
+            prefixes, self.tokenizer, spec["seq_length"], spec["seed"], train_samples=cfg["steps"] * gbs,
             eval_samples=cfg["eval_iters"] * gbs, cache_dir=self.work / "data" / "cache")
 
-        # model, optimizer, schedule
+    def init_model(self) -> tuple[float, str]:
+        """This rank's model chunks (one, or VP with the interleaved schedule), their DDP wrappers, optimizer, LR."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        import mcore_model as mm
+
+        cfg, arch = self.cfg, self.arch
         self.spec_layers, impl = mm.layer_spec(cfg["transformer_impl"], self.on_gpu)
         self.tconfig = mm.transformer_config(arch, cfg, self.on_gpu)
-        self.padded_vocab = spec["padded_vocab_size"]
-        self.model = self.new_model()
-        self.ddp = mm.wrap_ddp(self.model, self.tconfig, cfg)
-        self.optimizer, self.scheduler = mm.optimizer_and_scheduler(self.ddp, self.tconfig, cfg)
+        self.padded_vocab = self.spec["padded_vocab_size"]
+        self.chunks = self.new_model()
+        self.ddps = mm.wrap_ddp(self.chunks, self.tconfig, cfg)
+        self.optimizer, self.scheduler = mm.optimizer_and_scheduler(self.ddps, self.tconfig, cfg)
         self.fb = get_forward_backward_func()
-        n_params = self.to_rank0([float(sum(p.numel() for p in self.model.parameters()))], owner=self.dp_rank == 0)[0]
+        local = sum(p.numel() for chunk in self.chunks for p in chunk.parameters())
+        n_params = self.to_rank0([float(local)], owner=self.dp_rank == 0)[0]
         self.log(f"GPTModel ({impl} layer spec): {int(n_params):,} parameters over TP×PP, "
-                 f"vocab {arch['vocab_size']} padded to {self.padded_vocab}")
+                 f"{len(self.chunks)} chunk(s) per rank, vocab {arch['vocab_size']} padded to {self.padded_vocab}")
+        return n_params, impl
 
-        # where to start: our own newest checkpoint, else the input's weights, else the random init
+    def starting_point(self, n_params: float, impl: str) -> tuple[int, dict]:
+        """Our own newest checkpoint, else the input's weights, else the random init."""
+        import mcore_checkpoint as ckpt
+
         ckpt.clean_partials(self.ckpt_root)
         state = {"loss_first": None, "heldout": [], "train_seconds": 0.0}
         start = 0
         last = ckpt.latest(self.ckpt_root)
         if last is not None:
-            info = ckpt.resume(last, self.model, self.optimizer, self.scheduler, arch)
+            info = ckpt.resume(last, self.chunks, self.optimizer, self.scheduler, self.arch)
             start = info["iteration"]
             state.update({k: info[k] for k in state if k in info})
             self.log(f"resumed from {last.name} (iteration {start}, layout {info.get('layout')})")
-        elif spec.get("input"):
-            ckpt.load_weights(Path(spec["input"]), self.model)
+        elif self.spec.get("input"):
+            ckpt.load_weights(Path(self.spec["input"]), self.chunks)
             self.optimizer.reload_model_params()
-            self.log(f"initialised from the weights of {spec['input']}")
-            self.check_input_parity(Path(spec["input"]))
+            self.log(f"initialised from the weights of {self.spec['input']}")
+            self.check_input_parity(Path(self.spec["input"]))
         self.events().emit("result", resumed_from=start, parameters=int(n_params), layer_spec=impl)
+        return start, state
 
+    def train(self, start: int, state: dict) -> tuple[float, str]:
+        import torch.distributed as dist
+
+        import mcore_model as mm
+
+        cfg, spec = self.cfg, self.spec
+        steps = cfg["steps"]
         peak, peak_src = mm.peak_tflops(cfg, self.on_gpu)
         world = dist.get_world_size()
-        fpt = mm.flops_per_token(arch, self.padded_vocab, spec["seq_length"])
-        tokens_per_step = gbs * spec["seq_length"]
+        fpt = mm.flops_per_token(self.arch, self.padded_vocab, spec["seq_length"])
+        tokens_per_step = cfg["global_batch_size"] * spec["seq_length"]
         self.log(f"MFU against {peak} TFLOP/s per rank ({peak_src}) × {world} ranks; "
                  f"{fpt / 1e6:.2f} MFLOP per token")
         if start == 0:
             self.evaluate(0, state)
-
         for it in range(start, steps):  # a re-run after the last step skips straight to finish()
             t0 = time.time()
             loss, grad_norm = self.train_step(it)
@@ -154,24 +179,31 @@ class Run:
             step = it + 1
             if state["loss_first"] is None:
                 state["loss_first"] = loss
-            lr = self.optimizer.param_groups[0]["lr"]
             tps = tokens_per_step / step_time
-            mfu = fpt * tps / (peak * 1e12 * world)
             if self.rank == 0:
-                self.events().metric(step, loss=loss, lr=lr, grad_norm=grad_norm, tokens_per_s=tps,
-                                     step_time_s=step_time, mfu=mfu)
+                self.events().metric(step, loss=loss, lr=self.optimizer.param_groups[0]["lr"], grad_norm=grad_norm,
+                                     tokens_per_s=tps, step_time_s=step_time, mfu=fpt * tps / (peak * 1e12 * world))
                 self.events().progress(step, steps)
             if step % cfg["eval_interval"] == 0 or step == steps:
                 self.evaluate(step, state)
             if step % cfg["checkpoint_every"] == 0 or step == steps:
                 self.save(step, state)
-        self.finish(steps, state, peak, peak_src)
+        return peak, peak_src
 
-    def new_model(self):
+    def new_model(self) -> list:
         import mcore_model as mm
 
-        m = mm.gpt_model(self.tconfig, self.spec_layers, self.arch, self.padded_vocab, self.spec["seq_length"])
-        return m.to(self.device)
+        chunks = mm.gpt_chunks(self.tconfig, self.spec_layers, self.arch, self.padded_vocab, self.spec["seq_length"])
+        return [chunk.to(self.device) for chunk in chunks]
+
+    def schedule(self, step_func, batches, num_micro: int, seq_length: int, micro_batch_size: int,
+                 forward_only: bool):
+        """One pass of the pipeline schedule over every chunk; each chunk reads its own copy of the micro batches
+        (the interleaved schedule runs them in its own order; only the first and last stage use the data)."""
+        iterators = [batches() for _ in self.ddps]
+        return self.fb(forward_step_func=step_func, data_iterator=iterators if len(iterators) > 1 else iterators[0],
+                       model=self.ddps, num_microbatches=num_micro, seq_length=seq_length,
+                       micro_batch_size=micro_batch_size, forward_only=forward_only)
 
     # ---- one step ----------------------------------------------------------------------------------------------
     def forward_step(self, data_iterator, model):
@@ -209,12 +241,12 @@ class Run:
         return total / max(tokens, 1.0)
 
     def train_step(self, it: int) -> tuple[float, float]:
-        self.ddp.train()
-        self.ddp.zero_grad_buffer()
+        for ddp in self.ddps:
+            ddp.train()
+            ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        reduced = self.fb(forward_step_func=self.forward_step, data_iterator=self.batches(self.train_ds, it),
-                          model=[self.ddp], num_microbatches=self.num_micro, seq_length=self.spec["seq_length"],
-                          micro_batch_size=self.cfg["micro_batch_size"], forward_only=False)
+        reduced = self.schedule(self.forward_step, lambda: self.batches(self.train_ds, it), self.num_micro,
+                                self.spec["seq_length"], self.cfg["micro_batch_size"], forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             raise RuntimeError(f"optimizer step {it + 1} failed (non-finite gradients)")
@@ -224,14 +256,13 @@ class Run:
     def evaluate(self, step: int, state: dict) -> None:
         import torch
 
-        self.ddp.eval()
+        for ddp in self.ddps:
+            ddp.eval()
         total = []
         with torch.no_grad():
             for i in range(self.cfg["eval_iters"]):
-                total += self.fb(forward_step_func=self.forward_step, data_iterator=self.batches(self.heldout_ds, i),
-                                 model=[self.ddp], num_microbatches=self.num_micro,
-                                 seq_length=self.spec["seq_length"], micro_batch_size=self.cfg["micro_batch_size"],
-                                 forward_only=True)
+                total += self.schedule(self.forward_step, lambda: self.batches(self.heldout_ds, i), self.num_micro,
+                                       self.spec["seq_length"], self.cfg["micro_batch_size"], forward_only=True)
         loss = self.reduce_loss(total)
         ppl = math.exp(min(loss, 50.0))
         state["heldout"].append([step, loss, ppl])
@@ -245,7 +276,7 @@ class Run:
 
         t0 = time.time()
         extra = {"layout": ckpt.layout(), "consumed_samples": step * self.cfg["global_batch_size"]}
-        sd = ckpt.full_state(self.model, self.optimizer, self.scheduler, step, self.arch_for_checkpoint(),
+        sd = ckpt.full_state(self.chunks, self.optimizer, self.scheduler, step, self.arch_for_checkpoint(),
                              extra, loading=False)
         path = ckpt.save(self.ckpt_root, step, sd, {**extra, **state}, self.cfg["keep_checkpoints"])
         self.log(f"saved {path.name} in {time.time() - t0:.1f}s")
@@ -255,8 +286,10 @@ class Run:
                 "kv_channels": self.arch["hidden_size"] // self.arch["num_attention_heads"]}
 
     # ---- the end: output folder, probe logits, L1 -----------------------------------------------------------------
-    def probe_logits(self, model):
-        """Logits of `model` on the fixed probe batch, gathered over TP, padded vocab rows dropped (last stage)."""
+    def probe_logits(self, chunks: list):
+        """Logits of the model (its chunks on this rank) on the fixed probe batch, gathered over TP, padded vocab
+        rows dropped (last stage). The interleaved schedule needs at least PP micro batches: the probe is repeated
+        and the first one's logits kept."""
         import torch
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
@@ -269,9 +302,12 @@ class Run:
             next(data_iterator)
             return m(ids, positions, None), None  # no loss function: the schedule hands back the logits
 
-        model.eval()
+        repeats = self.cfg["pipeline_parallel"] if len(chunks) > 1 else 1
+        for chunk in chunks:
+            chunk.eval()
         with torch.no_grad():
-            out = self.fb(forward_step_func=step, data_iterator=iter([None]), model=[model], num_microbatches=1,
+            out = self.fb(forward_step_func=step, data_iterator=[iter([None] * repeats) for _ in chunks]
+                          if len(chunks) > 1 else iter([None]), model=chunks, num_microbatches=repeats,
                           seq_length=ids.shape[1], micro_batch_size=ids.shape[0], forward_only=True)
         if not self.is_last:
             return ids, None
@@ -287,7 +323,7 @@ class Run:
         if not ref.exists():
             return
         ref_ids, ref_logits = probe.load_reference(ref)
-        ids, logits = self.probe_logits(self.ddp)
+        ids, logits = self.probe_logits(self.ddps)
         owner = logits is not None and self.tp_rank == 0 and self.dp_rank == 0
         diff, agree = 0.0, 0.0
         if owner:
@@ -322,7 +358,7 @@ class Run:
                         shutil.copy2(f, dest)
         dist.barrier()
 
-        ids, logits = self.probe_logits(self.ddp)
+        ids, logits = self.probe_logits(self.ddps)
         writer = self.is_last and self.tp_rank == 0 and self.dp_rank == 0
         if writer:
             probe.save_reference(out, ids.cpu(), logits, source=f"megatron-core GPTModel, iteration {steps}")
@@ -330,10 +366,11 @@ class Run:
         # L1: a fresh model loaded from the checkpoint must equal the trained one, weights and logits
         fresh = self.new_model()
         ckpt.load_weights(final, fresh)
-        trained = dict(self.model.named_parameters())
         param_diff = 0.0
-        for name, p in fresh.named_parameters():
-            param_diff = max(param_diff, (p.detach().float() - trained[name].detach().float()).abs().max().item())
+        for chunk, trained_chunk in zip(fresh, self.chunks):
+            trained = dict(trained_chunk.named_parameters())
+            for name, p in chunk.named_parameters():
+                param_diff = max(param_diff, (p.detach().float() - trained[name].detach().float()).abs().max().item())
         _, fresh_logits = self.probe_logits(fresh)
         logit_diff = (fresh_logits - logits).abs().max().item() if writer else 0.0
         param_diff = self.max_all(param_diff)

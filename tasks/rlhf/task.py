@@ -137,7 +137,8 @@ def worker_command(ctx: StageContext, cfg: RlhfConfig, out: Path) -> list[str]:
             "--max-seq-length", str(cfg.max_seq_length or ctx.model.get("seq_length", 128)), "--overlong", cfg.overlong,
             "--reference", cfg.reference,
             "--num-generations", str(cfg.num_generations), "--max-completion-length", str(cfg.max_completion_length),
-            "--seed", str(ctx.seed), "--stage", ctx.stage]
+            "--seed", str(ctx.seed), "--stage", ctx.stage,
+            "--checkpoint-every", str(cfg.checkpoint_every), "--keep-checkpoints", str(cfg.keep_checkpoints)]
     if cfg.reference_model:
         args += ["--reference-model", str(cfg.reference_model)]
     runtime = stage_runtime(ctx)
@@ -160,7 +161,8 @@ def run_trl(ctx: StageContext, cfg: RlhfConfig) -> StageOutput:
     _fresh(trained)
     res = ctx.launch(worker_command(ctx, cfg, partial), name=f"rlhf-trl-{cfg.algorithm}", timeout=cfg.timeout_s,
                      env={"OMP_NUM_THREADS": "1"} if cfg.world_size() > 1 else None)
-    shutil.rmtree(work / f"{partial.name}.trl", ignore_errors=True)  # trainer scratch (no checkpoints are saved)
+    # TRL's checkpoints outlive a failed attempt (the next one resumes from them), not a finished one
+    shutil.rmtree(work / f"{partial.name}.trl", ignore_errors=True)
     partial.rename(trained)
     facts = res.results()
     if cfg.algorithm == "rm":
@@ -170,6 +172,7 @@ def run_trl(ctx: StageContext, cfg: RlhfConfig) -> StageOutput:
                                          "overlong_dropped", "overlong_truncated", "heldout_loss_before",
                                          "heldout_loss_after")}
     metrics["peak_mem_mb_max"] = facts.get("peak_mem_mb")
+    metrics["resumed_from_step"] = facts.get("resumed_from")
     metrics.update({f"{facts.get('metric')}_{k}": facts.get(k) for k in ("before", "after")})
     ev, eval_check = gate_eval(cfg, ctx, facts)
     if margins:

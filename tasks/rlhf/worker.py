@@ -13,6 +13,7 @@ import argparse
 import resource
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -52,6 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-completion-length", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dataloader-workers", type=int, default=0)
+    ap.add_argument("--checkpoint-every", type=int, default=0, help="steps between TRL checkpoints (0: none)")
+    ap.add_argument("--keep-checkpoints", type=int, default=2)
     ap.add_argument("--stage", default="rlhf")
     ap.add_argument("--evaluate", action="store_true", help="only measure --output against --input (no training)")
     return ap.parse_args(argv)
@@ -168,12 +171,72 @@ def common_args(a: argparse.Namespace, work: Path) -> dict:
     return dict(output_dir=str(work), max_steps=a.steps, per_device_train_batch_size=a.micro_batch_size,
                 gradient_accumulation_steps=a.gradient_accumulation_steps, learning_rate=a.lr,
                 lr_scheduler_type=a.lr_schedule, warmup_steps=a.warmup_steps, weight_decay=a.weight_decay,
-                max_grad_norm=a.grad_clip if a.grad_clip > 0 else None, logging_steps=1, save_strategy="no", report_to=[], seed=a.seed, data_seed=a.seed,
+                max_grad_norm=a.grad_clip if a.grad_clip > 0 else None, logging_steps=1, report_to=[], seed=a.seed,
+                data_seed=a.seed, **checkpoint_args(a),
                 disable_tqdm=True, dataloader_num_workers=a.dataloader_workers, use_cpu=cpu,
                 # TRL defaults to bf16 autocast and activation checkpointing: on CPU that is ~10x slower and inexact
                 bf16=a.precision == "bf16", fp16=a.precision == "fp16", gradient_checkpointing=False,
                 ddp_backend="gloo" if WORLD_SIZE > 1 and cpu else None,
                 ddp_find_unused_parameters=False if WORLD_SIZE > 1 else None)
+
+
+# ---- checkpoints: TRL's own (model, optimizer, scheduler, RNG, trainer state), marked complete by us ---------------
+COMPLETE = "baton_complete.json"   # written last, atomically: the checkpoint's files and sizes
+
+
+def checkpoint_args(a: argparse.Namespace) -> dict:
+    if a.checkpoint_every <= 0:
+        return {"save_strategy": "no"}
+    return {"save_strategy": "steps", "save_steps": a.checkpoint_every, "save_total_limit": a.keep_checkpoints}
+
+
+def _files(ckpt: Path) -> dict[str, int]:
+    return {str(f.relative_to(ckpt)): f.stat().st_size for f in sorted(ckpt.rglob("*"))
+            if f.is_file() and not f.name.startswith(COMPLETE)}
+
+
+def mark_complete(ckpt: Path) -> None:
+    tmp = ckpt / f"{COMPLETE}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"files": _files(ckpt)}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, ckpt / COMPLETE)
+
+
+def is_complete(ckpt: Path) -> bool:
+    try:
+        listed = json.loads((ckpt / COMPLETE).read_text())["files"]
+    except (OSError, ValueError, KeyError):
+        return False
+    return bool(listed) and all((ckpt / n).is_file() and (ckpt / n).stat().st_size == size
+                                for n, size in listed.items())
+
+
+def _step_of(ckpt: Path) -> int:
+    return int(ckpt.name.split("-")[-1])
+
+
+def newest_complete(work: Path) -> Path | None:
+    """The newest complete `checkpoint-N` of an earlier attempt; incomplete ones (a killed save) are deleted."""
+    found = [p for p in work.glob("checkpoint-*") if p.is_dir() and p.name.split("-")[-1].isdigit()]
+    complete = sorted((p for p in found if is_complete(p)), key=_step_of)
+    if RANK == 0:
+        for p in found:
+            if p not in complete:
+                shutil.rmtree(p, ignore_errors=True)
+    return complete[-1] if complete else None
+
+
+def checkpoint_callback():
+    from transformers import TrainerCallback
+
+    class MarkComplete(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            if state.is_world_process_zero:
+                mark_complete(Path(args.output_dir) / f"checkpoint-{state.global_step}")
+
+    return MarkComplete()
 
 
 # ---- the three recipes -----------------------------------------------------------------------------------------------
@@ -332,9 +395,14 @@ def main(argv=None) -> None:
         before = before_facts(a, tok, held_pairs)
         events.metric(0, **before)
 
-    trainer = TRAINERS[a.algorithm](a, tok, train_pairs, a.output.parent / (a.output.name + ".trl"))
+    work = a.output.parent / (a.output.name + ".trl")
+    resume = newest_complete(work) if a.checkpoint_every > 0 else None
+    trainer = TRAINERS[a.algorithm](a, tok, train_pairs, work)
     trainer.remove_callback(PrinterCallback)  # our callback streams the same logs as events
-    trainer.train()
+    trainer.add_callback(checkpoint_callback())
+    if RANK == 0:
+        events.emit("result", resumed_from=_step_of(resume) if resume else 0)
+    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     trainer.accelerator.wait_for_everyone()
 
     if RANK == 0:
