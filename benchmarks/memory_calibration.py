@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from conversions import events  # noqa: E402
+from tasks import events  # noqa: E402
 from flows.config import ModelConfig  # noqa: E402
 from tasks import memory_plan as mp  # noqa: E402
 

@@ -48,7 +48,7 @@ def baton_run(home: Path, sets: list[str], stages: str) -> tuple[float, dict]:
 
 
 def step_times(lines) -> list[float]:
-    from conversions import events
+    from tasks import events
 
     out = []
     for line in lines:

@@ -44,7 +44,7 @@ def _convert(src_fmt: str, dst_fmt: str, source_stage: str | None, implicit: boo
 
 
 CORE_CODE = ("conversions/manifest.py", "conversions/hf.py", "conversions/probe.py", "conversions/verify.py",
-             "conversions/events.py", "conversions/chat.py", "tasks/launch.py", "tasks/stage.py", "tasks/gates.py")
+             "tasks/events.py", "conversions/chat.py", "tasks/launch.py", "tasks/stage.py", "tasks/gates.py")
 
 
 def _code_digest(*paths: str) -> str:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from conversions import events
+from tasks import events
 
 log = logging.getLogger("baton.launch")
 _active: set[subprocess.Popen] = set()

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conversions import events, hf, manifest as mf
+from conversions import hf, manifest as mf
+from tasks import events
 from tasks.convert.config import ConvertConfig
 from tasks.distributed import remove_shm_segments
 from tasks.finetune.config import FinetuneConfig

@@ -29,7 +29,7 @@ def test_the_pod_command_runs_the_real_worker(stage, tmp_path, data_dir, hf_chec
     import subprocess
     import sys
 
-    from conversions import events
+    from tasks import events
     from flows.config import load
     from flows.k8s import IMAGE_ROOT, SPEC_DIR, Cluster, manifests
     from tasks.distributed import free_port

@@ -19,7 +19,7 @@ def _script(tmp_path, body: str):
 def test_events_and_lines_are_streamed(tmp_path):
     cmd = _script(tmp_path, """
         import sys; sys.path.insert(0, %r)
-        from conversions import events
+        from tasks import events
         print("hello")
         for s in range(3):
             events.metric(s, loss=3.0 - s)

@@ -198,7 +198,7 @@ def test_reads_consolidated_weights_and_adds_the_tokenizer(tmp_path, hf_checkpoi
         "uv", "run", "python", "examples/converters/convert_dcp_to_hf.py", "--config", str(step / "config.yaml"),
         "--dcp-ckpt-path", str(step / "policy" / "weights"), "--hf-ckpt-path", str(tmp_path / "hf")]
 
-    from conversions import events
+    from tasks import events
     from tasks.rlhf import worker
 
     capsys.readouterr()

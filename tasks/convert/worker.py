@@ -6,7 +6,8 @@ import json
 import time
 from pathlib import Path
 
-from conversions import events, hf, manifest as mf, registry
+from conversions import hf, manifest as mf, registry
+from tasks import events
 
 
 def main() -> None:

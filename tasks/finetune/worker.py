@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoTokenizer
 
-from conversions import chat, events, hf, probe
+from conversions import chat, hf, probe
+from tasks import events
 
 COMPLETE = "baton_complete.json"
 TAG_PREFIX = "global_step"

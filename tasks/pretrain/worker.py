@@ -61,7 +61,7 @@ class Run:
             print(msg, flush=True)
 
     def events(self):
-        from conversions import events
+        from tasks import events
 
         return events
 

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from conversions import chat, events, hf, manifest as mf
+from conversions import chat, hf, manifest as mf
+from tasks import events
 
 RANK = int(os.environ.get("RANK", "0"))
 WORLD_SIZE = int(os.environ.get("WORLD_SIZE", "1"))

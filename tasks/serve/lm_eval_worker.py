@@ -12,7 +12,7 @@ import os
 import time
 from pathlib import Path
 
-from conversions import events
+from tasks import events
 
 
 def main() -> None:

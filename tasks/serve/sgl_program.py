@@ -12,7 +12,7 @@ import re
 import sys
 from pathlib import Path
 
-from conversions import events
+from tasks import events
 
 CATEGORIES = ["fruit", "animal", "color", "city"]
 WORDS = ["apple", "tiger", "paris", "purple", "mango", "wolf", "lima", "green"]
