@@ -35,13 +35,13 @@ def own_tokenizer(dest: Path, texts: list[str]):
     return fast
 
 
-def own_model(dest: Path, family: str, texts: list[str]) -> Path:
+def own_model(dest: Path, family: str, texts: list[str], hidden: int = 64) -> Path:
     """A random-init HF model from its config, saved as any HF user would (no baton manifest)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     tok = own_tokenizer(dest, texts)
-    common = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    common = dict(vocab_size=len(tok), hidden_size=hidden, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     torch.manual_seed(0)
@@ -196,3 +196,18 @@ tracking: {{experiment: cont, registered_model: cont-model}}
     assert mf.sha256_file(out / "tokenizer.json") == mf.sha256_file(ckpt / "tokenizer.json")
     assert json.loads((out / "config.json").read_text())["vocab_size"] == json.loads(
         (ckpt / "config.json").read_text())["vocab_size"]
+
+
+@pytest.mark.slow
+@pytest.mark.serve
+def test_own_model_served_by_vllm_after_the_chain(workspace, baton_home):
+    tmp_path, files, texts = workspace
+    ckpt = own_model(tmp_path / "qwen2", "qwen2", texts, hidden=128)  # head_dim 32: vLLM's CPU attention has no 16
+    assert baton("manifest", str(ckpt), home=baton_home, timeout=300).returncode == 0
+    r = baton("run", str(write_config(tmp_path / "own.yaml", files)), "--from", str(ckpt),
+              "--stages", "data,rlhf,finetune,serve", "--set", "serve.engine=vllm",
+              "--set", "serve.smoke.json_requests=4", home=baton_home, timeout=3000)
+    summary = summary_of(baton_home, r.stdout)
+    assert r.returncode == 0, (r.stderr[-3000:], json.dumps(summary, indent=1)[-4000:])
+    serve = next(s for s in summary["stages"] if s["name"] == "serve")
+    assert serve["status"] == "completed" and serve["gate"]["passed"], serve["gate"]
