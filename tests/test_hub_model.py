@@ -12,7 +12,7 @@ import pytest
 
 from conftest import TINY, baton
 
-pytestmark = pytest.mark.fast
+pytestmark = pytest.mark.slow  # starts the CLI several times (seconds each)
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
