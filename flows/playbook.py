@@ -11,6 +11,7 @@ from pathlib import Path
 
 import yaml
 
+from conversions import durable
 from tasks import memory_plan as mp
 
 TRAINING_STAGES = ("pretrain", "rlhf", "finetune")
@@ -149,14 +150,7 @@ def write_block(p: mp.Plan, dest: str, with_model: bool) -> None:
     if dest == "-":
         print(text, end="")
         return
-    path = Path(dest)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    print(f"wrote {path}")
+    print(f"wrote {durable.write_text(Path(dest), text)}")
 
 
 def add_doctor_parser(sub) -> None:
@@ -257,15 +251,7 @@ def cmd_batch(a) -> int:
     if a.write:
         resolved = cfg.model_dump(mode="json")
         resolved[a.stage]["micro_batch_size"] = chosen
-        text = yaml.safe_dump(resolved, sort_keys=False)
-        path = Path(a.write)
-        tmp = path.with_name(f".{path.name}.tmp")
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        print(f"wrote {path}")
+        print(f"wrote {durable.write_text(Path(a.write), yaml.safe_dump(resolved, sort_keys=False))}")
     return 0
 
 

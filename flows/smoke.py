@@ -9,6 +9,8 @@ import json
 import os
 from pathlib import Path
 
+from conversions import durable
+
 SMOKE_STEPS = 4
 # Gate checks that need the full run's steps: held-out improvement, and non-empty greedy generation (after 4
 # pretraining steps the model's first greedy token is often EOS — measured on the tiny config).
@@ -62,13 +64,7 @@ def record(cfg, summary: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     body = {"fingerprint": fingerprint(cfg), "run_id": summary.get("run_id"), "run_dir": summary.get("run_dir"),
             "passed": summary.get("status") == "completed"}
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "w") as f:
-        json.dump(body, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path
+    return durable.write_json(path, body, indent=2)
 
 
 def passing_smoke(cfg) -> dict | None:

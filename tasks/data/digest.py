@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
+from conversions import durable
 from tasks.data.config import DataConfig
 from tasks.data.sources import matched_files
 
@@ -37,13 +37,7 @@ def _load(path: Path) -> dict:
 
 def _save(path: Path, cache: dict) -> None:
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        with open(tmp, "w") as f:
-            json.dump(cache, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        durable.write_json(path, cache)
     except OSError:
         pass  # a read-only home only costs the next plan a re-hash
 

@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import json
-import os
 import random
 from pathlib import Path
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from conversions import hf, manifest as mf
+from conversions import durable, hf, manifest as mf
 from tasks import tracking
 from tasks.data import formats, sources, synthetic
 from tasks.data.config import DataConfig, SourceConfig
@@ -102,13 +101,7 @@ def make_tokenizer(ctx: StageContext, cfg: DataConfig, sets: dict, out: Path) ->
 
 
 def write_rows(path: Path, rows: list[dict]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for r in rows:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    durable.write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
 
 
 def write_data(ctx: StageContext, cfg: DataConfig) -> tuple[Path, dict]:

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoTokenizer
 
-from conversions import chat, hf, probe
+from conversions import chat, durable, hf, probe
 from tasks import events
 
 COMPLETE = "baton_complete.json"
@@ -231,9 +231,7 @@ def complete_tags(ckpt_dir: Path) -> list[tuple[int, str]]:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    durable.write_text(path, text)
 
 
 def save(engine, ckpt_dir: Path, step: int, keep: int, rank: int, facts: dict) -> None:
