@@ -29,6 +29,8 @@ _SAFE_GLOBALS = {
     ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"), ("builtins", "complex"),
     ("builtins", "bytearray"), ("builtins", "range"), ("copyreg", "_reconstructor"), ("builtins", "object"),
     ("_codecs", "encode"), ("torch", "Size"), ("torch", "device"),
+    # the tensor classes _rebuild_from_type_v2 names (ZeRO-3 optimizer files): a type reference, never called here
+    ("torch", "Tensor"), ("torch.nn.parameter", "Parameter"),
     ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "_reconstruct"),
     ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "_reconstruct"),
     ("numpy._core.multiarray", "scalar"), ("numpy.dtypes", "Float32DType"), ("numpy.dtypes", "Float64DType"),

@@ -251,34 +251,23 @@ def generation_smoke(root: Path, max_new_tokens: int = 12) -> list[dict]:
 
 # ---- everything ----------------------------------------------------------------------------------------------------
 def _read_back(fmt: str, root: Path):
-    """(name, tensor) for every tensor of an engine checkpoint, read through its format's own reader."""
+    """(name, tensor) for every weight of an engine checkpoint, read through its format's own reader."""
     if fmt == "megatron-dist":
-        from conversions import megatron
-
-        reader = megatron.DistReader(root)
-        for key, md in reader.metadata.state_dict_metadata.items():
-            if hasattr(md, "size") and not key.startswith(("optimizer.", "rng_state")):  # the model's weights
-                yield key, reader.read_full(key)
-    elif fmt == "deepspeed-zero":
+        return _megatron_tensors(root)
+    if fmt == "deepspeed-zero":
         from conversions import zero
 
-        for t in zero.planned_tensors(zero.open_checkpoint(root)):
-            yield t.name, t.produce()
-    else:
-        raise ValueError(f"no reader for format {fmt!r}")
+        return ((t.name, t.produce()) for t in zero.planned_tensors(zero.open_checkpoint(root)))
+    raise ValueError(f"no reader for format {fmt!r}")
 
 
 def engine_reload(root: Path, fmt: str) -> list[dict]:
     """An engine checkpoint (no HF weights to serve): every tensor reads back through its format's reader, with the
     shape its metadata promises and only finite values."""
-    n, bad = 0, []
-    for name, t in _read_back(fmt, root):
-        n += 1
-        if t.is_floating_point() and not bool(t.isfinite().all()):
-            bad.append(name)
+    n, bad = _nonfinite(_read_back(fmt, root))
     if n == 0:
         return [check("L1.reload", False, f"no tensors could be read from the {fmt} checkpoint")]
-    detail = f"{n} tensors read back" + (f"; non-finite values in {', '.join(bad[:5])}" if bad else ", all finite")
+    detail = f"{n} tensors read back" + (f"; not finite: {', '.join(bad[:5])}" if bad else ", all finite")
     return [check("L1.reload", not bad, detail)]
 
 

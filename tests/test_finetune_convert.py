@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import make_hf_checkpoint
+from conftest import TINY, make_hf_checkpoint
 from conversions import hf, manifest as mf, safetensors_stream, torch_lazy, verify, zero
 from tasks.finetune.config import FinetuneConfig, validate
 
@@ -106,13 +106,15 @@ def test_stream_writer_round_trip(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"zero": {"stage": 4}}, "finetune.zero.stage: 4 is not a ZeRO stage"),
-    ({"zero": {"stage": 2, "offload_params": "cpu"}}, "parameter offload needs ZeRO stage 3"),
-    ({"micro_batch_size": 0}, "finetune.micro_batch_size: must be a positive integer"),
-    ({"steps": 10, "warmup_steps": 10}, "leaves no steps for the cosine decay"),
+    (["finetune.zero.stage=4"], "finetune.zero.stage: 4 is not a ZeRO stage"),
+    (["finetune.zero.stage=2", "finetune.zero.offload_params=cpu"], "parameter offload needs ZeRO stage 3"),
+    (["finetune.micro_batch_size=0"], "finetune.micro_batch_size: Input should be greater than or equal to 1"),
+    (["finetune.steps=10", "finetune.warmup_steps=10"], "leaves no steps for the cosine schedule"),
 ])
-def test_bad_configs_fail_before_launch(overrides, message, tiny_config):
-    cfg = tiny_config.model_copy(update={"finetune": FinetuneConfig(**overrides), "stages": ["data", "finetune"]})
-    errors = cfg.validate_stages()
-    assert any(message in e for e in errors), errors
+def test_bad_configs_fail_before_launch(overrides, message):
+    from flows.config import ConfigError, load
+
+    with pytest.raises(ConfigError) as e:
+        load(TINY, overrides, stages=["data", "finetune"])
+    assert message in str(e.value)
     assert validate(FinetuneConfig()) == []
