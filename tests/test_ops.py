@@ -17,7 +17,9 @@ from ops_stack import REPO, runs_tagged as _runs_tagged
 
 def test_pipeline_deployment_runs_through_the_worker(ops_stack):
     t0 = time.time()
-    fr_id = ops_stack.run_deployment("baton-pipeline/tiny", {"config": {"name": "tiny", "stages": ["data"]}})
+    # use_cache off: other tests on this stack (the browser's tiny run) may have completed the same data step
+    fr_id = ops_stack.run_deployment("baton-pipeline/tiny", {"config": {"name": "tiny", "stages": ["data"]},
+                                                             "use_cache": False})
     fr = ops_stack.flow_run(fr_id)
     assert fr["state_type"] == "COMPLETED", ops_stack.last_output[-3000:]
     assert fr["work_pool_name"] == "baton-local" and fr["deployment_id"]
