@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conversions import hf, zero
-from tasks.finetune import engine_env
+from tasks.distributed import remove_shm_segments
 from tasks.finetune.config import FinetuneConfig
 from tasks.launch import LaunchError
 from test_finetune import (_kill_after_first_checkpoint, assert_same_tensors, convert_and_gate, deepspeed_reference,
@@ -62,7 +62,7 @@ def test_zero3_nvme_offload_resumes_after_sigkill(tmp_path, tiny_config, data_di
     try:
         assert _kill_after_first_checkpoint(cmd, env, tmp_path / "killed.log") == EVERY
     finally:
-        engine_env.remove_shm_segments(port)
+        remove_shm_segments(port)
     resumed = run_finetune.fn(ctx, cfg)
     assert resumed.metrics["resumed_from_step"] == EVERY
     assert_checkpoint_gate(resumed)
