@@ -237,13 +237,19 @@ def failure_cause(entry: dict, tail: list[str]) -> str:
     return error
 
 
+# what step.log puts before a relayed line: "04:31:45 INFO    prefect.task_runs: [pretrain] "
+_LOG_PREFIX = re.compile(r"^\d\d:\d\d:\d\d \S+\s+\S+: (?:\[[^\]]+\] )?")
+
+
 def without_library_frames(lines: list[str]) -> list[str]:
-    """A traceback's frames inside installed libraries (Prefect's task engine, …) say nothing about the failure."""
+    """A traceback's frames inside installed libraries (Prefect's task engine, torch's launcher, …) say nothing about
+    the failure, whether printed by baton or relayed from an engine's output."""
     out, skipping = [], False
     for line in lines:
-        if line.startswith('  File "'):
-            skipping = "site-packages" in line or "dist-packages" in line
-        elif not line.startswith("    "):
+        body = _LOG_PREFIX.sub("", line, count=1)
+        if body.startswith('  File "'):
+            skipping = "site-packages" in body or "dist-packages" in body
+        elif not body.startswith("    "):
             skipping = False
         if not skipping:
             out.append(line)
