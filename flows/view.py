@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from tasks import streaming
+from tasks import launch, streaming
 
 FAILURE_TAIL_LINES = 30
 _EXCEPTION_LINE = re.compile(r"\b[A-Z]\w*(Error|Exception|Exit|Interrupt)\b:?\s")
@@ -237,29 +237,10 @@ def failure_cause(entry: dict, tail: list[str]) -> str:
     return error
 
 
-# what step.log puts before a relayed line: "04:31:45 INFO    prefect.task_runs: [pretrain] "
-_LOG_PREFIX = re.compile(r"^\d\d:\d\d:\d\d \S+\s+\S+: (?:\[[^\]]+\] )?")
-
-
-def without_library_frames(lines: list[str]) -> list[str]:
-    """A traceback's frames inside installed libraries (Prefect's task engine, torch's launcher, …) say nothing about
-    the failure, whether printed by baton or relayed from an engine's output."""
-    out, skipping = [], False
-    for line in lines:
-        body = _LOG_PREFIX.sub("", line, count=1)
-        if body.startswith('  File "'):
-            skipping = "site-packages" in body or "dist-packages" in body
-        elif not body.startswith("    "):
-            skipping = False
-        if not skipping:
-            out.append(line)
-    return out
-
-
 def failure_report(entry: dict) -> list[str]:
     """The failing step, its cause in one line, the last lines of its log and the log's path."""
     log_path = Path(entry["log"]) if entry.get("log") else None
-    tail = without_library_frames(streaming.tail(log_path, 4 * FAILURE_TAIL_LINES))[-FAILURE_TAIL_LINES:]
+    tail = launch.without_library_frames(streaming.tail(log_path, 4 * FAILURE_TAIL_LINES))[-FAILURE_TAIL_LINES:]
     lines = [f"✗ {entry.get('label', entry.get('name'))} failed: {failure_cause(entry, tail)}"]
     if tail:
         lines.append(f"--- last {len(tail)} lines of {log_path} (library traceback frames left out) ---")

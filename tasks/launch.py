@@ -10,6 +10,7 @@ import collections
 import ctypes
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -27,11 +28,34 @@ _active_lock = threading.Lock()
 _handlers_installed = False
 
 
+# what step.log puts before a relayed line: "04:31:45 INFO    prefect.task_runs: [pretrain] "
+_LOG_PREFIX = re.compile(r"^\d\d:\d\d:\d\d \S+\s+\S+: (?:\[[^\]]+\] )?")
+
+
+def without_library_frames(lines: list[str]) -> list[str]:
+    """A traceback's frames inside installed libraries (Prefect's task engine, torch's launcher, …) say nothing about
+    the failure, whether printed by baton or relayed from an engine's output."""
+    out, skipping = [], False
+    for line in lines:
+        body = _LOG_PREFIX.sub("", line, count=1)
+        if body.startswith('  File "'):
+            skipping = "site-packages" in body or "dist-packages" in body
+        elif not body.startswith("    "):
+            skipping = False
+        if not skipping:
+            out.append(line)
+    return out
+
+
 class LaunchError(RuntimeError):
+    """An engine that failed; `tail` is its last output (raw, for the retry classification); the message shows it
+    without library traceback frames."""
+
     def __init__(self, message: str, returncode: int | None, tail: list[str]):
         self.returncode = returncode
         self.tail = tail
-        super().__init__(message + ("\n--- last log lines ---\n" + "\n".join(tail) if tail else ""))
+        shown = without_library_frames(tail)
+        super().__init__(message + ("\n--- last log lines ---\n" + "\n".join(shown) if shown else ""))
 
 
 @dataclass
