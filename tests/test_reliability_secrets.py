@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import stat
 import subprocess
@@ -77,7 +78,9 @@ def test_run_ids_and_serve_host_are_confined(record_property):
 def test_baton_home_and_its_files_are_private(tmp_path, record_property):
     record_property("fault", "world-readable BATON_HOME")
     home = tmp_path / "home"
-    r = baton("manifest", str(REPO / "configs"), "--format", "dataset", home=home, timeout=120)
+    folder = tmp_path / "configs"  # a copy: the manifest is written into the folder, never into the checkout
+    shutil.copytree(REPO / "configs", folder)
+    r = baton("manifest", str(folder), "--format", "dataset", home=home, timeout=120)
     assert r.returncode == 0, r.stderr
     d = tmp_path / "ck"
     d.mkdir()
