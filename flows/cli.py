@@ -62,6 +62,9 @@ def cmd_run(args) -> int:
         return 2
     if args.no_wait:  # read by each step as it takes its lock (also inside Prefect's task threads)
         os.environ["BATON_NO_WAIT"] = "1"
+        if busy := _busy_step(steps):  # refused before anything is written: no run folder, no MLflow run
+            print(f"baton: {busy}; not waiting (--no-wait)", file=sys.stderr)
+            return 1
     ok, findings = preflight(cfg) if not args.no_doctor else (True, [])
     if not ok:
         print("baton: `baton doctor` found errors; nothing was launched (--no-doctor skips the checks)",
@@ -83,6 +86,15 @@ def cmd_run(args) -> int:
 
         out.write(f"smoke passed; recorded {smoke.record(full, json.loads((run_dir / 'summary.json').read_text()))}\n")
     return _report_run(out, run_dir, error)
+
+
+def _busy_step(steps) -> str | None:
+    from flows.runs import StepLock
+
+    for step in steps:
+        if (holder := StepLock(step.fingerprint, step.label).holder()) is not None:
+            return f"step {step.label} is being run by {holder}"
+    return None
 
 
 def _run_pipeline(cfg, args, run_id: str, findings: list) -> Exception | None:

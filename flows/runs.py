@@ -77,6 +77,15 @@ class StepLock:
             return "an unknown process"
         return f"pid {o.get('pid')} on {o.get('host')} (since {o.get('started')}, run {o.get('run_id')})"
 
+    def holder(self) -> str | None:
+        """Who holds this step now, or None when it is free; takes nothing (a probe before a run starts)."""
+        try:
+            self._lock.acquire(timeout=0)
+        except filelock.Timeout:
+            return self.describe_owner()
+        self._lock.release()
+        return None
+
     def acquire(self, run_id: str, wait: bool = True, poll_s: float = 2.0, report_every_s: float = 60.0) -> "StepLock":
         waited, last_report = 0.0, -report_every_s
         while True:

@@ -25,8 +25,11 @@ def baton_home() -> Path:
     return home
 
 
+SQLITE_WAIT_S = 300  # several runs share one SQLite file: a writer waits out another's transaction, not 5 s
+
+
 def tracking_uri() -> str:
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{baton_home() / 'mlflow.db'}"
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{baton_home() / 'mlflow.db'}?timeout={SQLITE_WAIT_S}"
 
 
 def client():

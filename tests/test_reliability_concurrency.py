@@ -52,6 +52,7 @@ def test_second_run_waits_refuses_and_takes_over_only_a_dead_owner(baton_home, r
         refused = baton("run", str(TINY), "--stages", "data", "--no-wait", home=baton_home, timeout=300)
         assert refused.returncode != 0
         assert f"being run by pid {first.pid}" in refused.stderr + refused.stdout
+        assert len(list((baton_home / "runs").iterdir())) == 1  # refused before it wrote anything
         second = _start(baton_home)
         time.sleep(20)  # the second run is waiting on the lock, not running the step beside the first
         assert second.poll() is None and all(o["pid"] == first.pid for o in _owners(baton_home))
