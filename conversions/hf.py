@@ -92,14 +92,18 @@ def load_state_dict(root: Path) -> dict:
     return dict(iter_tensors(root))
 
 
-def copy_tokenizer(src: Path, dst: Path) -> list[str]:
-    """Copy the tokenizer files, chat template included; returns what was copied."""
+def copy_tokenizer(src: Path, dst: Path, chat_template: Path | None = None) -> list[str]:
+    """Copy the tokenizer files, chat template included; returns what was copied. `chat_template`: a template file
+    that becomes dst's chat_template.jinja when src has none (the run's `model.chat_template`)."""
     copied = []
     Path(dst).mkdir(parents=True, exist_ok=True)
     for name in mf.TOKENIZER_FILES:
         if (Path(src) / name).exists():
             shutil.copy2(Path(src) / name, Path(dst) / name)
             copied.append(name)
+    if chat_template is not None and not mf.chat_template_present(Path(dst)):
+        shutil.copy2(chat_template, Path(dst) / "chat_template.jinja")
+        copied.append("chat_template.jinja")
     return copied
 
 

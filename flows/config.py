@@ -8,8 +8,9 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
+from tasks import chat_template
 from tasks.convert.config import ConvertConfig
 from tasks.data.config import DataConfig
 from tasks.finetune.config import FinetuneConfig
@@ -39,6 +40,16 @@ class ModelConfig(StrictModel):
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    chat_template: str | None = Field(
+        None, description="a Jinja chat template, or a path to a template file, used when the input HF checkpoint has "
+                          "none: written into the tokenizer the data, rlhf and finetune stages use and their outputs")
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_renders(cls, value: str | None) -> str | None:
+        if value is not None:
+            chat_template.check(value)
+        return value
 
     @model_validator(mode="after")
     def _shapes(self):

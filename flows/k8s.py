@@ -30,6 +30,7 @@ import yaml
 
 from flows import plan as planning
 from flows.config import ConfigError, PipelineConfig
+from tasks import chat_template
 from tasks.stage import REPO_ROOT, StageContext
 
 TRAINING_STAGES = ("pretrain", "rlhf", "finetune")
@@ -113,7 +114,8 @@ class Layout:
     def context(self, cfg: PipelineConfig, step: planning.Step, source: str | None) -> StageContext:
         work = Path(self.root / step.label)
         return StageContext(stage=step.name, run_id=cfg.name, run_dir=Path(self.root), work_dir=work,
-                            model=cfg.model.model_dump(), seed=cfg.seed, data_dir=Path(self.root / "data"),
+                            model=chat_template.resolved(cfg.model.model_dump()), seed=cfg.seed,
+                            data_dir=Path(self.root / "data"),
                             input=Path(self.root / source / "checkpoint") if source else Path(self.root / "input"),
                             input_format=step.consumes, runtimes={"main": {"python": "python"}})
 

@@ -46,16 +46,18 @@ def resolve_input(cfg: PipelineConfig, from_ref: str | None) -> tuple[Path | Non
 CHAT_STAGES = ("rlhf", "finetune")
 
 
-def check_chat_template(steps: list, input_path: Path | None, input_format: str | None) -> None:
-    """A chat stage straight on an HF input without a chat template is refused now, with the fix."""
+def check_chat_template(cfg: PipelineConfig, steps: list, input_path: Path | None, input_format: str | None) -> None:
+    """A chat stage straight on an HF input without a chat template (and no `model.chat_template`) is refused now,
+    with the fix."""
     first = next((s for s in steps if s.name != "data"), None)
     if first is None or first.name not in CHAT_STAGES or input_format != planning.HF or input_path is None:
         return
-    if not mf.chat_template_present(input_path):
+    if not mf.chat_template_present(input_path) and not cfg.model.chat_template:
         raise ConfigError(f"--from {input_path}: the model has no chat template, and stage '{first.name}' renders "
-                          "conversations with it; put the template in the checkpoint (chat_template.jinja beside "
-                          "tokenizer_config.json, or its 'chat_template' key), then `baton manifest "
-                          f"{input_path}` again")
+                          "conversations with it; set model.chat_template in the config (a Jinja template, or the "
+                          "path to a .jinja file; e.g. --set model.chat_template=template.jinja), or put the template "
+                          "into the checkpoint (chat_template.jinja beside tokenizer_config.json) and run `baton "
+                          f"manifest {input_path}` again")
 
 
 def prepare(cfg: PipelineConfig, from_ref: str | None):
@@ -66,7 +68,7 @@ def prepare(cfg: PipelineConfig, from_ref: str | None):
     for st in steps:
         if st.name == "convert" and not supported(st.consumes, st.produces):
             raise ConfigError(f"step {st.label}: no converter from {st.consumes} to {st.produces}")
-    check_chat_template(steps, input_path, input_format)
+    check_chat_template(cfg, steps, input_path, input_format)
     first_real = next((s for s in steps if s.name != "data"), None)
     if first_real is not None and input_path is None and first_real.consumes is not None:
         from tasks.registry import STAGES

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 
 from conversions.registry import CONVERTERS, supported
 from flows.config import ConfigError, PipelineConfig
+from tasks import chat_template
 from tasks.registry import DEFAULT_CHAIN, STAGES
 from tasks.stage import REPO_ROOT
 
@@ -101,9 +102,15 @@ def data_fingerprint(cfg: PipelineConfig, common: str, input_format: str | None,
     its tokenizer is used (an HF input and data.tokenizer not 'train')."""
     from tasks.data.digest import file_digests
 
-    tokenizer_from = input_fingerprint if input_format == HF and cfg.data.tokenizer != "train" else None
+    from_model = input_format == HF and cfg.data.tokenizer != "train"
+    tokenizer_from = [input_fingerprint, chat_template.digest(cfg.model.chat_template)] if from_model else None
     return _hash(["data", cfg.data.model_dump(), cfg.model.vocab_size, cfg.seed, _code_digest("tasks/data"), common,
                   file_digests(cfg.data), tokenizer_from])
+
+
+def model_facts(cfg: PipelineConfig) -> dict:
+    """The model section as fingerprints see it: a template file's contents, not just its path."""
+    return {**cfg.model.model_dump(), "chat_template": chat_template.digest(cfg.model.chat_template)}
 
 
 def fingerprint_steps(cfg: PipelineConfig, steps: list[Step], input_fingerprint: str | None,
@@ -120,7 +127,7 @@ def fingerprint_steps(cfg: PipelineConfig, steps: list[Step], input_fingerprint:
         code = [f"tasks/{st.name}"]
         if st.name == "convert" and supported(st.consumes, st.produces):
             code.append(CONVERTERS[(st.consumes, st.produces)].split(":")[0].replace(".", "/") + ".py")
-        st.fingerprint = _hash([st.name, st.extra, scfg, cfg.model.model_dump(), cfg.seed, data_fp, prev,
+        st.fingerprint = _hash([st.name, st.extra, scfg, model_facts(cfg), cfg.seed, data_fp, prev,
                                 _code_digest(*code), common])
         if st.produces is not None:
             prev = st.fingerprint

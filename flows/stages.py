@@ -16,7 +16,7 @@ from flows.config import PipelineConfig
 from flows.plan import HF, Step
 from flows.runs import Index, StepLock
 from flows import report
-from tasks import streaming, tracking
+from tasks import chat_template, streaming, tracking
 from tasks.launch import LaunchError
 from tasks.registry import STAGES
 from tasks.stage import StageContext, StageOutput
@@ -256,7 +256,8 @@ def _start_stage_run(c, cfg: PipelineConfig, step: Step, run: RunInfo, entry: di
 def _context(cfg: PipelineConfig, step: Step, run: RunInfo, work: Path, mlflow_run: str, input_path: str | None,
              input_format: str | None, data_dir: str | None) -> StageContext:
     return StageContext(
-        stage=step.name, run_id=run.run_id, run_dir=run.run_dir, work_dir=work, model=cfg.model.model_dump(),
+        stage=step.name, run_id=run.run_id, run_dir=run.run_dir, work_dir=work,
+        model=chat_template.resolved(cfg.model.model_dump()),
         seed=cfg.seed, data_dir=Path(data_dir) if data_dir else None, input=Path(input_path) if input_path else None,
         input_format=input_format, runtimes={k: v.model_dump() for k, v in cfg.runtimes.items()},
         mlflow_run_id=mlflow_run, tracking=cfg.tracking.model_dump(), extra=dict(step.extra))

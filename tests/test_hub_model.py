@@ -81,5 +81,6 @@ def test_a_model_without_chat_template_is_refused_before_launch(tmp_path, baton_
     assert baton("manifest", str(model), home=baton_home, timeout=300).returncode == 0
     r = baton("run", str(TINY), "--stages", "finetune", "--from", str(model), home=baton_home, timeout=300)
     assert r.returncode == 2, r.stderr[-2000:]
-    assert "has no chat template" in r.stderr and "chat_template.jinja" in r.stderr
+    assert "has no chat template" in r.stderr and "set model.chat_template" in r.stderr
+    assert "chat_template.jinja" in r.stderr
     assert not (baton_home / "runs").exists()

@@ -9,7 +9,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from conversions import durable, hf, manifest as mf
-from tasks import tracking
+from tasks import chat_template, tracking
 from tasks.data import formats, sources, synthetic
 from tasks.data.config import DataConfig, SourceConfig
 from tasks.data.lm_eval_task import write_lm_eval_task
@@ -95,6 +95,7 @@ def make_tokenizer(ctx: StageContext, cfg: DataConfig, sets: dict, out: Path) ->
     from transformers import AutoTokenizer
 
     hf.copy_tokenizer(src, out)
+    chat_template.write_if_missing(ctx.model.get("chat_template"), out)
     tok = AutoTokenizer.from_pretrained(str(out))
     return {"vocab_size": len(tok), "path": "tokenizer", "source": f"model:{src}", "eos_token": tok.eos_token,
             "chat_template": mf.chat_template_present(out)}

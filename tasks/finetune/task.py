@@ -15,7 +15,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from conversions import hf, manifest as mf, verify
-from tasks import gates
+from tasks import chat_template, gates
 from tasks.distributed import (Launch, LaunchConfigError, engine_command, remove_shm_segments, runtime_kind,
                                stage_runtime, with_port)
 from tasks.finetune import ds_config, engine_env
@@ -34,10 +34,8 @@ def check_inputs(ctx: StageContext, cfg: FinetuneConfig) -> None:
     problems = validate(cfg)
     if ctx.input is None or not (Path(ctx.input) / "config.json").exists():
         problems.append(f"finetune: input {ctx.input} is not an HF checkpoint (no config.json)")
-    elif not mf.chat_template_present(Path(ctx.input)):
-        problems.append(f"finetune: input {ctx.input} has no chat template to render the conversations; add one to "
-                        "the checkpoint (a chat_template.jinja file beside tokenizer_config.json, or its "
-                        "'chat_template' key)")
+    elif problem := chat_template.missing_problem("finetune", ctx, "render the conversations"):
+        problems.append(problem)
     for split in ("train", "heldout"):
         if ctx.data_dir is None or not (Path(ctx.data_dir) / "sft" / f"{split}.jsonl").exists():
             problems.append(f"finetune: data {ctx.data_dir} lacks sft/{split}.jsonl (run the data stage)")
@@ -102,13 +100,15 @@ def prepare(ctx: StageContext, cfg: FinetuneConfig) -> tuple[list[str], dict, Pa
     work = Path(ctx.work_dir)
     out = work / "checkpoint"
     out.mkdir(parents=True, exist_ok=True)
-    hf.copy_tokenizer(Path(ctx.input), out / "tokenizer")
+    template = chat_template.for_input(ctx)
+    hf.copy_tokenizer(Path(ctx.input), out / "tokenizer", chat_template=template)
     for name in ("config.json", "generation_config.json"):
         if (Path(ctx.input) / name).exists():
             shutil.copy2(Path(ctx.input) / name, out / name)
     ds = ds_config.build(cfg)
     (work / "ds_config.json").write_text(json.dumps(ds, indent=2) + "\n")
     spec = worker_spec(ctx, cfg, out, work / "ds_config.json")
+    spec["chat_template"] = str(template) if template else None
     (work / "finetune_spec.json").write_text(json.dumps(spec, indent=2) + "\n")
     cmd, port = command(ctx, cfg, work / "finetune_spec.json")
     if port:

@@ -302,6 +302,8 @@ def load_data(spec: dict):
     and their encodings."""
     input_dir, data_dir = Path(spec["input"]), Path(spec["data_dir"])
     tok = AutoTokenizer.from_pretrained(str(input_dir))
+    if not tok.chat_template and spec.get("chat_template"):  # model.chat_template, for an input without one
+        tok.chat_template = Path(spec["chat_template"]).read_text(encoding="utf-8")
     train_rows = read_jsonl(data_dir / "sft" / "train.jsonl")
     heldout = read_jsonl(data_dir / "sft" / "heldout.jsonl")
     train, length_counts = encode_rows(tok, train_rows, spec["max_seq_length"], spec["overlong"])

@@ -91,7 +91,8 @@ def _preference_file(path: Path) -> dict:
 
 
 def build_config(*, algorithm: str, runtime: dict, input_dir: Path, data_dir: Path, out_dir: Path, cfg, seed: int,
-                 max_length: int, tracking_uri: str, experiment: str, mlflow_run_id: str | None) -> dict:
+                 max_length: int, tracking_uri: str, experiment: str, mlflow_run_id: str | None,
+                 chat_template: str | None = None) -> dict:
     """The YAML content: NeMo-RL's recipe via `defaults:`, then baton's choices."""
     base, _, section = RECIPES[algorithm]
     nr = cfg.nemo_rl
@@ -114,7 +115,7 @@ def build_config(*, algorithm: str, runtime: dict, input_dir: Path, data_dir: Pa
         },
         "policy": {
             "model_name": str(input_dir),
-            "tokenizer": {"name": str(input_dir), "chat_template": "default"},  # the checkpoint's own template
+            "tokenizer": {"name": str(input_dir), "chat_template": chat_template or "default"},  # "default": its own
             "train_global_batch_size": cfg.micro_batch_size * cfg.accumulation(),
             "train_micro_batch_size": nr.micro_batch_size,
             "max_total_sequence_length": max_length,
@@ -257,13 +258,14 @@ def consolidated_dir(step_dir: Path) -> Path | None:
     return None
 
 
-def collect_hf(src: Path, out: Path, tokenizer_src: Path) -> Path:
-    """Copy NeMo-RL's HF weights and config, then the input's tokenizer and chat template (NeMo-RL does not)."""
+def collect_hf(src: Path, out: Path, tokenizer_src: Path, chat_template: Path | None = None) -> Path:
+    """Copy NeMo-RL's HF weights and config, then the input's tokenizer and chat template (NeMo-RL does not), or the
+    configured template when the input has none."""
     from conversions import hf, safetensors_stream
 
     out.mkdir(parents=True, exist_ok=True)
     for f in [*src.glob("*.safetensors"), src / safetensors_stream.INDEX_NAME, src / "config.json", src / "generation_config.json"]:
         if f.exists():
             shutil.copy2(f, out / f.name)
-    hf.copy_tokenizer(tokenizer_src, out)
+    hf.copy_tokenizer(tokenizer_src, out, chat_template=chat_template)
     return out

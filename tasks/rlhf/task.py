@@ -16,7 +16,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from conversions import hf, manifest as mf, verify
-from tasks import gates
+from tasks import chat_template, gates
 from tasks.distributed import Launch, LaunchConfigError, engine_command, runtime_kind, stage_runtime
 from tasks.rlhf import checks, nemo_rl
 from tasks.rlhf.config import RlhfConfig
@@ -34,10 +34,8 @@ def check_inputs(ctx: StageContext) -> None:
     problems = []
     if ctx.input is None or not (Path(ctx.input) / "config.json").exists():
         problems.append(f"rlhf: input {ctx.input} is not an HF checkpoint (no config.json)")
-    elif not mf.chat_template_present(Path(ctx.input)):
-        problems.append(f"rlhf: input {ctx.input} has no chat template to format the preference prompts; add one to "
-                        "the checkpoint (a chat_template.jinja file beside tokenizer_config.json, or its "
-                        "'chat_template' key)")
+    elif problem := chat_template.missing_problem("rlhf", ctx, "format the preference prompts"):
+        problems.append(problem)
     for split in ("train", "heldout"):
         if ctx.data_dir is None or not (Path(ctx.data_dir) / "preference" / f"{split}.jsonl").exists():
             problems.append(f"rlhf: data {ctx.data_dir} lacks preference/{split}.jsonl (run the data stage)")
@@ -97,9 +95,13 @@ def reward_model_roundtrip(root: Path) -> dict:
                         f"{len(saved)} reward-model tensors identical after load → save → load")
 
 
-def pass_through_policy(src: Path, out: Path, reward_model: Path, stage: str, backend: str) -> None:
-    """The chain's output for algorithm rm: the input policy's files, unchanged, with a manifest pointing at the RM."""
+def pass_through_policy(src: Path, out: Path, reward_model: Path, stage: str, backend: str,
+                        template: Path | None = None) -> None:
+    """The chain's output for algorithm rm: the input policy's files, unchanged (plus the configured chat template
+    when the input has none), with a manifest pointing at the RM."""
     shutil.copytree(src, out, ignore=shutil.ignore_patterns(mf.MANIFEST_NAME, "*.trl"))
+    if template is not None:
+        hf.copy_tokenizer(out, out, chat_template=template)
     src_m = mf.read(src) or {}
     m = mf.build(out, format="hf-safetensors", stage=stage, engine={"name": "baton", "note": "policy passed through"},
                  architecture=dict(src_m.get("architecture") or {}), parameter_count=hf.parameter_count(out),
@@ -126,7 +128,7 @@ def gate(algorithm: str, out: Path, trained: Path, src: Path, eval_check: dict) 
                          [{**c, "name": f"reward_model.{c['name']}"} for c in rm_checks])
 
 
-def worker_command(ctx: StageContext, cfg: RlhfConfig, out: Path) -> list[str]:
+def worker_command(ctx: StageContext, cfg: RlhfConfig, out: Path, template: Path | None = None) -> list[str]:
     args = ["--input", str(ctx.input), "--data", str(ctx.data_dir), "--output", str(out),
             "--algorithm", cfg.algorithm, "--steps", str(cfg.steps), "--micro-batch-size", str(cfg.micro_batch_size),
             "--gradient-accumulation-steps", str(cfg.accumulation()), "--lr", str(cfg.lr),
@@ -141,6 +143,8 @@ def worker_command(ctx: StageContext, cfg: RlhfConfig, out: Path) -> list[str]:
             "--checkpoint-every", str(cfg.checkpoint_every), "--keep-checkpoints", str(cfg.keep_checkpoints)]
     if cfg.reference_model:
         args += ["--reference-model", str(cfg.reference_model)]
+    if template is not None:
+        args += ["--chat-template", str(template)]
     runtime = stage_runtime(ctx)
     if cfg.world_size() == 1 and runtime_kind(runtime) == "local":
         return [ctx.python("main"), str(WORKER), *args]
@@ -159,14 +163,16 @@ def run_trl(ctx: StageContext, cfg: RlhfConfig) -> StageOutput:
     partial = _fresh(work / f"{trained.name}.partial")
     _fresh(out)
     _fresh(trained)
-    res = ctx.launch(worker_command(ctx, cfg, partial), name=f"rlhf-trl-{cfg.algorithm}", timeout=cfg.timeout_s,
+    template = chat_template.for_input(ctx)
+    res = ctx.launch(worker_command(ctx, cfg, partial, template), name=f"rlhf-trl-{cfg.algorithm}",
+                     timeout=cfg.timeout_s,
                      env={"OMP_NUM_THREADS": "1"} if cfg.world_size() > 1 else None)
     # TRL's checkpoints outlive a failed attempt (the next one resumes from them), not a finished one
     shutil.rmtree(work / f"{partial.name}.trl", ignore_errors=True)
     partial.rename(trained)
     facts = res.results()
     if cfg.algorithm == "rm":
-        pass_through_policy(Path(ctx.input), out, trained, ctx.stage, backend="trl")
+        pass_through_policy(Path(ctx.input), out, trained, ctx.stage, backend="trl", template=template)
     margins = _series(res, "rewards/margins") or _series(res, "margin") or _series(res, "reward")
     metrics = {k: facts.get(k) for k in ("seconds", "heldout_kl_to_reference", "train_pairs", "heldout_pairs",
                                          "overlong_dropped", "overlong_truncated", "heldout_loss_before",
@@ -194,11 +200,12 @@ def run_nemo_rl(ctx: StageContext, cfg: RlhfConfig) -> StageOutput:
     work = Path(ctx.work_dir)
     nr_dir = work / "nemo_rl"
     nemo_rl.preference_files(Path(ctx.data_dir), nr_dir)
+    template = chat_template.for_input(ctx)
     config = nemo_rl.build_config(
         algorithm=cfg.algorithm, runtime=runtime, input_dir=Path(ctx.input), data_dir=Path(ctx.data_dir),
         out_dir=nr_dir, cfg=cfg, seed=ctx.seed, max_length=cfg.max_seq_length or ctx.model.get("seq_length", 128),
         tracking_uri=tracking.tracking_uri(), experiment=ctx.tracking.get("experiment", "baton"),
-        mlflow_run_id=ctx.mlflow_run_id)
+        mlflow_run_id=ctx.mlflow_run_id, chat_template=template.read_text() if template else None)
     path = nemo_rl.write_config(nr_dir / f"nemo_rl_{cfg.algorithm}.yaml", config)
     if Path(config["defaults"]).exists():  # the recipes are on this machine: check what NeMo-RL will read first
         resolved = nemo_rl.resolve(path, nemo_rl.overrides(cfg, runtime))
@@ -221,7 +228,7 @@ def run_nemo_rl(ctx: StageContext, cfg: RlhfConfig) -> StageOutput:
         ctx.launch(conv.cmd, name="rlhf-nemo-rl-convert", env=conv.env, cwd=conv.cwd, timeout=cfg.timeout_s)
     trained = work / ("reward_model" if cfg.algorithm == "rm" else "checkpoint")
     _fresh(trained)
-    nemo_rl.collect_hf(hf_src, trained, Path(ctx.input))
+    nemo_rl.collect_hf(hf_src, trained, Path(ctx.input), template)
     src_m = mf.read(Path(ctx.input)) or {}
     mf.write(trained, mf.build(
         trained, format="hf-safetensors", stage=ctx.stage, engine={"name": "nemo-rl", "recipe": config["defaults"]},
@@ -231,10 +238,11 @@ def run_nemo_rl(ctx: StageContext, cfg: RlhfConfig) -> StageOutput:
                "role": "reward-model" if cfg.algorithm == "rm" else "policy"}))
     out = work / "checkpoint"
     if cfg.algorithm == "rm":
-        pass_through_policy(Path(ctx.input), out, trained, ctx.stage, backend="nemo_rl")
+        pass_through_policy(Path(ctx.input), out, trained, ctx.stage, backend="nemo_rl", template=template)
     # held-out accuracy of input and output, measured the same way as for TRL (the worker's evaluation only)
     res = ctx.launch([ctx.python("main"), str(WORKER), "--evaluate", "--input", str(ctx.input), "--output",
-                      str(trained), "--data", str(ctx.data_dir), "--algorithm", cfg.algorithm],
+                      str(trained), "--data", str(ctx.data_dir), "--algorithm", cfg.algorithm,
+                      *(["--chat-template", str(template)] if template else [])],
                      name="rlhf-eval", timeout=cfg.timeout_s)
     facts = res.results()
     ev, eval_check = gate_eval(cfg, ctx, facts)

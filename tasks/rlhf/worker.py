@@ -57,6 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--checkpoint-every", type=int, default=0, help="steps between TRL checkpoints (0: none)")
     ap.add_argument("--keep-checkpoints", type=int, default=2)
     ap.add_argument("--stage", default="rlhf")
+    ap.add_argument("--chat-template", type=Path, default=None,
+                    help="a template file for an input without one (model.chat_template); the output carries it")
     ap.add_argument("--evaluate", action="store_true", help="only measure --output against --input (no training)")
     return ap.parse_args(argv)
 
@@ -379,6 +381,8 @@ def main(argv=None) -> None:
     set_seed(a.seed)
     t0 = time.time()
     tok = AutoTokenizer.from_pretrained(str(a.input))
+    if not tok.chat_template and a.chat_template:
+        tok.chat_template = a.chat_template.read_text(encoding="utf-8")
     if not tok.chat_template:
         raise SystemExit(f"{a.input}: the tokenizer has no chat template; preference prompts cannot be formatted")
     held_pairs = format_pairs(tok, read_jsonl(a.data / "preference" / "heldout.jsonl"))
@@ -410,7 +414,7 @@ def main(argv=None) -> None:
         model = trainer.accelerator.unwrap_model(trainer.model)
         a.output.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(str(a.output), safe_serialization=True)
-        hf.copy_tokenizer(a.input, a.output)
+        hf.copy_tokenizer(a.input, a.output, chat_template=a.chat_template)
         seconds = round(time.time() - t0, 2)
         facts = {**evaluate(a, tok, held_pairs, before), "train_pairs": len(train_pairs), "seconds": seconds,
                  "peak_mem_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # rank 0's peak RSS
