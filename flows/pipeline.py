@@ -60,6 +60,22 @@ def check_chat_template(cfg: PipelineConfig, steps: list, input_path: Path | Non
                           f"manifest {input_path}` again")
 
 
+def check_serve_engine(cfg: PipelineConfig, input_path: Path | None, input_format: str | None) -> None:
+    """A serve stage whose engine cannot run the input model's attention here is refused now, not after the stages
+    before it (rlhf and finetune keep the architecture)."""
+    if "serve" not in cfg.stages or input_format != planning.HF or input_path is None:
+        return
+    from tasks.serve.engines import vllm_cpu_head_dim_problem
+
+    try:
+        config = json.loads((input_path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return  # the stages' own checks name the unreadable config
+    problem = vllm_cpu_head_dim_problem(cfg.serve, config) if isinstance(config, dict) else None
+    if problem:
+        raise ConfigError(f"--from {input_path}: serve.engine {cfg.serve.engine} on serve.device cpu: {problem}")
+
+
 def prepare(cfg: PipelineConfig, from_ref: str | None):
     input_path, input_format, input_fp = resolve_input(cfg, from_ref)
     steps = planning.plan(cfg, input_format, input_fp)
@@ -69,6 +85,7 @@ def prepare(cfg: PipelineConfig, from_ref: str | None):
         if st.name == "convert" and not supported(st.consumes, st.produces):
             raise ConfigError(f"step {st.label}: no converter from {st.consumes} to {st.produces}")
     check_chat_template(cfg, steps, input_path, input_format)
+    check_serve_engine(cfg, input_path, input_format)
     first_real = next((s for s in steps if s.name != "data"), None)
     if first_real is not None and input_path is None and first_real.consumes is not None:
         from tasks.registry import STAGES

@@ -93,3 +93,65 @@ def test_bad_serve_config_fails_before_launch(override, message):
 
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
         load(REPO / "configs" / "tiny.yaml", [override])
+
+
+@pytest.mark.fast
+def test_vllm_cpu_head_dim_16_is_refused_before_any_server(tmp_path, baton_home, tiny_config, data_dir):
+    """vLLM's CPU attention has no kernel for head_dim 16: the server would start, then crash. Refused first."""
+    from conftest import make_hf_checkpoint
+
+    arch = dict(tiny_config.model.model_dump(), num_layers=1, hidden_size=64, num_attention_heads=4)
+    ckpt = make_hf_checkpoint(tmp_path / "ckpt", arch, data_dir / "tokenizer")
+    _remanifest(ckpt)
+    ctx = _ctx(tmp_path, ckpt, tiny_config)
+    out = serve(ctx, ServeConfig(engine="vllm"))
+    _assert_refused(out, ctx, "preflight.vllm_cpu_head_dim",
+                    ["head_dim 16 (config.json head_dim)", "32, 64, 80"])
+
+
+@pytest.mark.fast
+def test_the_head_dim_rule_applies_to_vllm_on_cpu_only():
+    from tasks.serve.engines import vllm_cpu_head_dim_problem
+
+    small = {"hidden_size": 64, "num_attention_heads": 4}
+    assert "head_dim 16" in vllm_cpu_head_dim_problem(ServeConfig(engine="both"), small)
+    assert vllm_cpu_head_dim_problem(ServeConfig(engine="sglang"), small) is None
+    assert vllm_cpu_head_dim_problem(ServeConfig(engine="vllm", device="cuda"), small) is None
+    assert vllm_cpu_head_dim_problem(ServeConfig(engine="vllm"), {**small, "head_dim": 32}) is None
+    explicit = vllm_cpu_head_dim_problem(ServeConfig(engine="vllm"), {"hidden_size": 256, "num_attention_heads": 4,
+                                                                      "head_dim": 48})
+    assert "head_dim 48 (config.json head_dim)" in explicit
+    nested = {"text_config": {"hidden_size": 64, "num_attention_heads": 4}}
+    derived = vllm_cpu_head_dim_problem(ServeConfig(engine="vllm"), nested)
+    assert "head_dim 16 (hidden_size 64 / num_attention_heads 4)" in derived
+
+
+@pytest.mark.fast
+def test_the_supported_head_sizes_are_vllms_own():
+    """The list baton refuses by is the one in the built vLLM runtime's CPU attention backend (read, not imported)."""
+    import ast
+
+    from tasks.runtimes import runtime_dir
+    from tasks.serve.engines import VLLM_CPU_HEAD_SIZES
+
+    found = sorted(runtime_dir("vllm").glob("lib/python*/site-packages/vllm/v1/attention/backends/cpu_attn.py"))
+    if not found:
+        pytest.skip("the vllm runtime is not built (make runtimes)")
+    tree = ast.parse(found[0].read_text())
+    fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "get_supported_head_sizes")
+    returned = next(n for n in ast.walk(fn) if isinstance(n, ast.Return))
+    assert tuple(ast.literal_eval(returned.value)) == VLLM_CPU_HEAD_SIZES
+
+
+def test_a_run_that_would_serve_head_dim_16_on_vllm_cpu_is_refused_before_its_first_stage(tmp_path, baton_home,
+                                                                                           tiny_config, data_dir):
+    from conftest import TINY, baton, make_hf_checkpoint
+
+    arch = dict(tiny_config.model.model_dump(), num_layers=1, hidden_size=64, num_attention_heads=4)
+    ckpt = make_hf_checkpoint(tmp_path / "ckpt", arch, data_dir / "tokenizer")
+    _remanifest(ckpt)
+    r = baton("run", str(TINY), "--stages", "finetune,serve", "--set", "serve.engine=vllm", "--from", str(ckpt),
+              home=baton_home, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "serve.engine vllm on serve.device cpu: head_dim 16" in r.stderr, r.stderr[-2000:]
+    assert not (baton_home / "runs").exists()

