@@ -100,9 +100,11 @@ def test_the_template_is_written_only_where_none_is(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_key_takes_a_template_less_model_through_data_and_finetune(tmp_path, baton_home):
-    """data (the model's tokenizer + the configured template) → finetune (DeepSpeed renders the conversations with it)
-    → HF: every tokenizer on the way carries the template."""
+@pytest.mark.parametrize("stage, output_label", [("finetune", "convert-zero-to-hf"), ("rlhf", "rlhf")])
+def test_the_key_takes_a_template_less_model_through_data_and_a_chat_stage(tmp_path, baton_home, stage,
+                                                                             output_label):
+    """data (the model's tokenizer + the configured template) → finetune (DeepSpeed) → HF, or → rlhf (TRL DPO): the
+    stage renders the conversations with the template, and every tokenizer on the way carries it."""
     from test_own_model_and_data import own_model, write_files
 
     files = write_files(tmp_path / "data")
@@ -114,13 +116,13 @@ def test_the_key_takes_a_template_less_model_through_data_and_finetune(tmp_path,
     cfg = tmp_path / "own.yaml"
     cfg.write_text(f"""
 name: own-template
-stages: [data, finetune]
-model: {{num_layers: 2, hidden_size: 64, num_attention_heads: 4, num_query_groups: 2, ffn_hidden_size: 128,
-        seq_length: 256, vocab_size: 512, chat_template: "{template}"}}
+stages: [data, {stage}]
+model: {{chat_template: "{template}"}}
 data:
   pretrain: {{kind: files, train: "{files['corpus']}"}}
   sft: {{kind: files, train: "{files['sft']}"}}
-  preference_pairs: 20
+  preference: {{kind: files, train: "{files['pref']}"}}
+rlhf: {{steps: 12, micro_batch_size: 8, lr: 1.0e-3}}
 finetune: {{nproc_per_node: 1, steps: 12, micro_batch_size: 8, lr: 3.0e-3, checkpoint_every: 12}}
 tracking: {{experiment: own, registered_model: own-template}}
 """)
@@ -129,11 +131,12 @@ tracking: {{experiment: own, registered_model: own-template}}
     summary = json.loads((run_dir / "summary.json").read_text()) if run_dir else {}
     assert r.returncode == 0, (r.stderr[-3000:], json.dumps(summary, indent=1)[-3000:])
     stages = {s["label"]: s for s in summary["stages"]}
-    assert list(stages) == ["data", "finetune", "convert-zero-to-hf"]
+    assert list(stages)[0] == "data" and output_label in stages
     data_tok = Path(stages["data"]["output"]) / "tokenizer"
     assert (data_tok / "chat_template.jinja").read_text() == ZEPHYR
-    assert stages["finetune"]["gate"]["passed"], stages["finetune"]["gate"]
-    out = Path(stages["convert-zero-to-hf"]["output"])
+    assert stages[stage]["gate"]["passed"], stages[stage]["gate"]
+    out = Path(stages[output_label]["output"])
+    assert (out / "chat_template.jinja").read_text() == ZEPHYR
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(out))
