@@ -71,6 +71,10 @@ class StageContext:
     tracking: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)   # e.g. convert: from/to formats, source stage
 
+    def architecture(self) -> dict:
+        """The model section as manifests record it: without model.chat_template (a tokenizer matter)."""
+        return {k: v for k, v in self.model.items() if k != "chat_template"}
+
     def python(self, runtime: str = "main") -> str:
         from tasks.runtimes import python_for
 

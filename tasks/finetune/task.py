@@ -128,7 +128,7 @@ def finalize(out: Path, ctx: StageContext, cfg: FinetuneConfig, r: dict) -> dict
         out, format="deepspeed-zero", stage="finetune",
         engine={"name": "deepspeed", "launcher": cfg.launcher,
                 **mf.engine_versions("deepspeed", "torch", "transformers")},
-        architecture=dict(ctx.model, hf_architectures=config.get("architectures")), parameter_count=params,
+        architecture=dict(ctx.architecture(), hf_architectures=config.get("architectures")), parameter_count=params,
         dtype=cfg.torch_dtype(), parent=mf.parent_ref(Path(ctx.input)),
         extra={"zero_stage": cfg.zero.stage, "world_size": r.get("world_size", cfg.world_size()), "tag": final,
                "step": r.get("steps"), "lora": cfg.lora.model_dump() if cfg.lora.enabled else None,

@@ -49,7 +49,7 @@ def build_spec(ctx: StageContext, cfg: PretrainConfig, vocab: int | None = None)
     """Everything the worker needs, resolved and checked here so that bad input fails before anything launches.
     `vocab`: the tokenizer's size when the data lives elsewhere (a cluster volume); else read from ctx.data_dir."""
     vocab = check_data(ctx) if vocab is None else vocab
-    arch = {**ctx.model, "vocab_size": vocab}
+    arch = {**ctx.architecture(), "vocab_size": vocab}
     tp = cfg.tensor_parallel
     if ctx.input is not None:
         if ctx.input_format not in (None, "megatron-dist"):
