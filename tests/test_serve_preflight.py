@@ -127,6 +127,18 @@ def test_the_head_dim_rule_applies_to_vllm_on_cpu_only():
 
 
 @pytest.mark.fast
+def test_a_config_that_pretrains_a_head_dim_vllm_cpu_cannot_serve_is_refused_when_it_loads():
+    from flows.config import ConfigError, load
+
+    with pytest.raises(ConfigError) as e:
+        load(REPO / "configs" / "tiny.yaml", ["model.hidden_size=64"])
+    assert ("serve.engine both on serve.device cpu: the model section's head_dim 16 (hidden_size 64 / "
+            "num_attention_heads 4)") in str(e.value)
+    load(REPO / "configs" / "tiny.yaml", ["model.hidden_size=64", "serve.engine=sglang"])
+    load(REPO / "configs" / "tiny.yaml", ["model.hidden_size=64"], stages=["rlhf", "serve"])  # the model comes --from
+
+
+@pytest.mark.fast
 def test_the_supported_head_sizes_are_vllms_own():
     """The list baton refuses by is the one in the built vLLM runtime's CPU attention backend (read, not imported)."""
     import ast
@@ -143,6 +155,7 @@ def test_the_supported_head_sizes_are_vllms_own():
     assert tuple(ast.literal_eval(returned.value)) == VLLM_CPU_HEAD_SIZES
 
 
+@pytest.mark.slow  # the CLI in a subprocess (no engine): kept out of the fast loop's budget
 def test_a_run_that_would_serve_head_dim_16_on_vllm_cpu_is_refused_before_its_first_stage(tmp_path, baton_home,
                                                                                            tiny_config, data_dir):
     from conftest import TINY, baton, make_hf_checkpoint

@@ -1,4 +1,5 @@
 from tasks.serve.config import ServeConfig
+from tasks.serve.engines import vllm_cpu_head_dim_problem
 from tasks.stage import StageSpec
 
 
@@ -14,6 +15,11 @@ def validate(cfg: ServeConfig, pipeline) -> list[str]:
         if cfg.max_model_len and cfg.max_model_len > model.seq_length:
             errors.append(f"serve.max_model_len: {cfg.max_model_len} exceeds model.seq_length {model.seq_length} "
                           "(the checkpoint's max_position_embeddings)")
+        if "pretrain" in pipeline.stages:  # the served model is the one the model section describes
+            problem = vllm_cpu_head_dim_problem(cfg, {"hidden_size": model.hidden_size,
+                                                      "num_attention_heads": model.num_attention_heads})
+            if problem:
+                errors.append(f"serve.engine {cfg.engine} on serve.device cpu: the model section's {problem}")
     if cfg.api_key_file and not cfg.api_key_file.is_file():
         errors.append(f"serve.api_key_file: {cfg.api_key_file}: no such file")
     if cfg.device == "cpu" and cfg.tensor_parallel > 1:
