@@ -59,7 +59,8 @@ def command(ctx: StageContext, cfg: FinetuneConfig, spec_path: Path) -> tuple[li
         raise FinetuneInputError(f"finetune: {e}") from None
 
 
-def worker_spec(ctx: StageContext, cfg: FinetuneConfig, out: Path, ds_config_path: Path) -> dict:
+def worker_spec(ctx: StageContext, cfg: FinetuneConfig, out: Path, ds_config_path: Path,
+                template: Path | None = None) -> dict:
     """What the worker reads from finetune_spec.json (paths as the worker will see them)."""
     return {
         "input": str(Path(ctx.input).resolve()), "data_dir": str(Path(ctx.data_dir).resolve()), "output": str(out),
@@ -70,6 +71,7 @@ def worker_spec(ctx: StageContext, cfg: FinetuneConfig, out: Path, ds_config_pat
         "activation_checkpointing": cfg.activation_checkpointing, "log_every": cfg.log_every,
         "lora": cfg.lora.model_dump(), "gate_metric": gates.resolve_metric(cfg.gate, ctx.data_dir, "sft", "exact_match"),
         "overlong": cfg.overlong, "eval_batch_size": cfg.micro_batch_size,
+        "chat_template": str(template) if template else None,  # model.chat_template, for an input without one
     }
 
 
@@ -107,8 +109,7 @@ def prepare(ctx: StageContext, cfg: FinetuneConfig) -> tuple[list[str], dict, Pa
             shutil.copy2(Path(ctx.input) / name, out / name)
     ds = ds_config.build(cfg)
     (work / "ds_config.json").write_text(json.dumps(ds, indent=2) + "\n")
-    spec = worker_spec(ctx, cfg, out, work / "ds_config.json")
-    spec["chat_template"] = str(template) if template else None
+    spec = worker_spec(ctx, cfg, out, work / "ds_config.json", template)
     (work / "finetune_spec.json").write_text(json.dumps(spec, indent=2) + "\n")
     cmd, port = command(ctx, cfg, work / "finetune_spec.json")
     if port:
