@@ -5,10 +5,10 @@ Unknown keys and wrong values fail with one message naming the key; `--set a.b=c
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import BeforeValidator, Field, SecretStr, ValidationError, model_validator
 
 from tasks.convert.config import ConvertConfig
 from tasks.data.config import DataConfig
@@ -57,6 +57,10 @@ class TrackingConfig(StrictModel):
     upload_weights: bool = Field(False, description="also upload checkpoint weights as MLflow artifacts")
 
 
+# an env value from YAML may be a number (`OMP_NUM_THREADS: 1`): the process gets its text
+EnvValue = Annotated[SecretStr, BeforeValidator(lambda v: str(v) if isinstance(v, (int, float)) else v)]
+
+
 class RuntimeConfig(StrictModel):
     """Where an engine runs (README: Going multi-node). Training stages run `nnodes × nproc_per_node` ranks through
     tasks/distributed on: `local` (alias `venv`: this host), `slurm` (srun inside an allocation, else a submitted
@@ -72,7 +76,14 @@ class RuntimeConfig(StrictModel):
     sbatch_args: list[str] = Field(default_factory=list)  # slurm outside an allocation: extra #SBATCH lines
     address: str | None = None       # ray: the cluster address (host:6379, ray://host:10001, or auto)
     resources_per_node: dict[str, float] = Field(default_factory=lambda: {"CPU": 1})  # ray: one bundle per node
-    env: dict[str, str] = Field(default_factory=dict)  # set on every node (GLOO/NCCL_SOCKET_IFNAME are found alone)
+    # set on every node (GLOO/NCCL_SOCKET_IFNAME are found alone). Values are secrets (tokens live here): Prefect's
+    # stored parameters, MLflow params, config.yaml and `baton config` show '**********'; engine_spec() reveals them.
+    env: dict[str, EnvValue] = Field(default_factory=dict)
+
+    def engine_spec(self) -> dict:
+        """Plain data for the stage that launches an engine, env values revealed (it never crosses a Prefect
+        parameter, a log or a tracking call)."""
+        return {**self.model_dump(), "env": {k: v.get_secret_value() for k, v in self.env.items()}}
 
     @model_validator(mode="after")
     def _ray_needs_address(self):
@@ -112,6 +123,10 @@ class PipelineConfig(StrictModel):
         if idx != sorted(idx):
             raise ValueError(f"stages {self.stages}: must follow the order {order}")
         return self
+
+    def engine_runtimes(self) -> dict[str, dict]:
+        """Every runtime as plain data for the stage tasks, secrets revealed (see RuntimeConfig.engine_spec)."""
+        return {k: v.engine_spec() for k, v in self.runtimes.items()}
 
     def stage_config(self, name: str):
         return getattr(self, name)

@@ -6,12 +6,25 @@ from __future__ import annotations
 import re
 
 REDACTED = "***redacted***"
-SECRET_KEY = re.compile(r"(pass(word|wd)?|secret|token|api[_-]?key|credential|private[_-]?key|auth)", re.IGNORECASE)
+# whole words of a key (HF_TOKEN, db_password, apiKey): `tokenizer` and `max_tokens` are not secrets
+SECRET_WORDS = {"pass", "passwd", "password", "pwd", "secret", "token", "apikey", "credential", "credentials", "auth",
+                "authorization", "privatekey"}
+SECRET_SUFFIXES = ("password", "secret", "token")  # accesstoken, clientsecret
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
+def _words(key: str) -> list[str]:
+    spaced = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", str(key))
+    return [w for w in re.split(r"[^a-z0-9]+", spaced.lower()) if w]
+
+
 def is_secret_key(key: str) -> bool:
-    return bool(SECRET_KEY.search(str(key))) and not str(key).endswith(("_file", "_path"))
+    """A key whose value is a secret (a `*_file` / `*_path` key names where one is kept: not itself secret)."""
+    words = _words(key)
+    if not words or words[-1] in ("file", "path"):
+        return False
+    pairs = {a + b for a, b in zip(words, words[1:])}
+    return bool((set(words) | pairs) & SECRET_WORDS) or any(w.endswith(SECRET_SUFFIXES) for w in words)
 
 
 def redact(obj, path: tuple = ()):
