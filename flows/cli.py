@@ -341,6 +341,9 @@ def cmd_serve(args) -> int:
         return 2
     registered = cfg.tracking.registered_model
     if Path(args.ref).exists():
+        if not Path(args.ref).is_dir():
+            print(f"baton serve: {args.ref}: not a folder (an HF checkpoint is a folder)", file=sys.stderr)
+            return 2
         path = Path(args.ref).resolve()
     else:
         try:

@@ -8,10 +8,11 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BeforeValidator, Field, SecretStr, ValidationError, model_validator
+from pydantic import BeforeValidator, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from tasks.convert.config import ConvertConfig
 from tasks.data.config import DataConfig
+from tasks import paths
 from tasks.finetune.config import FinetuneConfig
 from tasks.pretrain.config import PretrainConfig
 from tasks.registry import DEFAULT_CHAIN, STAGES
@@ -55,6 +56,8 @@ class TrackingConfig(StrictModel):
     experiment: str = "baton"
     registered_model: str = "baton-tiny"
     upload_weights: bool = Field(False, description="also upload checkpoint weights as MLflow artifacts")
+
+    _plain = field_validator("registered_model")(classmethod(lambda cls, v: paths.plain_name(v)))
 
 
 # an env value from YAML may be a number (`OMP_NUM_THREADS: 1`): the process gets its text
@@ -113,6 +116,8 @@ class PipelineConfig(StrictModel):
     require_smoke: bool = Field(False, description="a full run refuses to start without a passing smoke run of the "
                                                    "same config (same fingerprint)")
 
+    _plain = field_validator("name")(classmethod(lambda cls, v: paths.plain_name(v)))
+
     @model_validator(mode="after")
     def _stage_order(self):
         order = DEFAULT_CHAIN
@@ -134,7 +139,7 @@ class PipelineConfig(StrictModel):
     def validate_stages(self, host: bool = True) -> list[str]:
         """Cross-field checks each stage declares (e.g. heads divisible by TP), run before anything launches; `host`:
         also what this machine must have to launch it (False when the stages run elsewhere, e.g. `baton k8s`)."""
-        errors = []
+        errors = paths.config_errors(self, host)
         for name in self.stages:
             errors += STAGES[name].validate(self.stage_config(name), self)
             if host:
@@ -173,7 +178,10 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             if not isinstance(node.setdefault(p, {}), dict):
                 raise ConfigError(f"--set {key}: {p} is not a section")
             node = node[p]
-        node[parts[-1]] = _parse_value(value)
+        try:
+            node[parts[-1]] = _parse_value(value)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--set {key}: not a YAML value: {str(e).splitlines()[0]}") from None
     return raw
 
 

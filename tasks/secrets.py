@@ -10,7 +10,6 @@ REDACTED = "***redacted***"
 SECRET_WORDS = {"pass", "passwd", "password", "pwd", "secret", "token", "apikey", "credential", "credentials", "auth",
                 "authorization", "privatekey"}
 SECRET_SUFFIXES = ("password", "secret", "token")  # accesstoken, clientsecret
-RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
 def _words(key: str) -> list[str]:
@@ -41,6 +40,9 @@ def redact(obj, path: tuple = ()):
 
 def check_run_id(run_id: str) -> str:
     """A run id names a folder under BATON_HOME/runs: one plain name, never a path (`../..`)."""
-    if not RUN_ID.match(run_id or "") or run_id in (".", ".."):
-        raise ValueError(f"run_id {run_id!r}: letters, digits, '.', '_' and '-' only (a folder name, not a path)")
+    from tasks.paths import name_problem
+
+    problem = name_problem(run_id)
+    if problem:
+        raise ValueError(f"run_id {problem}")
     return run_id
