@@ -25,7 +25,8 @@ def test_names_that_build_paths_are_plain_names(key, bad, record_property):
     assert f"  {key}: " in msg and "plain name" in msg
 
 
-def test_plain_names_still_load():
+def test_plain_names_still_load(record_property):
+    record_property("fault", "(control) plain names load")
     cfg = load(TINY, ["name=tiny-2.v1", "tracking.registered_model=baton_tiny-2"])
     assert cfg.name == "tiny-2.v1" and cfg.tracking.registered_model == "baton_tiny-2"
 
