@@ -181,7 +181,8 @@ def _kill_after_checkpoint(cmd: list[str], env: dict, log: Path, at_step: int) -
 def test_flipped_byte_in_a_deepspeed_checkpoint_is_not_resumed(tmp_path, tiny_config, data_dir, hf_checkpoint,
                                                                 record_property):
     """A real ZeRO-2 finetune is killed after its step-4 checkpoint; one byte of that checkpoint's model states flips
-    on disk (same size, same names): the next attempt names the file, drops the checkpoint and resumes from step 2."""
+    on disk (same size, same names): the next attempt names the file, drops the checkpoint and resumes from step 2
+    (2 ranks: rank 0 verifies, every rank loads the tag it chose)."""
     record_property("fault", "bit flip in a DeepSpeed checkpoint")
     from tasks.distributed import remove_shm_segments
     from tasks.finetune.config import FinetuneConfig
@@ -191,7 +192,7 @@ def test_flipped_byte_in_a_deepspeed_checkpoint_is_not_resumed(tmp_path, tiny_co
     ctx = StageContext(stage="finetune", run_id="test", run_dir=tmp_path, work_dir=tmp_path / "work",
                        model=tiny_config.model.model_dump(), seed=0, data_dir=data_dir, input=hf_checkpoint,
                        input_format="hf-safetensors")
-    cfg = FinetuneConfig(zero={"stage": 2}, steps=6, warmup_steps=1, checkpoint_every=2, keep_checkpoints=3,
+    cfg = FinetuneConfig(zero={"stage": 2}, steps=6, warmup_steps=1, checkpoint_every=2, keep_checkpoints=3, nproc_per_node=2,
                          timeout_s=600)
     cmd, env, ckpt, port = prepare(ctx, cfg)
     try:
