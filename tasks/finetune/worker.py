@@ -253,8 +253,8 @@ def save(engine, ckpt_dir: Path, step: int, keep: int, rank: int, facts: dict) -
 
 
 def tag_hashes(tag_dir: Path) -> dict[str, str]:
-    return {str(f.relative_to(tag_dir)): mf.sha256_file(f) for f in sorted(tag_dir.rglob("*"))
-            if f.is_file() and f.name != COMPLETE}
+    files = [f for f in sorted(tag_dir.rglob("*")) if f.is_file() and f.name != COMPLETE]
+    return {str(f.relative_to(tag_dir)): h for f, h in zip(files, mf.sha256_files(files))}
 
 
 def corruption(tag_dir: Path) -> str | None:
@@ -262,13 +262,13 @@ def corruption(tag_dir: Path) -> str | None:
     hashes = json.loads((tag_dir / COMPLETE).read_text()).get("sha256")
     if not hashes:
         return "no sha256 recorded at save time"
-    for name, digest in hashes.items():
-        f = tag_dir / name
-        if not f.is_file():
-            return f"{name} is missing"
-        if mf.sha256_file(f) != digest:
-            return f"{name} differs from the sha256 recorded at save time"
-    return None
+    missing = [name for name in hashes if not (tag_dir / name).is_file()]
+    if missing:
+        return f"{missing[0]} is missing"
+    names = list(hashes)
+    actual = mf.sha256_files([tag_dir / n for n in names], reuse=False)  # read the bytes, whatever the stat says
+    changed = [n for n, h in zip(names, actual) if h != hashes[n]]
+    return f"{changed[0]} differs from the sha256 recorded at save time" if changed else None
 
 
 def verified_tags(ckpt_dir: Path, tags: list[tuple[int, str]]) -> list[tuple[int, str]]:
