@@ -10,9 +10,9 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BeforeValidator, Field, SecretStr, ValidationError, field_validator, model_validator
 
+from tasks import paths, secrets
 from tasks.convert.config import ConvertConfig
 from tasks.data.config import DataConfig
-from tasks import paths
 from tasks.finetune.config import FinetuneConfig
 from tasks.pretrain.config import PretrainConfig
 from tasks.registry import DEFAULT_CHAIN, STAGES
@@ -139,7 +139,7 @@ class PipelineConfig(StrictModel):
     def validate_stages(self, host: bool = True) -> list[str]:
         """Cross-field checks each stage declares (e.g. heads divisible by TP), run before anything launches; `host`:
         also what this machine must have to launch it (False when the stages run elsewhere, e.g. `baton k8s`)."""
-        errors = paths.config_errors(self, host)
+        errors = paths.config_errors(self, host) + secrets.command_line_errors(self)
         for name in self.stages:
             errors += STAGES[name].validate(self.stage_config(name), self)
             if host:

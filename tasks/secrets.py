@@ -38,6 +38,23 @@ def redact(obj, path: tuple = ()):
     return obj
 
 
+def command_line_errors(cfg) -> list[str]:
+    """Config lists that become command-line arguments (visible to every user in `ps`, kept in shell histories and
+    job records) must not carry a secret: `--hf-token X`, `--api-key=X`, `logger.wandb.api_key=X`."""
+    lists = {f"serve.engine_args.{k}": v for k, v in cfg.serve.engine_args.items()}
+    lists["rlhf.nemo_rl.overrides"] = cfg.rlhf.nemo_rl.overrides
+    for name, rt in cfg.runtimes.items():
+        lists[f"runtimes.{name}.srun_args"], lists[f"runtimes.{name}.sbatch_args"] = rt.srun_args, rt.sbatch_args
+    errors = []
+    for key, args in lists.items():
+        for i, arg in enumerate(args):
+            flag = str(arg).split("=", 1)[0].lstrip("-")
+            if flag and is_secret_key(flag):
+                errors.append(f"{key}[{i}]: {flag} would put a secret on a command line (visible in `ps`); "
+                              "set it in runtimes.<runtime>.env instead")
+    return errors
+
+
 def check_run_id(run_id: str) -> str:
     """A run id names a folder under BATON_HOME/runs: one plain name, never a path (`../..`)."""
     from tasks.paths import name_problem

@@ -125,6 +125,20 @@ def test_secret_values_are_redacted_from_mlflow_params_and_artifacts(baton_home,
 
 
 @pytest.mark.fast
+def test_secrets_in_command_line_lists_are_refused_before_launch(record_property):
+    """Config lists that become arguments (engine args, NeMo-RL overrides, srun/sbatch flags) carry no secret."""
+    record_property("fault", "secret in a command-line list")
+    from flows.config import ConfigError, load
+
+    cases = {"serve.engine_args.vllm": '["--hf-token", "x"]', "serve.engine_args.sglang": '["--api-key=x"]',
+             "rlhf.nemo_rl.overrides": '["logger.wandb.api_key=x"]', "runtimes.main.srun_args": '["--auth-token=x"]'}
+    for key, value in cases.items():
+        with pytest.raises(ConfigError, match=rf"{key}\[0\]: .* would put a secret on a command line"):
+            load(TINY, [f"{key}={value}"])
+    assert load(TINY, ['serve.engine_args.vllm=["--max-tokens", "8", "--tokenizer-mode", "auto"]'])
+
+
+@pytest.mark.fast
 def test_run_ids_and_serve_host_are_confined(record_property):
     record_property("fault", "run_id ../.. / remote host")
     for bad in ("../..", "..", "a/b", "/etc", ""):
