@@ -341,6 +341,9 @@ def cmd_serve(args) -> int:
         return 2
     registered = cfg.tracking.registered_model
     if Path(args.ref).exists():
+        if not Path(args.ref).is_dir():
+            print(f"baton serve: {args.ref}: not a folder (an HF checkpoint is a folder)", file=sys.stderr)
+            return 2
         path = Path(args.ref).resolve()
     else:
         try:
@@ -352,7 +355,7 @@ def cmd_serve(args) -> int:
     work = tracking.baton_home() / "serve" / _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     ctx = StageContext(stage="serve", run_id=work.name, run_dir=work, work_dir=work, model=cfg.model.model_dump(),
                        seed=cfg.seed, data_dir=Path(args.data_dir).resolve() if args.data_dir else None, input=path,
-                       input_format="hf-safetensors", runtimes={k: v.model_dump() for k, v in cfg.runtimes.items()},
+                       input_format="hf-safetensors", runtimes=cfg.engine_runtimes(),
                        tracking={**cfg.tracking.model_dump(), "registered_model": registered})
     serve_cfg = cfg.serve.model_copy(update={"promote": args.promote,
                                              "lm_eval": cfg.serve.lm_eval.model_copy(update={"enabled": args.eval})})

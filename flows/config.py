@@ -5,12 +5,12 @@ Unknown keys and wrong values fail with one message naming the key; `--set a.b=c
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import BeforeValidator, Field, SecretStr, ValidationError, field_validator, model_validator
 
-from tasks import chat_template
+from tasks import chat_template, paths, secrets
 from tasks.convert.config import ConvertConfig
 from tasks.data.config import DataConfig
 from tasks.finetune.config import FinetuneConfig
@@ -67,6 +67,12 @@ class TrackingConfig(StrictModel):
     registered_model: str = "baton-tiny"
     upload_weights: bool = Field(False, description="also upload checkpoint weights as MLflow artifacts")
 
+    _plain = field_validator("registered_model")(classmethod(lambda cls, v: paths.plain_name(v)))
+
+
+# an env value from YAML may be a number (`OMP_NUM_THREADS: 1`): the process gets its text
+EnvValue = Annotated[SecretStr, BeforeValidator(lambda v: str(v) if isinstance(v, (int, float)) else v)]
+
 
 class RuntimeConfig(StrictModel):
     """Where an engine runs (README: Going multi-node). Training stages run `nnodes × nproc_per_node` ranks through
@@ -83,7 +89,14 @@ class RuntimeConfig(StrictModel):
     sbatch_args: list[str] = Field(default_factory=list)  # slurm outside an allocation: extra #SBATCH lines
     address: str | None = None       # ray: the cluster address (host:6379, ray://host:10001, or auto)
     resources_per_node: dict[str, float] = Field(default_factory=lambda: {"CPU": 1})  # ray: one bundle per node
-    env: dict[str, str] = Field(default_factory=dict)  # set on every node (GLOO/NCCL_SOCKET_IFNAME are found alone)
+    # set on every node (GLOO/NCCL_SOCKET_IFNAME are found alone). Values are secrets (tokens live here): Prefect's
+    # stored parameters, MLflow params, config.yaml and `baton config` show '**********'; engine_spec() reveals them.
+    env: dict[str, EnvValue] = Field(default_factory=dict)
+
+    def engine_spec(self) -> dict:
+        """Plain data for the stage that launches an engine, env values revealed (it never crosses a Prefect
+        parameter, a log or a tracking call)."""
+        return {**self.model_dump(), "env": {k: v.get_secret_value() for k, v in self.env.items()}}
 
     @model_validator(mode="after")
     def _ray_needs_address(self):
@@ -113,6 +126,8 @@ class PipelineConfig(StrictModel):
     require_smoke: bool = Field(False, description="a full run refuses to start without a passing smoke run of the "
                                                    "same config (same fingerprint)")
 
+    _plain = field_validator("name")(classmethod(lambda cls, v: paths.plain_name(v)))
+
     @model_validator(mode="after")
     def _stage_order(self):
         order = DEFAULT_CHAIN
@@ -124,13 +139,17 @@ class PipelineConfig(StrictModel):
             raise ValueError(f"stages {self.stages}: must follow the order {order}")
         return self
 
+    def engine_runtimes(self) -> dict[str, dict]:
+        """Every runtime as plain data for the stage tasks, secrets revealed (see RuntimeConfig.engine_spec)."""
+        return {k: v.engine_spec() for k, v in self.runtimes.items()}
+
     def stage_config(self, name: str):
         return getattr(self, name)
 
     def validate_stages(self, host: bool = True) -> list[str]:
         """Cross-field checks each stage declares (e.g. heads divisible by TP), run before anything launches; `host`:
         also what this machine must have to launch it (False when the stages run elsewhere, e.g. `baton k8s`)."""
-        errors = []
+        errors = paths.config_errors(self, host) + secrets.command_line_errors(self)
         for name in self.stages:
             errors += STAGES[name].validate(self.stage_config(name), self)
             if host:
@@ -169,7 +188,10 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             if not isinstance(node.setdefault(p, {}), dict):
                 raise ConfigError(f"--set {key}: {p} is not a section")
             node = node[p]
-        node[parts[-1]] = _parse_value(value)
+        try:
+            node[parts[-1]] = _parse_value(value)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--set {key}: not a YAML value: {str(e).splitlines()[0]}") from None
     return raw
 
 

@@ -80,7 +80,7 @@ def runtimes_in_use(cfg) -> dict[str, str]:
     names = {"main"} if any(s in cfg.stages for s in ("data", *TRAINING, "convert")) else set()
     if "serve" in cfg.stages:
         names |= set(cfg.serve.engines())
-    rt = {k: v.model_dump() for k, v in cfg.runtimes.items()}
+    rt = {k: v.model_dump(mode="json") for k, v in cfg.runtimes.items()}  # env stays masked: not needed here
     out = {}
     for name in sorted(names):
         if (rt.get(name) or {}).get("kind", "venv") != "venv":

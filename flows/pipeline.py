@@ -23,6 +23,9 @@ def resolve_input(cfg: PipelineConfig, from_ref: str | None) -> tuple[Path | Non
         if from_ref.startswith(hub.PREFIX):
             path = hub.fetch(from_ref, tracking.baton_home())
         elif Path(from_ref).exists():
+            if not Path(from_ref).is_dir():
+                raise ConfigError(f"--from {from_ref}: not a folder (a checkpoint is a folder with its "
+                                  f"{mf.MANIFEST_NAME})")
             path = Path(from_ref).resolve()
         elif "@" in from_ref or "/" in from_ref:
             path, _, _ = tracking.resolve_model_ref(from_ref)

@@ -259,7 +259,7 @@ def _context(cfg: PipelineConfig, step: Step, run: RunInfo, work: Path, mlflow_r
         stage=step.name, run_id=run.run_id, run_dir=run.run_dir, work_dir=work,
         model=chat_template.resolved(cfg.model.model_dump()),
         seed=cfg.seed, data_dir=Path(data_dir) if data_dir else None, input=Path(input_path) if input_path else None,
-        input_format=input_format, runtimes={k: v.model_dump() for k, v in cfg.runtimes.items()},
+        input_format=input_format, runtimes=cfg.engine_runtimes(),
         mlflow_run_id=mlflow_run, tracking=cfg.tracking.model_dump(), extra=dict(step.extra))
 
 

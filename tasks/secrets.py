@@ -6,12 +6,24 @@ from __future__ import annotations
 import re
 
 REDACTED = "***redacted***"
-SECRET_KEY = re.compile(r"(pass(word|wd)?|secret|token|api[_-]?key|credential|private[_-]?key|auth)", re.IGNORECASE)
-RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+# whole words of a key (HF_TOKEN, db_password, apiKey): `tokenizer` and `max_tokens` are not secrets
+SECRET_WORDS = {"pass", "passwd", "password", "pwd", "secret", "token", "apikey", "credential", "credentials", "auth",
+                "authorization", "privatekey"}
+SECRET_SUFFIXES = ("password", "secret", "token")  # accesstoken, clientsecret
+
+
+def _words(key: str) -> list[str]:
+    spaced = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", str(key))
+    return [w for w in re.split(r"[^a-z0-9]+", spaced.lower()) if w]
 
 
 def is_secret_key(key: str) -> bool:
-    return bool(SECRET_KEY.search(str(key))) and not str(key).endswith(("_file", "_path"))
+    """A key whose value is a secret (a `*_file` / `*_path` key names where one is kept: not itself secret)."""
+    words = _words(key)
+    if not words or words[-1] in ("file", "path"):
+        return False
+    pairs = {a + b for a, b in zip(words, words[1:])}
+    return bool((set(words) | pairs) & SECRET_WORDS) or any(w.endswith(SECRET_SUFFIXES) for w in words)
 
 
 def redact(obj, path: tuple = ()):
@@ -26,8 +38,28 @@ def redact(obj, path: tuple = ()):
     return obj
 
 
+def command_line_errors(cfg) -> list[str]:
+    """Config lists that become command-line arguments (visible to every user in `ps`, kept in shell histories and
+    job records) must not carry a secret: `--hf-token X`, `--api-key=X`, `logger.wandb.api_key=X`."""
+    lists = {f"serve.engine_args.{k}": v for k, v in cfg.serve.engine_args.items()}
+    lists["rlhf.nemo_rl.overrides"] = cfg.rlhf.nemo_rl.overrides
+    for name, rt in cfg.runtimes.items():
+        lists[f"runtimes.{name}.srun_args"], lists[f"runtimes.{name}.sbatch_args"] = rt.srun_args, rt.sbatch_args
+    errors = []
+    for key, args in lists.items():
+        for i, arg in enumerate(args):
+            flag = str(arg).split("=", 1)[0].lstrip("-")
+            if flag and is_secret_key(flag):
+                errors.append(f"{key}[{i}]: {flag} would put a secret on a command line (visible in `ps`); "
+                              "set it in runtimes.<runtime>.env instead")
+    return errors
+
+
 def check_run_id(run_id: str) -> str:
     """A run id names a folder under BATON_HOME/runs: one plain name, never a path (`../..`)."""
-    if not RUN_ID.match(run_id or "") or run_id in (".", ".."):
-        raise ValueError(f"run_id {run_id!r}: letters, digits, '.', '_' and '-' only (a folder name, not a path)")
+    from tasks.paths import name_problem
+
+    problem = name_problem(run_id)
+    if problem:
+        raise ValueError(f"run_id {problem}")
     return run_id

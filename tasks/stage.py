@@ -90,12 +90,18 @@ class StageContext:
         env.update({k: str(v) for k, v in more.items()})
         return env
 
+    def runtime_env(self, runtime: str = "main") -> dict:
+        """The `runtimes.<name>.env` the user set for this runtime (tokens included: the process needs them)."""
+        return {k: str(v) for k, v in ((self.runtimes or {}).get(runtime) or {}).get("env", {}).items()}
+
     def launch(self, cmd: list[str], *, name: str | None = None, env: dict | None = None, timeout: float | None = None,
-               cwd: Path | None = None):
-        """Run a worker command: logs stream to Prefect and <work_dir>/engine.log, metrics to this stage's MLflow run."""
+               cwd: Path | None = None, runtime: str = "main"):
+        """Run a worker command on `runtime` with that runtime's env: logs stream to Prefect and <work_dir>/engine.log,
+        metrics to this stage's MLflow run."""
         from tasks.streaming import launch_streaming
 
-        return launch_streaming(self, cmd, name=name or self.stage, env=self.worker_env(**(env or {})),
+        return launch_streaming(self, cmd, name=name or self.stage,
+                                env=self.worker_env(**{**self.runtime_env(runtime), **(env or {})}),
                                 timeout=timeout, cwd=cwd)
 
 

@@ -67,7 +67,8 @@ def test_slurm_in_an_allocation_starts_one_node_launcher_per_node(monkeypatch):
     assert cmd[:6] == ["srun", "--nodes", "4", "--ntasks-per-node", "1", "--kill-on-bad-exit=1"]
     assert "--partition=gpu" in cmd and cmd[-3:-1] == ["-m", "tasks.distributed.node"]
     spec = json.loads(cmd[-1])["launch"]
-    assert spec["nnodes"] == 4 and spec["nproc_per_node"] == 8 and spec["env"] == {"NCCL_DEBUG": "WARN"}
+    assert spec["nnodes"] == 4 and spec["nproc_per_node"] == 8
+    assert spec["env"] == {} and spec["inherit"] == ["NCCL_DEBUG"]  # the value stays off the command line
     assert spec["args"] == ["--spec", "s.json"] and spec["launcher"] == "torchrun"
 
 

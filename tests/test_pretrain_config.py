@@ -64,7 +64,7 @@ def test_cli_rejects_a_bad_layout_in_about_a_second(baton_home):
 @pytest.mark.parametrize("recipe", RECIPES, ids=[p.stem for p in RECIPES])
 def test_gpu_recipes_validate_on_their_target_hardware(recipe, monkeypatch):
     """The recipes are consistent layouts: on a host with 8 visible GPUs every check passes; here (no GPU) the only
-    complaint is that the machine cannot host the ranks."""
+    complaints are that the machine cannot host the ranks and lacks the cluster's data files."""
     from flows.config import ConfigError, PipelineConfig, load
     from tasks.pretrain.config import validate
 
@@ -80,7 +80,9 @@ def test_gpu_recipes_validate_on_their_target_hardware(recipe, monkeypatch):
     with pytest.raises(ConfigError) as e:
         load(recipe)
     lines = [line.strip() for line in str(e.value).splitlines()[1:]]
-    assert lines and all("GPU(s); more ranks than it can host" in line for line in lines), lines
+    assert any("GPU(s); more ranks than it can host" in line for line in lines), lines
+    assert all("GPU(s); more ranks than it can host" in line or line.startswith("data.") and "matches no file" in line
+               for line in lines), lines
     assert m.num_layers % p.pipeline_parallel == 0 and m.num_attention_heads % p.tensor_parallel == 0
 
 

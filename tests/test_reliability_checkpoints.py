@@ -149,3 +149,67 @@ def test_a_stage_is_not_started_without_the_disk_its_checkpoints_need(tiny_confi
         check_free_space(tiny_config, step, tmp_path)  # the real disk has room
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def _kill_after_checkpoint(cmd: list[str], env: dict, log: Path, at_step: int) -> None:
+    """Run the finetune worker tree; SIGKILL all of it once the checkpoint of `at_step` is reported complete."""
+    import os
+    import signal
+
+    from tasks import events
+
+    full_env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent), **env)
+    proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    seen = None
+    with open(log, "w") as f:
+        for line in proc.stdout:
+            f.write(line)
+            e = events.parse(line.strip())
+            if e and e["kind"] == "checkpoint" and e["step"] == at_step:
+                seen = e["step"]
+                break
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=60)
+    assert seen == at_step, log.read_text()[-3000:]
+
+
+@pytest.mark.slow
+def test_flipped_byte_in_a_deepspeed_checkpoint_is_not_resumed(tmp_path, tiny_config, data_dir, hf_checkpoint,
+                                                                record_property):
+    """A real ZeRO-2 finetune is killed after its step-4 checkpoint; one byte of that checkpoint's model states flips
+    on disk (same size, same names): the next attempt names the file, drops the checkpoint and resumes from step 2
+    (2 ranks: rank 0 verifies, every rank loads the tag it chose)."""
+    record_property("fault", "bit flip in a DeepSpeed checkpoint")
+    from tasks.distributed import remove_shm_segments
+    from tasks.finetune.config import FinetuneConfig
+    from tasks.finetune.task import prepare, run_finetune
+    from tasks.stage import StageContext
+
+    ctx = StageContext(stage="finetune", run_id="test", run_dir=tmp_path, work_dir=tmp_path / "work",
+                       model=tiny_config.model.model_dump(), seed=0, data_dir=data_dir, input=hf_checkpoint,
+                       input_format="hf-safetensors")
+    cfg = FinetuneConfig(zero={"stage": 2}, steps=6, warmup_steps=1, checkpoint_every=2, keep_checkpoints=3, nproc_per_node=2,
+                         timeout_s=600)
+    cmd, env, ckpt, port = prepare(ctx, cfg)
+    try:
+        _kill_after_checkpoint(cmd, env, tmp_path / "killed.log", at_step=4)
+    finally:
+        remove_shm_segments(port)
+    marker = json.loads((ckpt / "global_step4" / "baton_complete.json").read_text())
+    assert marker["sha256"], marker  # written last, with every file's hash
+    (states,) = [n for n in marker["sha256"] if n.endswith("model_states.pt")]
+    victim = ckpt / "global_step4" / states
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+
+    out = run_finetune.fn(ctx, cfg)
+    assert out.metrics["resumed_from_step"] == 2
+    log = (ctx.work_dir / "engine.log").read_text()
+    assert f"{states} differs from the sha256 recorded at save time; not resuming from it" in log
+    integrity = {c["name"]: c for c in out.gate["checks"]}["L0.integrity"]  # (6 steps are too few for the eval gate)
+    assert integrity["passed"] and (out.output / "global_step6" / "baton_complete.json").exists()

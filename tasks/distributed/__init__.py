@@ -40,17 +40,23 @@ class Launch:
     nproc_per_node: int = 1
     launcher: Literal["torchrun", "deepspeed"] = "torchrun"
     master_port: int = 0                         # 0: a free port, picked where the first node can see it
-    env: dict = field(default_factory=dict)      # the runtime's env, set on every node
+    env: dict = field(default_factory=dict)      # set on every node (values travel on command lines: no secrets)
+    inherit: tuple[str, ...] = ()                # names only: every node takes these from the launching process's
+    #                                              env (the runtime's env holds tokens; a command line is public)
 
     def world_size(self) -> int:
         return self.nnodes * self.nproc_per_node
 
     def to_json(self) -> str:
-        return json.dumps({**asdict(self), "args": list(self.args)})
+        return json.dumps({**asdict(self), "args": list(self.args), "inherit": list(self.inherit)})
 
     @classmethod
     def from_dict(cls, d: dict) -> "Launch":
-        return cls(**{**d, "args": tuple(d.get("args", ()))})
+        return cls(**{**d, "args": tuple(d.get("args", ())), "inherit": tuple(d.get("inherit", ()))})
+
+    def node_env(self, parent: dict) -> dict:
+        """What a node sets: the inherited names' values from `parent` (this launch's environment), then env."""
+        return {**{k: parent[k] for k in self.inherit if k in parent}, **{k: str(v) for k, v in self.env.items()}}
 
 
 def torchrun_args(launch: Launch, *, node_rank: int, master_addr: str, master_port: int) -> list[str]:
@@ -113,7 +119,8 @@ def engine_command(launch: Launch, runtime: dict | None = None, work_dir: Path |
 
     runtime = {**(runtime or {})}
     kind = runtime_kind(runtime)
-    launch = replace(launch, env={**runtime.get("env", {}), **launch.env})
+    # the runtime's env reaches the launching process (StageContext.launch); nodes inherit it by name
+    launch = replace(launch, inherit=tuple(sorted(set(runtime.pop("env", None) or {}) - set(launch.env))))
     if kind == "local":
         return local_command(with_port(launch))
     if kind == "slurm":

@@ -81,7 +81,7 @@ def run_forwarding_signals(cmd: list[str], env: dict) -> int:
 def run_node(spec: dict) -> int:
     launch = Launch.from_dict(spec["launch"])
     rank, master, port = placement(spec, launch)
-    env = {**os.environ, **{k: str(v) for k, v in launch.env.items()}}
+    env = {**os.environ, **launch.node_env(dict(os.environ))}
     if launch.nnodes > 1:
         env.update(socket_ifname_env(master, env))
     print(f"node {rank}/{launch.nnodes} on {socket.gethostname()}: rendezvous {master}:{port}, "

@@ -29,7 +29,7 @@ FORWARD_PREFIXES = ("PYTHON", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "OMP_", "TO
 def forwarded_env(launch: Launch) -> dict:
     env = {k: v for k, v in os.environ.items() if k.startswith(FORWARD_PREFIXES)}
     env.pop("CUDA_VISIBLE_DEVICES", None)  # each node has its own devices
-    return {**env, **{k: str(v) for k, v in launch.env.items()}}
+    return {**env, **launch.node_env(dict(os.environ))}
 
 
 @ray.remote(num_cpus=0)

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoTokenizer
 
-from conversions import chat, durable, hf, probe
+from conversions import chat, durable, hf, manifest as mf, probe
 from tasks import events
 
 COMPLETE = "baton_complete.json"
@@ -242,7 +242,9 @@ def save(engine, ckpt_dir: Path, step: int, keep: int, rank: int, facts: dict) -
     engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"baton_step": step}, save_latest=False)
     dist.barrier()  # every rank's partitions are on disk: only now does the tag count
     if rank == 0:
-        write_atomic(ckpt_dir / tag / COMPLETE, json.dumps({"step": step, **facts}))
+        durable.sync_tree(ckpt_dir / tag)
+        marker = {"step": step, **facts, "sha256": tag_hashes(ckpt_dir / tag)}
+        write_atomic(ckpt_dir / tag / COMPLETE, json.dumps(marker))  # last: hashes of what is on disk now
         write_atomic(ckpt_dir / "latest", tag)
         for _, old in complete_tags(ckpt_dir)[:-keep]:
             shutil.rmtree(ckpt_dir / old)
@@ -250,8 +252,43 @@ def save(engine, ckpt_dir: Path, step: int, keep: int, rank: int, facts: dict) -
     dist.barrier()
 
 
+def tag_hashes(tag_dir: Path) -> dict[str, str]:
+    files = [f for f in sorted(tag_dir.rglob("*")) if f.is_file() and f.name != COMPLETE]
+    return {str(f.relative_to(tag_dir)): h for f, h in zip(files, mf.sha256_files(files))}
+
+
+def corruption(tag_dir: Path) -> str | None:
+    """Why this checkpoint's contents are not what its save recorded (None: every file's sha256 matches)."""
+    hashes = json.loads((tag_dir / COMPLETE).read_text()).get("sha256")
+    if not hashes:
+        return "no sha256 recorded at save time"
+    missing = [name for name in hashes if not (tag_dir / name).is_file()]
+    if missing:
+        return f"{missing[0]} is missing"
+    names = list(hashes)
+    actual = mf.sha256_files([tag_dir / n for n in names], reuse=False)  # read the bytes, whatever the stat says
+    changed = [n for n, h in zip(names, actual) if h != hashes[n]]
+    return f"{changed[0]} differs from the sha256 recorded at save time" if changed else None
+
+
+def verified_tags(ckpt_dir: Path, tags: list[tuple[int, str]]) -> list[tuple[int, str]]:
+    """Newest first, drop (and delete) checkpoints whose contents changed since their save, down to a good one."""
+    while tags:
+        why = corruption(ckpt_dir / tags[-1][1])
+        if why is None:
+            break
+        print(f"checkpoint {ckpt_dir / tags[-1][1]}: {why}; not resuming from it", flush=True)
+        events.emit("checkpoint_rejected", tag=tags[-1][1], reason=why)
+        shutil.rmtree(ckpt_dir / tags[-1][1])
+        tags = tags[:-1]
+    if not tags:
+        print(f"{ckpt_dir}: no checkpoint whose contents verify; starting fresh", flush=True)
+    return tags
+
+
 def resume(engine, ckpt_dir: Path, rank: int, facts: dict) -> int:
-    """Load the newest complete checkpoint; drop unfinished ones. Returns the step to continue from."""
+    """Load the newest complete checkpoint whose contents verify (rank 0 checks, every rank loads the same);
+    drop unfinished and corrupted ones. Returns the step to continue from."""
     tags = complete_tags(ckpt_dir)
     dist.barrier()
     if rank == 0:
@@ -259,6 +296,10 @@ def resume(engine, ckpt_dir: Path, rank: int, facts: dict) -> int:
         for d in ckpt_dir.glob(f"{TAG_PREFIX}*"):
             if d.name not in done:
                 shutil.rmtree(d)
+        tags = verified_tags(ckpt_dir, tags) if tags else tags
+    chosen = [tags]
+    dist.broadcast_object_list(chosen, src=0)
+    tags = chosen[0]
     dist.barrier()
     if not tags:
         return 0

@@ -154,7 +154,7 @@ def serve_engine(ctx: StageContext, cfg: ServeConfig, engine: str, ident: dict, 
     name = engines.served_name(engine, ident["served_model_name"])
     cmd, env = engines.COMMANDS[engine](cfg, ctx.python(engines.RUNTIME[engine]), ctx.input, port, name, key,
                                         secrets_dir=ctx.work_dir)
-    server = Server(engine, cmd, {**ctx.worker_env(), **env}, base_url, ctx.work_dir / f"server-{engine}.log",
+    server = Server(engine, cmd, {**ctx.worker_env(**ctx.runtime_env(engines.RUNTIME[engine])), **env}, base_url, ctx.work_dir / f"server-{engine}.log",
                     redactor(key), on_line=lambda line: log.info("[%s] %s", engine, line), managed=not detach)
     out: dict = {"checks": [], "metrics": {}, "server": server, "eval": None}
     server.start()
@@ -199,7 +199,7 @@ def serve_engine(ctx: StageContext, cfg: ServeConfig, engine: str, ident: dict, 
 
 def sgl_frontend(ctx: StageContext, base_url: str, key_file: Path) -> dict:
     res = ctx.launch([ctx.python("sglang"), str(SGL_PROGRAM), "--url", base_url, "--key-file", str(key_file)],
-                     name="sgl-frontend", timeout=600)
+                     name="sgl-frontend", timeout=600, runtime="sglang")
     return res.results()["check"]
 
 
