@@ -147,7 +147,8 @@ def _age(run_id: str) -> str:
     return f"{s // 86400}d" if s >= 86400 else f"{s // 3600}h" if s >= 3600 else f"{s // 60}m" if s >= 60 else f"{s}s"
 
 
-_STATUS = {"completed": "ok", "cached": "cached", "failed": "FAILED", "skipped": "skipped", "running": "running"}
+_STATUS = {"completed": "ok", "cached": "cached", "failed": "FAILED", "skipped": "skipped", "running": "running",
+           "cancelled": "cancelled"}
 
 
 def runs_table(rows: list[dict], champions: set[str]) -> str:

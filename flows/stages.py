@@ -54,11 +54,14 @@ def _cached(index: Index, step: Step) -> dict | None:
     return rec
 
 
+RESUMABLE = ("running", "failed", "cancelled")  # index states whose work dir a new attempt resumes from
+
+
 def _work_dir(index: Index, step: Step, run: RunInfo, position: int) -> Path:
     """A new folder in this run, or the folder of an interrupted earlier attempt (so the engine resumes)."""
     link = run.run_dir / f"{position:02d}-{step.label}"
     rec = index.get(step.fingerprint)  # read under the step's lock: its owner, if any, is dead
-    if (rec and rec.get("status") in ("running", "failed") and rec.get("work_dir") and Path(rec["work_dir"]).exists()
+    if (rec and rec.get("status") in RESUMABLE and rec.get("work_dir") and Path(rec["work_dir"]).exists()
             and not (rec.get("entry") or {}).get("registered")):
         old = Path(rec["work_dir"])
         if old != link:
@@ -335,6 +338,24 @@ def _apply_gate(out: StageOutput, step: Step, entry: dict, smoke: bool = False) 
         raise StageFailed(f"{step.label}: {entry['error']} (checkpoint not promoted)", entry)
 
 
+def stopped_from_outside(e: BaseException) -> bool:
+    """Prefect's cancellation (its SIGTERM arrives as TerminationSignal), any other SIGTERM, or Ctrl-C: the step was
+    stopped, it did not fail."""
+    from prefect.exceptions import TerminationSignal
+
+    return isinstance(e, (TerminationSignal, KeyboardInterrupt))
+
+
+def describe_stop(e: BaseException) -> str:
+    import signal
+
+    if isinstance(e, KeyboardInterrupt):
+        return "cancelled (interrupted, Ctrl-C)"
+    number = getattr(e, "signal", None)
+    name = signal.Signals(number).name if number in set(signal.Signals) else f"signal {number}"
+    return f"cancelled ({name}: Prefect's cancellation or a stop of the process)"
+
+
 def _failure(step: Step, entry: dict, e: Exception) -> StageFailed:
     """The summary entry of a stage that raised, inside the exception the pipeline catches."""
     if isinstance(e, StageFailed):
@@ -353,10 +374,14 @@ def _close(c, mlflow_run: str, monitor, entry: dict, ok: bool, log_path: Path) -
             monitor.finish()
         except Exception:
             pass
+    cancelled = entry["status"] == "cancelled"
+    if cancelled:  # first: Prefect SIGKILLs a cancelled flow's process 30 s after its SIGTERM
+        tracking.end_run(c, mlflow_run, ok, cancelled=True)
     tracking.log_json(c, mlflow_run, entry, "stage.json")
     if log_path.exists():
         tracking.log_file(c, mlflow_run, log_path)
-    tracking.end_run(c, mlflow_run, ok)
+    if not cancelled:
+        tracking.end_run(c, mlflow_run, ok)
 
 
 def execute_step(step: Step, cfg: PipelineConfig, run: RunInfo, position: int, input_path: str | None,
@@ -397,6 +422,10 @@ def _execute_locked(step: Step, cfg: PipelineConfig, run: RunInfo, position: int
             entry["status"], ok = "completed", True
         except Exception as e:
             raise _failure(step, entry, e) from (None if isinstance(e, (StageFailed, LaunchError)) else e)
+        except BaseException as e:  # the engine's process tree is already down (tasks.launch kills it on the way out)
+            if stopped_from_outside(e):
+                entry.update(status="cancelled", error=describe_stop(e))
+            raise
         finally:
             entry["seconds"] = round(time.time() - t0, 2)
             index.put(step.fingerprint, status=entry["status"], work_dir=str(work), run_id=run.run_id,
