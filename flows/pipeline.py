@@ -170,15 +170,13 @@ def _close_cancelled(run: RunInfo, steps: list, summary: dict, e: BaseException)
     reason = describe_stop(e)
     done = {s["label"] for s in summary["stages"]}
     index = runs.Index()
-    for step in steps:
-        if step.label in done:
-            continue
-        rec = index.get(step.fingerprint) or {}
-        if rec.get("run_id") == run.run_id and (rec.get("entry") or {}).get("status") == "cancelled":
-            summary["stages"].append(rec["entry"])  # the step that was running, as execute_step recorded it
-        else:
-            summary["stages"].append({"name": step.name, "label": step.label, "status": "skipped",
-                                      "fingerprint": step.fingerprint})
+    for step in [s for s in steps if s.label not in done]:
+        entry = {"name": step.name, "label": step.label, "status": "skipped", "fingerprint": step.fingerprint}
+        if not any(s["status"] == "cancelled" for s in summary["stages"]):  # the step that was under way
+            rec = index.get(step.fingerprint) or {}
+            ours = rec.get("run_id") == run.run_id and (rec.get("entry") or {}).get("status") == "cancelled"
+            entry = rec["entry"] if ours else {**entry, "status": "cancelled", "error": reason}
+        summary["stages"].append(entry)
     summary.update(status="cancelled", error=reason)
     runs.write_summary(run.run_dir, summary)
     (run.run_dir / "summary.md").write_text(report.markdown(summary))
@@ -186,6 +184,11 @@ def _close_cancelled(run: RunInfo, steps: list, summary: dict, e: BaseException)
     c.set_terminated(run.mlflow_parent, "KILLED")
     c.log_artifact(run.mlflow_parent, str(run.run_dir / "summary.json"))
     get_run_logger().warning("baton run %s %s; run dir %s", run.run_id, reason, run.run_dir)
+    try:
+        create_markdown_artifact(markdown=report.markdown(summary), key="baton-run-summary",
+                                 description=f"baton run {run.run_id}")
+    except Exception:  # the server may be what went away
+        pass
 
 
 def _flow_run_name() -> str:
