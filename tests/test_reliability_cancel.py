@@ -56,15 +56,18 @@ def test_sigterm_to_baton_run_is_recorded_as_cancelled(baton_home, hf_checkpoint
         run_dir = _wait_for_checkpoint(home, proc, timeout=600)
         engine = _engine_processes(home)
         assert len(engine) >= 2, [p.cmdline() for p in engine]  # the deepspeed launcher and the rank
+        tree = psutil.Process(proc.pid).children(recursive=True)  # the engine and Prefect's ephemeral server
+        assert {p.pid for p in engine} <= {p.pid for p in tree}
         t0 = time.time()
         proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
-        _, alive = psutil.wait_procs(engine, timeout=30)
+        rc = proc.wait(timeout=60)
+        _, alive = psutil.wait_procs(tree, timeout=30)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert not alive and not _engine_processes(home), [p.cmdline() for p in alive]
-    print(f"SIGTERM: baton and {len(engine)} engine processes gone in {time.time() - t0:.1f}s")
+    assert rc == 128 + signal.SIGTERM, rc
+    print(f"SIGTERM: baton and the {len(tree)} processes below it gone in {time.time() - t0:.1f}s")
 
     summary = json.loads((run_dir / "summary.json").read_text())
     statuses = {s["label"]: s["status"] for s in summary["stages"]}
