@@ -384,12 +384,43 @@ def _close(c, mlflow_run: str, monitor, entry: dict, ok: bool, log_path: Path) -
         tracking.end_run(c, mlflow_run, ok)
 
 
+def _close_dead_attempt(dead_run_id: str | None, step: Step, run: RunInfo) -> None:
+    """The step's previous owner died holding its lock (SIGKILL, an OOM kill of the flow's process, a lost host), so
+    none of its cancellation code ran: its MLflow runs end KILLED and its summary.json says crashed, so nothing shows
+    running forever."""
+    import json
+
+    from flows.runs import runs_root, write_summary
+    from tasks.secrets import check_run_id
+
+    if not dead_run_id or dead_run_id == run.run_id:
+        return
+    note = f"its process died during step {step.label}; found by run {run.run_id}, which took the step over"
+    try:
+        run_dir = runs_root() / check_run_id(dead_run_id)
+        summary_path = run_dir / "summary.json"
+        summary = json.loads(summary_path.read_text()) if summary_path.exists() else {
+            "run_id": dead_run_id, "run_dir": str(run_dir), "status": "running", "stages": []}  # died in its 1st step
+        if run_dir.exists() and summary.get("status") == "running":
+            summary.update(status="crashed", error=note)
+            write_summary(run_dir, summary)
+        c = tracking.client()
+        experiments = [e.experiment_id for e in c.search_experiments()]
+        for r in c.search_runs(experiments, filter_string=f"tags.`baton.run_id` = '{dead_run_id}' "
+                                                          "and attributes.status = 'RUNNING'"):
+            c.set_terminated(r.info.run_id, "KILLED")
+        get_run_logger().warning("run %s: %s", dead_run_id, note)
+    except Exception as e:  # closing another run's records never fails this one
+        get_run_logger().warning("could not close the records of dead run %s: %s", dead_run_id, e)
+
+
 def execute_step(step: Step, cfg: PipelineConfig, run: RunInfo, position: int, input_path: str | None,
                  input_format: str | None, data_dir: str | None, use_cache: bool = True) -> dict:
     """Run one step (or reuse it) under its fingerprint's lock: a second run of the same step waits for the first
     (BATON_NO_WAIT=1 refuses instead, naming the owner) and then reuses its result."""
     wait = os.environ.get("BATON_NO_WAIT", "") not in ("1", "true")
-    with StepLock(step.fingerprint, step.label).acquire(run.run_id, wait=wait):
+    with StepLock(step.fingerprint, step.label).acquire(run.run_id, wait=wait) as lock:
+        _close_dead_attempt((lock.dead_owner or {}).get("run_id"), step, run)
         return _execute_locked(step, cfg, run, position, input_path, input_format, data_dir, use_cache)
 
 
