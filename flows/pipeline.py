@@ -166,7 +166,8 @@ def _close_run(run: RunInfo, summary: dict, failed: str | None) -> None:
 
 def _close_cancelled(run: RunInfo, steps: list, summary: dict, e: BaseException) -> None:
     """A run stopped from outside (Prefect's Cancel, a SIGTERM, Ctrl-C): summary.json says cancelled, the MLflow
-    parent run ends KILLED. Lean and in this order: Prefect SIGKILLs a cancelled flow's process 30 s after its SIGTERM."""
+    parent run ends KILLED. Lean, and in this order: Prefect SIGKILLs a cancelled flow's process 30 s after its
+    SIGTERM."""
     reason = describe_stop(e)
     done = {s["label"] for s in summary["stages"]}
     index = runs.Index()

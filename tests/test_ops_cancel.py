@@ -103,7 +103,8 @@ def test_prefect_cancel_stops_the_engine_and_closes_every_record(ops_stack, init
     rec = _step_record(home, "cancel-1", "finetune")
     assert rec["status"] == "cancelled" and rec["entry"]["error"].startswith("cancelled (SIGTERM"), rec
     assert StepLock(rec["fingerprint"], root=home).holder() is None
-    assert not [f for f in (home / "locks").glob("*.owner.json") if json.loads(f.read_text()).get("run_id") == "cancel-1"]
+    owners = [json.loads(f.read_text()) for f in (home / "locks").glob("*.owner.json")]
+    assert not [o for o in owners if o.get("run_id") == "cancel-1"], owners
     summary = json.loads((home / "runs" / "cancel-1" / "summary.json").read_text())
     assert summary["status"] == "cancelled"
     statuses = {s["label"]: s["status"] for s in summary["stages"]}
