@@ -51,10 +51,20 @@ def _prepare_run(args):
     return cfg, full, steps
 
 
+def _exit_on_sigterm() -> None:
+    """A SIGTERM (`kill`, a stopping container) ends `baton run` through a normal exit, like Ctrl-C: the default action
+    would skip the atexit hooks and leave Prefect's ephemeral server running. While the flow runs, Prefect's handler
+    takes the signal first (the run is recorded as cancelled on the way out), then hands it on to this one."""
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def cmd_run(args) -> int:
     from flows.config import ConfigError
     from flows.playbook import preflight
 
+    _exit_on_sigterm()
     try:
         cfg, full, steps = _prepare_run(args)
     except ConfigError as e:

@@ -12,7 +12,7 @@ from prefect.runtime import flow_run as prefect_flow_run
 from conversions import manifest as mf
 from flows import hub, plan as planning, report, runs
 from flows.config import ConfigError, PipelineConfig
-from flows.stages import STAGE_FLOWS, RunInfo, StageFailed
+from flows.stages import STAGE_FLOWS, RunInfo, StageFailed, describe_stop, stopped_from_outside
 from tasks import tracking
 from tasks.secrets import check_run_id, redact
 
@@ -186,6 +186,34 @@ def _close_run(run: RunInfo, summary: dict, failed: str | None) -> None:
         get_run_logger().warning("could not create the summary artifact: %s", e)
 
 
+def _close_cancelled(run: RunInfo, steps: list, summary: dict, e: BaseException) -> None:
+    """A run stopped from outside (Prefect's Cancel, a SIGTERM, Ctrl-C): summary.json says cancelled, the MLflow
+    parent run ends KILLED. Lean, and in this order: Prefect SIGKILLs a cancelled flow's process 30 s after its
+    SIGTERM."""
+    reason = describe_stop(e)
+    done = {s["label"] for s in summary["stages"]}
+    index = runs.Index()
+    for step in [s for s in steps if s.label not in done]:
+        entry = {"name": step.name, "label": step.label, "status": "skipped", "fingerprint": step.fingerprint}
+        if not any(s["status"] == "cancelled" for s in summary["stages"]):  # the step that was under way
+            rec = index.get(step.fingerprint) or {}
+            ours = rec.get("run_id") == run.run_id and (rec.get("entry") or {}).get("status") == "cancelled"
+            entry = rec["entry"] if ours else {**entry, "status": "cancelled", "error": reason}
+        summary["stages"].append(entry)
+    summary.update(status="cancelled", error=reason)
+    runs.write_summary(run.run_dir, summary)
+    (run.run_dir / "summary.md").write_text(report.markdown(summary))
+    c = tracking.client()
+    c.set_terminated(run.mlflow_parent, "KILLED")
+    c.log_artifact(run.mlflow_parent, str(run.run_dir / "summary.json"))
+    get_run_logger().warning("baton run %s %s; run dir %s", run.run_id, reason, run.run_dir)
+    try:
+        create_markdown_artifact(markdown=report.markdown(summary), key="baton-run-summary",
+                                 description=f"baton run {run.run_id}")
+    except Exception:  # the server may be what went away
+        pass
+
+
 def _flow_run_name() -> str:
     """`<config>-<run id>` (e.g. tiny-20261201-010533-ab12); a run started without a run id gets a new one here."""
     params = prefect_flow_run.get_parameters()
@@ -228,8 +256,13 @@ def pipeline(config: PipelineConfig, from_ref: str | None = None, use_cache: boo
     get_run_logger().info("baton run %s: %s", run.run_id, " → ".join(s.label for s in steps))
     tag_list = run_tags(cfg, steps)
     _tag_flow_run(tag_list)
-    with tags(*tag_list):  # the stage subflows carry them too
-        failed = _run_steps(cfg, steps, run, summary, input_path, input_format, use_cache)
+    try:
+        with tags(*tag_list):  # the stage subflows carry them too
+            failed = _run_steps(cfg, steps, run, summary, input_path, input_format, use_cache)
+    except BaseException as e:
+        if stopped_from_outside(e):
+            _close_cancelled(run, steps, summary, e)
+        raise
     _close_run(run, summary, failed)
     if failed:
         raise RuntimeError(f"baton run {run.run_id} failed: {failed}\nrun dir: {run.run_dir}")

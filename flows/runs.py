@@ -64,6 +64,7 @@ class StepLock:
         self.label = label or fp[:12]
         self.owner_file = folder / f"{fp}.owner.json"
         self._lock = filelock.FileLock(str(folder / f"{fp}.lock"))
+        self.dead_owner: dict | None = None  # set by acquire: the owner that died holding the lock, if one did
 
     def owner(self) -> dict:
         try:
@@ -102,6 +103,8 @@ class StepLock:
                     last_report = waited
                 time.sleep(poll_s)
                 waited += poll_s
+        # an owner file outlives its owner only when the owner died holding the lock (release removes it first)
+        self.dead_owner = self.owner() or None
         started = psutil.Process().create_time()
         durable.write_json(self.owner_file, {"pid": os.getpid(), "host": socket.gethostname(), "run_id": run_id,
                                              "started": _dt.datetime.fromtimestamp(started).isoformat(timespec="seconds"),
@@ -147,7 +150,8 @@ def _age(run_id: str) -> str:
     return f"{s // 86400}d" if s >= 86400 else f"{s // 3600}h" if s >= 3600 else f"{s // 60}m" if s >= 60 else f"{s}s"
 
 
-_STATUS = {"completed": "ok", "cached": "cached", "failed": "FAILED", "skipped": "skipped", "running": "running"}
+_STATUS = {"completed": "ok", "cached": "cached", "failed": "FAILED", "skipped": "skipped", "running": "running",
+           "cancelled": "cancelled", "crashed": "CRASHED"}
 
 
 def runs_table(rows: list[dict], champions: set[str]) -> str:

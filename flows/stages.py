@@ -54,11 +54,14 @@ def _cached(index: Index, step: Step) -> dict | None:
     return rec
 
 
+RESUMABLE = ("running", "failed", "cancelled")  # index states whose work dir a new attempt resumes from
+
+
 def _work_dir(index: Index, step: Step, run: RunInfo, position: int) -> Path:
     """A new folder in this run, or the folder of an interrupted earlier attempt (so the engine resumes)."""
     link = run.run_dir / f"{position:02d}-{step.label}"
     rec = index.get(step.fingerprint)  # read under the step's lock: its owner, if any, is dead
-    if (rec and rec.get("status") in ("running", "failed") and rec.get("work_dir") and Path(rec["work_dir"]).exists()
+    if (rec and rec.get("status") in RESUMABLE and rec.get("work_dir") and Path(rec["work_dir"]).exists()
             and not (rec.get("entry") or {}).get("registered")):
         old = Path(rec["work_dir"])
         if old != link:
@@ -336,6 +339,24 @@ def _apply_gate(out: StageOutput, step: Step, entry: dict, smoke: bool = False) 
         raise StageFailed(f"{step.label}: {entry['error']} (checkpoint not promoted)", entry)
 
 
+def stopped_from_outside(e: BaseException) -> bool:
+    """Prefect's cancellation (its SIGTERM arrives as TerminationSignal), any other SIGTERM, or Ctrl-C: the step was
+    stopped, it did not fail."""
+    from prefect.exceptions import TerminationSignal
+
+    return isinstance(e, (TerminationSignal, KeyboardInterrupt))
+
+
+def describe_stop(e: BaseException) -> str:
+    import signal
+
+    if isinstance(e, KeyboardInterrupt):
+        return "cancelled (interrupted, Ctrl-C)"
+    number = getattr(e, "signal", None)
+    name = signal.Signals(number).name if number in set(signal.Signals) else f"signal {number}"
+    return f"cancelled ({name}: Prefect's cancellation or a stop of the process)"
+
+
 def _failure(step: Step, entry: dict, e: Exception) -> StageFailed:
     """The summary entry of a stage that raised, inside the exception the pipeline catches."""
     if isinstance(e, StageFailed):
@@ -354,10 +375,44 @@ def _close(c, mlflow_run: str, monitor, entry: dict, ok: bool, log_path: Path) -
             monitor.finish()
         except Exception:
             pass
+    cancelled = entry["status"] == "cancelled"
+    if cancelled:  # first: Prefect SIGKILLs a cancelled flow's process 30 s after its SIGTERM
+        tracking.end_run(c, mlflow_run, ok, cancelled=True)
     tracking.log_json(c, mlflow_run, entry, "stage.json")
     if log_path.exists():
         tracking.log_file(c, mlflow_run, log_path)
-    tracking.end_run(c, mlflow_run, ok)
+    if not cancelled:
+        tracking.end_run(c, mlflow_run, ok)
+
+
+def _close_dead_attempt(dead_run_id: str | None, step: Step, run: RunInfo) -> None:
+    """The step's previous owner died holding its lock (SIGKILL, an OOM kill of the flow's process, a lost host), so
+    none of its cancellation code ran: its MLflow runs end KILLED and its summary.json says crashed, so nothing shows
+    running forever."""
+    import json
+
+    from flows.runs import runs_root, write_summary
+    from tasks.secrets import check_run_id
+
+    if not dead_run_id or dead_run_id == run.run_id:
+        return
+    note = f"its process died during step {step.label}; found by run {run.run_id}, which took the step over"
+    try:
+        run_dir = runs_root() / check_run_id(dead_run_id)
+        summary_path = run_dir / "summary.json"
+        summary = json.loads(summary_path.read_text()) if summary_path.exists() else {
+            "run_id": dead_run_id, "run_dir": str(run_dir), "status": "running", "stages": []}  # died in its 1st step
+        if run_dir.exists() and summary.get("status") == "running":
+            summary.update(status="crashed", error=note)
+            write_summary(run_dir, summary)
+        c = tracking.client()
+        experiments = [e.experiment_id for e in c.search_experiments()]
+        for r in c.search_runs(experiments, filter_string=f"tags.`baton.run_id` = '{dead_run_id}' "
+                                                          "and attributes.status = 'RUNNING'"):
+            c.set_terminated(r.info.run_id, "KILLED")
+        get_run_logger().warning("run %s: %s", dead_run_id, note)
+    except Exception as e:  # closing another run's records never fails this one
+        get_run_logger().warning("could not close the records of dead run %s: %s", dead_run_id, e)
 
 
 def execute_step(step: Step, cfg: PipelineConfig, run: RunInfo, position: int, input_path: str | None,
@@ -365,7 +420,8 @@ def execute_step(step: Step, cfg: PipelineConfig, run: RunInfo, position: int, i
     """Run one step (or reuse it) under its fingerprint's lock: a second run of the same step waits for the first
     (BATON_NO_WAIT=1 refuses instead, naming the owner) and then reuses its result."""
     wait = os.environ.get("BATON_NO_WAIT", "") not in ("1", "true")
-    with StepLock(step.fingerprint, step.label).acquire(run.run_id, wait=wait):
+    with StepLock(step.fingerprint, step.label).acquire(run.run_id, wait=wait) as lock:
+        _close_dead_attempt((lock.dead_owner or {}).get("run_id"), step, run)
         return _execute_locked(step, cfg, run, position, input_path, input_format, data_dir, use_cache)
 
 
@@ -398,6 +454,10 @@ def _execute_locked(step: Step, cfg: PipelineConfig, run: RunInfo, position: int
             entry["status"], ok = "completed", True
         except Exception as e:
             raise _failure(step, entry, e) from (None if isinstance(e, (StageFailed, LaunchError)) else e)
+        except BaseException as e:  # the engine's process tree is already down (tasks.launch kills it on the way out)
+            if stopped_from_outside(e):
+                entry.update(status="cancelled", error=describe_stop(e))
+            raise
         finally:
             entry["seconds"] = round(time.time() - t0, 2)
             index.put(step.fingerprint, status=entry["status"], work_dir=str(work), run_id=run.run_id,

@@ -18,7 +18,8 @@ from tasks import launch, streaming
 
 FAILURE_TAIL_LINES = 30
 _EXCEPTION_LINE = re.compile(r"\b[A-Z]\w*(Error|Exception|Exit|Interrupt)\b:?\s")
-_MARKS = {"pending": "·", "running": "▶", "completed": "✓", "cached": "✓", "failed": "✗", "skipped": "-"}
+_MARKS = {"pending": "·", "running": "▶", "completed": "✓", "cached": "✓", "failed": "✗", "skipped": "-",
+          "cancelled": "■"}
 
 
 @dataclass
@@ -150,7 +151,8 @@ class LiveView(View):
         from rich.progress_bar import ProgressBar
         from rich.text import Text
 
-        style = {"running": "cyan", "completed": "green", "cached": "blue", "failed": "bold red"}.get(st.status, "dim")
+        style = {"running": "cyan", "completed": "green", "cached": "blue", "failed": "bold red",
+                 "cancelled": "yellow"}.get(st.status, "dim")
         bar = ProgressBar(total=st.total, completed=st.step, width=24) if st.total else Text("")
         counts = f"{st.step}/{st.total}" if st.total else ""
         eta = f"eta {fmt_seconds(st.eta())}" if st.status == "running" and st.eta() is not None else ""

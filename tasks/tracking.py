@@ -94,8 +94,9 @@ def start_run(c, experiment: str, name: str, tags: dict, parent_run_id: str | No
     return run.info.run_id
 
 
-def end_run(c, run_id: str, ok: bool) -> None:
-    c.set_terminated(run_id, "FINISHED" if ok else "FAILED")
+def end_run(c, run_id: str, ok: bool, cancelled: bool = False) -> None:
+    """FINISHED, FAILED, or KILLED for a run stopped from outside (Prefect's cancellation, a SIGTERM, Ctrl-C)."""
+    c.set_terminated(run_id, "KILLED" if cancelled else "FINISHED" if ok else "FAILED")
 
 
 def log_json(c, run_id: str, obj: Any, artifact_file: str) -> None:

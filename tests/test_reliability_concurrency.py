@@ -67,6 +67,16 @@ def test_second_run_waits_refuses_and_takes_over_only_a_dead_owner(baton_home, r
     assert not _owners(baton_home)  # released
     records = [json.loads(p.read_text()) for p in (baton_home / "index").glob("*.json")]
     assert [r["status"] for r in records] == ["completed"]
+    # the dead owner ran no cleanup: the run that took its step over closed its records
+    (dead,) = [json.loads(p.read_text()) for p in (baton_home / "runs").glob("*/summary.json")
+               if json.loads(p.read_text())["run_id"] != records[0]["run_id"]]
+    assert dead["status"] == "crashed", dead
+    from mlflow import MlflowClient
+
+    c = MlflowClient(tracking_uri=f"sqlite:///{baton_home / 'mlflow.db'}")
+    runs = c.search_runs([c.get_experiment_by_name("baton").experiment_id],
+                         filter_string=f"tags.`baton.run_id` = '{dead['run_id']}'")
+    assert runs and {r.info.status for r in runs} == {"KILLED"}, [(r.data.tags, r.info.status) for r in runs]
 
 
 @pytest.mark.fast

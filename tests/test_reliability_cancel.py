@@ -1,0 +1,83 @@
+"""A SIGTERM to `baton run` (what `kill`, a stopping container or a scheduler sends) while an engine trains: the
+engine's tree goes with it and every record says cancelled, as with Prefect's own cancellation (test_ops_cancel)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import REPO, TINY
+
+pytestmark = [pytest.mark.slow, pytest.mark.reliability]
+
+
+def _engine_processes(home: Path) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if "tasks/finetune/worker.py" in " ".join(p.cmdline()) and p.environ().get("BATON_HOME") == str(home):
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def _wait_for_checkpoint(home: Path, proc: subprocess.Popen, timeout: float) -> Path:
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        for log in (home / "runs").glob("*/01-finetune/engine.log"):
+            if '"kind": "checkpoint"' in log.read_text(errors="replace"):
+                return log.parent.parent
+        time.sleep(1)
+    raise AssertionError(f"no checkpoint after {timeout}s (baton exited with {proc.poll()})")
+
+
+def test_sigterm_to_baton_run_is_recorded_as_cancelled(baton_home, hf_checkpoint, tmp_path, record_property):
+    from mlflow import MlflowClient
+
+    from flows.runs import StepLock
+
+    record_property("fault", "SIGTERM to baton run mid-training")
+    home = baton_home
+    cmd = [sys.executable, "-m", "flows.cli", "run", str(TINY), "--stages", "data,finetune", "--from",
+           str(hf_checkpoint), "--no-doctor", "--set", "finetune.steps=3000", "--set", "finetune.nproc_per_node=1",
+           "--set", "finetune.checkpoint_every=10"]
+    with open(tmp_path / "baton.out", "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, BATON_HOME=str(home)), stdout=out,
+                                stderr=subprocess.STDOUT)
+    try:
+        run_dir = _wait_for_checkpoint(home, proc, timeout=600)
+        engine = _engine_processes(home)
+        assert len(engine) >= 2, [p.cmdline() for p in engine]  # the deepspeed launcher and the rank
+        tree = psutil.Process(proc.pid).children(recursive=True)  # the engine and Prefect's ephemeral server
+        assert {p.pid for p in engine} <= {p.pid for p in tree}
+        t0 = time.time()
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=60)
+        _, alive = psutil.wait_procs(tree, timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not alive and not _engine_processes(home), [p.cmdline() for p in alive]
+    assert rc == 128 + signal.SIGTERM, rc
+    print(f"SIGTERM: baton and the {len(tree)} processes below it gone in {time.time() - t0:.1f}s")
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    statuses = {s["label"]: s["status"] for s in summary["stages"]}
+    assert summary["status"] == "cancelled" and statuses["finetune"] == "cancelled", statuses
+    (rec,) = [json.loads(f.read_text()) for f in (home / "index").glob("*.json")
+              if json.loads(f.read_text())["entry"]["label"] == "finetune"]
+    assert rec["status"] == "cancelled" and rec["entry"]["error"].startswith("cancelled (SIGTERM"), rec
+    assert StepLock(rec["fingerprint"], root=home).holder() is None
+    c = MlflowClient(tracking_uri=f"sqlite:///{home / 'mlflow.db'}")
+    runs = c.search_runs([c.get_experiment_by_name("baton").experiment_id],
+                         filter_string=f"tags.`baton.run_id` = '{run_dir.name}'")
+    assert {r.data.tags.get("baton.stage", "pipeline"): r.info.status for r in runs} == {
+        "pipeline": "KILLED", "data": "FINISHED", "finetune": "KILLED"}
