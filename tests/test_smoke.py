@@ -18,7 +18,8 @@ RECIPE = TINY.parent / "recipes" / "llama3-70b-8x8xh100.yaml"
 @pytest.mark.fast
 def test_smoke_config_is_small_and_valid():
     cfg = smoke.smoke_config(load(RECIPE, check_stages=False))
-    assert cfg.smoke and cfg.validate_stages() == [] or all("GPU" in e for e in cfg.validate_stages())
+    assert cfg.smoke  # off its cluster only the host checks fail: GPUs, and the cluster's data files
+    assert all("GPU" in e or e.startswith("data.") and "matches no file" in e for e in cfg.validate_stages())
     p = cfg.pretrain
     assert (p.steps, p.nproc_per_node, p.nnodes, p.tensor_parallel, p.pipeline_parallel) == (4, 1, 1, 1, 1)
     assert p.global_batch() == p.micro_batch_size
