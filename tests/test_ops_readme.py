@@ -30,13 +30,16 @@ def test_readme_finetune_deployment_command_runs_as_written(ops_stack, initial_c
     fr = ops_stack.wait_state(fr_id, {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}, timeout=1500)
     assert fr["state_type"] == "COMPLETED", ops_stack.logs_all(fr_id, min_level=30)[-4000:]
 
-    # what the README says it does: fine-tunes baton-tiny@champion for the given steps, registered as `candidate`
+    # what the README says it does: fine-tunes baton-tiny@champion for the given steps and registers the result
+    # (converted back to HF) as baton-tiny@candidate
     c = ops_stack.mlflow()
-    (run,) = [r for r in runs_tagged(c, "prefect.pipeline_flow_run_id", fr_id) if r.data.tags["baton.stage"] == "finetune"]
+    children = runs_tagged(c, "prefect.pipeline_flow_run_id", fr_id)
+    (run,) = [r for r in children if r.data.tags["baton.stage"] == "finetune"]
     steps = int(re.search(r'"steps": (\d+)', command).group(1))
     assert run.info.status == "FINISHED" and run.data.params["stage.steps"] == str(steps)
     assert max(m.step for m in c.get_metric_history(run.info.run_id, "loss")) == steps
     candidate = c.get_model_version_by_alias("baton-tiny", "candidate")
-    assert candidate.run_id == run.info.run_id
+    assert candidate.run_id in {r.info.run_id for r in children}
+    assert candidate.tags["format"] == "hf-safetensors" and candidate.tags["baton.run_id"] == run.data.tags["baton.run_id"]
     summary = ops_stack.api("POST", "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [fr_id]}}})
     assert any(a["key"] == "baton-run-summary" and "| finetune | completed |" in a["data"] for a in summary)
