@@ -37,7 +37,7 @@ def test_readme_finetune_deployment_command_runs_as_written(ops_stack, initial_c
     (run,) = [r for r in children if r.data.tags["baton.stage"] == "finetune"]
     steps = int(re.search(r'"steps": (\d+)', command).group(1))
     assert run.info.status == "FINISHED" and run.data.params["stage.steps"] == str(steps)
-    assert max(m.step for m in c.get_metric_history(run.info.run_id, "loss")) == steps
+    assert max(m.step for m in c.get_metric_history(run.info.run_id, "train/loss")) == steps
     candidate = c.get_model_version_by_alias("baton-tiny", "candidate")
     assert candidate.run_id in {r.info.run_id for r in children}
     assert candidate.tags["format"] == "hf-safetensors" and candidate.tags["baton.run_id"] == run.data.tags["baton.run_id"]
