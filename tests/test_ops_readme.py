@@ -9,6 +9,7 @@ import subprocess
 import pytest
 
 from ops_stack import REPO, runs_tagged
+from tasks import events
 
 pytestmark = pytest.mark.ops
 
@@ -41,5 +42,10 @@ def test_readme_finetune_deployment_command_runs_as_written(ops_stack, initial_c
     candidate = c.get_model_version_by_alias("baton-tiny", "candidate")
     assert candidate.run_id in {r.info.run_id for r in children}
     assert candidate.tags["format"] == "hf-safetensors" and candidate.tags["baton.run_id"] == run.data.tags["baton.run_id"]
+    # every metric its MLflow runs got follows the one scheme (MLflow's own system/ metrics aside)
+    names = {k for r in children for k in c.get_run(r.info.run_id).data.metrics}
+    assert {"train/loss", "train/lr", "perf/step_time_s", "perf/tokens_per_s", "perf/peak_mem_mib", "summary/wall_s",
+            "summary/peak_mem_mib", "summary/predicted_peak_mem_mib"} <= names, names
+    assert not [(n, events.name_problem(n)) for n in names if not n.startswith("system/") and events.name_problem(n)]
     summary = ops_stack.api("POST", "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [fr_id]}}})
     assert any(a["key"] == "baton-run-summary" and "| finetune | completed |" in a["data"] for a in summary)
