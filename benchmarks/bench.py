@@ -315,6 +315,13 @@ def update_readme(table: str) -> None:
     README.write_text(text)
 
 
+def perf_name(conv: dict, key: str, quantity: str) -> str:
+    """`perf/<size>_<format>_<measurement>_<quantity>` (the metric scheme of tasks/events.py)."""
+    from tasks import events
+
+    return events.checked("perf/" + re.sub(r"[^a-z0-9]+", "_", f"{conv['size']}_{conv['format']}_{key}_{quantity}".lower()))
+
+
 def log_mlflow(res: dict) -> str | None:
     from tasks import tracking
 
@@ -322,12 +329,11 @@ def log_mlflow(res: dict) -> str | None:
     run = c.create_run(tracking.experiment_id(c, "baton-benchmarks"), run_name="bench", tags={"benchmark": "bench"})
     rid = run.info.run_id
     for conv in res["conversions"]:
-        p = f"{conv['size']}.{conv['format']}"
         for key in ("read_cold", "read_warm"):
-            c.log_metric(rid, f"{p}.{key}.gb_per_s", conv[key]["gb_per_s"])
+            c.log_metric(rid, perf_name(conv, key, "gb_per_s"), conv[key]["gb_per_s"])
         for key in ("baton_cold", "baton_warm", conv["other"]):
-            c.log_metric(rid, f"{p}.{key}.seconds", conv[key]["seconds"]["median"])
-            c.log_metric(rid, f"{p}.{key}.peak_rss_mb", conv[key]["peak_rss_mb"]["median"])
+            c.log_metric(rid, perf_name(conv, key, "s"), conv[key]["seconds"]["median"])
+            c.log_metric(rid, perf_name(conv, key, "peak_rss_mib"), conv[key]["peak_rss_mb"]["median"])
     c.log_dict(rid, res, "bench.json")
     c.set_terminated(rid)
     return rid

@@ -219,7 +219,7 @@ def convert(work: Path, cfg, name: str, src: Path, from_format: str, device: str
                   extra={"from_format": from_format, "to_format": "hf-safetensors"})
     t0 = time.time()
     out = run_convert.fn(ctx, ConvertConfig())
-    return {"output": str(out.output), "seconds": round(time.time() - t0, 2), "convert_seconds": out.metrics["seconds"],
+    return {"output": str(out.output), "seconds": round(time.time() - t0, 2), "convert_seconds": out.metrics["wall_s"],
             "gate": gate_summary(out.gate), "parity_on_device": parity(out.output, src, device)}
 
 
@@ -249,7 +249,7 @@ def run_pretrain(work: Path, cfg, data: Path) -> dict:
     m = out.metrics
     return {"output": str(out.output), "seconds": round(time.time() - t0, 2), "backend": out.backend,
             "tokens_per_s": m["tokens_per_s"], "mfu": m["mfu"], "peak_tflops_per_rank": m["peak_tflops_per_rank"],
-            "peak_tflops_source": out.extra.get("peak_tflops_source"), "train_seconds": m["train_seconds"],
+            "peak_tflops_source": out.extra.get("peak_tflops_source"), "train_seconds": m["train_time_s"],
             "loss_first": m["loss_first"], "loss_last": m["loss_last"], "gate": gate_summary(out.gate)}
 
 
@@ -262,8 +262,8 @@ def run_zero(work: Path, device: str, name: str, data: Path, hf_in: Path) -> dic
                           cfg.finetune)
     m = out.metrics
     return {"output": str(out.output), "seconds": round(time.time() - t0, 2), "backend": out.backend,
-            "zero": out.extra["zero"], "step_time_s": m["step_time_s_last"], "tokens_per_s": m["tokens_per_s_last"],
-            "peak_allocated_mb": m["peak_mem_mb_max"], "peak_reserved_mb": m.get("peak_reserved_mb"),
+            "zero": out.extra["zero"], "step_time_s": m["last_step_time_s"], "tokens_per_s": m["last_tokens_per_s"],
+            "peak_allocated_mb": m["peak_mem_mib"], "peak_reserved_mb": m.get("peak_reserved_mib"),
             "loss_first": m["loss_first"], "loss_last": m["loss_last"],
             "gate_note": "held-out exact match must improve; a few steps rarely do", "gate": gate_summary(out.gate)}
 

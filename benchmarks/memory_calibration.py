@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -111,7 +112,7 @@ def command_for(name: str, stage: str, size: str, overrides: dict, root: Path, d
 
 
 def measured_peaks(cmd: list[str], env: dict, log: Path, timeout: float = 900) -> dict:
-    """Run the worker; the peaks from its result events (the last one carrying peak_mem_mb_*)."""
+    """Run the worker; the peaks from its events (the last ones carrying [perf/]rank<N>_peak_mem_mib)."""
     found: dict = {}
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -121,7 +122,7 @@ def measured_peaks(cmd: list[str], env: dict, log: Path, timeout: float = 900) -
             f.write(line)
             ev = events.parse(line.rstrip("\n"))
             if ev:
-                found.update({k: v for k, v in ev.items() if k.startswith("peak_mem_mb")})
+                found.update({k: v for k, v in ev.items() if k.endswith("peak_mem_mib")})
             if time.time() - t0 > timeout:
                 proc.kill()
         rc = proc.wait()
@@ -161,7 +162,7 @@ def main() -> None:
         cmd, env, cfg = command_for(name, stage, size, overrides, a.out, data)
         t0 = time.time()
         peaks = measured_peaks(cmd, env, a.out / f"{name}.log")
-        ranks = [v for k, v in peaks.items() if "_rank" in k]
+        ranks = [v for k, v in peaks.items() if re.search(r"rank\d+_peak_mem_mib$", k)]
         results[name] = {"stage": stage, "size": size, "measured_mb_max": max(ranks), "measured_mb_ranks": ranks,
                          "seconds": round(time.time() - t0, 1)}
         results_path.write_text(json.dumps(results, indent=2))

@@ -53,8 +53,8 @@ def step_times(lines) -> list[float]:
     out = []
     for line in lines:
         e = events.parse(line)
-        if e and e["kind"] == "metric" and "step_time_s" in e:
-            out.append(e["step_time_s"])
+        if e and e["kind"] == "metric" and events.STEP_TIME_S in e:
+            out.append(e[events.STEP_TIME_S])
     return out
 
 

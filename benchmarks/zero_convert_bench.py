@@ -163,7 +163,7 @@ def identical(a: Path, b: Path) -> tuple[bool, int]:
 
 
 def log_mlflow(results: dict) -> str | None:
-    from tasks import tracking
+    from tasks import events, tracking
 
     c = tracking.client()
     exp = tracking.experiment_id(c, "baton-benchmarks")
@@ -174,8 +174,9 @@ def log_mlflow(results: dict) -> str | None:
     for which in ("baton", "deepspeed"):
         for k, v in results[which].items():
             if isinstance(v, (int, float)):
-                c.log_metric(rid, f"{which}.{k}", float(v))
-    c.log_metric(rid, "identical", float(results["identical"]))
+                unit = k.replace("_seconds", "_s").replace("_mb", "_mib")  # the metric scheme of tasks/events.py
+                c.log_metric(rid, events.checked(f"perf/{which}_{unit}"), float(v))
+    c.log_metric(rid, events.summary_name("identical"), float(results["identical"]))
     c.log_dict(rid, results, "zero_convert.json")
     c.set_terminated(rid)
     return rid

@@ -339,7 +339,7 @@ def cmd_serve(args) -> int:
     import datetime as _dt
 
     from flows.config import ConfigError, load
-    from tasks import tracking
+    from tasks import events, tracking
     from tasks.serve.task import serve
     from tasks.stage import StageContext
 
@@ -383,7 +383,8 @@ def cmd_serve(args) -> int:
             import time as _time
 
             now = int(_time.time() * 1000)
-            c.log_batch(ctx.mlflow_run_id, metrics=[Metric(k, float(v), now, 0) for k, v in out.metrics.items()
+            c.log_batch(ctx.mlflow_run_id, metrics=[Metric(events.summary_name(k), float(v), now, 0)
+                                                    for k, v in out.metrics.items()
                                                     if isinstance(v, (int, float))])
         tracking.end_run(c, ctx.mlflow_run_id, bool(out and out.gate["passed"]))
     from conversions import verify

@@ -269,7 +269,7 @@ def _log_batch_choice(cfg, stage, chosen, budget, margin, measured, device) -> N
     """One MLflow run per search: the choice, the budget and every probe."""
     from mlflow.entities import Metric
 
-    from tasks import tracking
+    from tasks import events, tracking
 
     c = tracking.client()
     run = tracking.start_run(c, cfg.tracking.experiment, f"batch-finder-{stage}", tags={"baton.stage": stage,
@@ -277,7 +277,8 @@ def _log_batch_choice(cfg, stage, chosen, budget, margin, measured, device) -> N
     tracking.log_params(c, run, {"stage": stage, "budget_mb": budget, "margin": margin, "device": device})
     now = int(__import__("time").time() * 1000)
     key = "gpu_peak_mb" if device == "cuda" else "peak_rss_mb"
-    metrics = [Metric("chosen_micro_batch_size", chosen, now, 0)]
-    metrics += [Metric("probe_peak_mb", r[key] or 0.0, now, m) for m, r in sorted(measured.items())]
+    metrics = [Metric(events.summary_name("chosen_micro_batch_size"), chosen, now, 0)]
+    probe = events.checked("perf/probe_peak_mem_mib")  # one point per probed micro batch size
+    metrics += [Metric(probe, r[key] or 0.0, now, m) for m, r in sorted(measured.items())]
     c.log_batch(run, metrics=metrics)
     tracking.end_run(c, run, True)

@@ -4,9 +4,11 @@ from __future__ import annotations
 import base64
 from pathlib import Path
 
+from tasks import events
+
 
 def loss_plot(history: dict, path: Path, title: str) -> Path | None:
-    series = {k: v for k, v in history.items() if k in ("loss", "eval_loss", "heldout_loss") and len(v) > 1}
+    series = {k: v for k, v in history.items() if k in (events.TRAIN_LOSS, events.HELDOUT_LOSS) and len(v) > 1}
     if not series:
         return None
     import matplotlib

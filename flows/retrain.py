@@ -171,7 +171,7 @@ def record(c, cfg: PipelineConfig, result: dict) -> None:
                                    **report.prefect_link_tags(flow_run_id)})
     metrics = {k: result[k] for k in ("champion_score", "candidate_score") if isinstance(result.get(k), (int, float))}
     for k, v in metrics.items():
-        c.log_metric(run, k, float(v))
+        c.log_metric(run, f"eval/{k}", float(v))
     mlt.log_json(c, run, result, "decision.json")
     mlt.end_run(c, run, result["decision"] != "failed")
     result["mlflow_run_id"] = run

@@ -16,7 +16,7 @@ from flows.config import PipelineConfig
 from flows.plan import HF, Step
 from flows.runs import Index, StepLock
 from flows import report
-from tasks import chat_template, streaming, tracking
+from tasks import chat_template, events, streaming, tracking
 from tasks.launch import LaunchError
 from tasks.registry import STAGES
 from tasks.stage import StageContext, StageOutput
@@ -75,7 +75,7 @@ def _work_dir(index: Index, step: Step, run: RunInfo, position: int) -> Path:
 
 def _metric_summary(out: StageOutput, history: dict) -> dict:
     metrics = dict(out.metrics)
-    loss = history.get("loss")
+    loss = history.get(events.TRAIN_LOSS)
     if loss:
         metrics.setdefault("loss_first", loss[0][1])
         metrics.setdefault("loss_last", loss[-1][1])
@@ -293,7 +293,7 @@ def _record_output(c, mlflow_run: str, step: Step, work: Path, out: StageOutput,
         tracking.log_file(c, mlflow_run, plot)
         entry["loss_plot"] = str(plot)
     now = int(time.time() * 1000)
-    c.log_batch(mlflow_run, metrics=[Metric(f"summary.{k}", float(v), now, 0)
+    c.log_batch(mlflow_run, metrics=[Metric(events.summary_name(k), float(v), now, 0)
                                      for k, v in _summary_metrics(entry, out).items()])
 
 
@@ -317,10 +317,10 @@ def _memory_vs_plan(c, mlflow_run: str, cfg: PipelineConfig, step: Step, entry: 
     if step.name not in ("pretrain", "rlhf", "finetune"):
         return
     predicted = predicted_peak_mb(cfg, step.name)
-    measured = entry["metrics"].get("peak_mem_mb_max")
+    measured = entry["metrics"].get("peak_mem_mib")
     entry["memory"] = {"predicted_mb_per_rank": round(predicted), "measured_mb_max": measured,
                        "kind": "GPU allocated" if cfg.stage_config(step.name).resolved_device() == "cuda" else "RSS"}
-    c.log_metric(mlflow_run, "summary.memory_predicted_mb", predicted)
+    c.log_metric(mlflow_run, events.summary_name("predicted_peak_mem_mib"), predicted)
 
 
 def _apply_gate(out: StageOutput, step: Step, entry: dict, smoke: bool = False) -> None:

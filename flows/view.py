@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from tasks import launch, streaming
+from tasks import events, launch, streaming
 
 FAILURE_TAIL_LINES = 30
 _EXCEPTION_LINE = re.compile(r"\b[A-Z]\w*(Error|Exception|Exit|Interrupt)\b:?\s")
@@ -77,8 +77,8 @@ class View:
         self.changed(st, "progress")
 
     def step_metric(self, label: str, step: int, values: dict) -> None:
-        if "loss" in values:
-            self._state(label).loss = values["loss"]
+        if events.TRAIN_LOSS in values:
+            self._state(label).loss = values[events.TRAIN_LOSS]
 
     def step_finished(self, label: str, entry: dict, log_path: Path | None) -> None:
         st = self._state(label)

@@ -1,6 +1,6 @@
 """Structured lines a worker prints so the launcher can stream them into MLflow and Prefect.
 
-    @@baton {"kind": "metric", "step": 3, "loss": 2.31, "lr": 0.001}
+    @@baton {"kind": "metric", "step": 3, "train/loss": 2.31, "train/lr": 0.001}
     @@baton {"kind": "progress", "step": 3, "total": 100}
     @@baton {"kind": "result", ...}            (final facts the stage task reads back)
 
@@ -10,9 +10,82 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 
 PREFIX = "@@baton "
+
+# ---- metric names (README "Metric names") ---------------------------------------------------------------------------
+# <group>/<quantity>[_<unit>]. MLflow's chart view groups metrics by the part before '/' (`system/` is MLflow's own);
+# each stage is its own MLflow run, so the stage is never part of a name. Units are suffixes: _s, _per_s, _mib,
+# _bytes; none for losses, rates, ratios and counts. One name per quantity, in every stage.
+GROUPS = {"train": "the optimisation loop, one point per step",
+          "eval": "held-out measurements (step 0 is the input checkpoint)",
+          "perf": "speed and memory, one point per step",
+          "summary": "one value per stage, logged when it ends (step 0)"}
+TRAIN_LOSS = "train/loss"
+TRAIN_LR = "train/lr"
+TRAIN_GRAD_NORM = "train/grad_norm"
+STEP_TIME_S = "perf/step_time_s"
+TOKENS_PER_S = "perf/tokens_per_s"
+MFU = "perf/mfu"
+PEAK_MEM_MIB = "perf/peak_mem_mib"
+HELDOUT_LOSS = "eval/heldout_loss"
+HELDOUT_PPL = "eval/heldout_ppl"
+
+# name (a `<...>` part stands for any lower-case word or number) → (unit, what it is); the README lists the same
+METRICS = {
+    TRAIN_LOSS: ("", "training loss of the step (mean over ranks; TRL's own loss in rlhf)"),
+    TRAIN_LR: ("", "learning rate of the step"),
+    TRAIN_GRAD_NORM: ("", "gradient norm (pretrain, rlhf)"),
+    "train/<trl_log>": ("", "rlhf: TRL's other logs, '/' → '_' (train/rewards_margins, train/logps_chosen, ...)"),
+    STEP_TIME_S: ("s", "wall time of the optimizer step"),
+    TOKENS_PER_S: ("tokens/s", "training tokens per second, all ranks together"),
+    MFU: ("ratio", "model FLOPs utilisation (pretrain)"),
+    PEAK_MEM_MIB: ("MiB", "peak memory of the busiest rank so far: GPU allocated, or RSS on CPU (finetune)"),
+    "perf/rank<n>_peak_mem_mib": ("MiB", "the same, per rank (finetune)"),
+    HELDOUT_LOSS: ("", "held-out loss (pretrain: every eval_interval; rlhf: before and after)"),
+    HELDOUT_PPL: ("", "held-out perplexity (pretrain)"),
+    "eval/heldout_pref_accuracy": ("ratio", "rlhf policy: held-out pairs whose chosen completion scores higher"),
+    "eval/heldout_reward_accuracy": ("ratio", "rlhf reward model: the same, scored by the reward model"),
+    "eval/heldout_kl_to_reference": ("nats/token", "rlhf policy: KL to the reference model on held-out completions"),
+    "eval/champion_score": ("", "retrain decision run: the champion on the new held-out set"),
+    "eval/candidate_score": ("", "retrain decision run: the candidate on the same held-out set"),
+    "perf/probe_peak_mem_mib": ("MiB", "batch-finder run: the peak of each probe (step = micro batch size)"),
+    "perf/<benchmark_measurement>": ("per name", "benchmark runs (experiment baton-benchmarks), e.g. "
+                                                 "perf/tiny_hf_safetensors_baton_warm_s"),
+    "summary/<fact>": ("per name", "a stage's end-of-run facts, the keys of summary.json `metrics` (loss_first, "
+                                   "wall_s, ...)"),
+}
+_NAME = re.compile(r"^(train|eval|perf|summary)/[a-z][a-z0-9_]*$")
+_RETIRED_UNITS = re.compile(r"(^|_)(mb|gb|seconds|secs|sec|ms)($|_)")
+_NEEDS_UNIT = {"time": (re.compile(r"(^|_)(time|wall|duration|latency|ttft)($|_)"), ("_s",)),
+               "memory": (re.compile(r"(^|_)(mem|rss|allocated|reserved|swap)($|_)"), ("_mib", "_bytes"))}
+
+
+def name_problem(name: str) -> str | None:
+    """Why a metric name breaks the scheme above (None: it follows it)."""
+    if not _NAME.match(name):
+        return f"{name!r}: not <{'|'.join(GROUPS)}>/<lower_snake_case>"
+    quantity = name.split("/", 1)[1]
+    if _RETIRED_UNITS.search(quantity):
+        return f"{name!r}: units are _s, _per_s, _mib or _bytes"
+    for kind, (pattern, units) in _NEEDS_UNIT.items():
+        if pattern.search(quantity) and not quantity.endswith(units):
+            return f"{name!r}: a {kind} ends with {' or '.join(units)}"
+    return None
+
+
+def checked(name: str) -> str:
+    problem = name_problem(name)
+    if problem:
+        raise ValueError(f"metric name {problem} (tasks/events.py)")
+    return name
+
+
+def summary_name(fact: str) -> str:
+    """A stage's end-of-run fact (a key of its summary.json `metrics`) as an MLflow metric name."""
+    return checked(f"summary/{fact}")
 
 
 def emit(kind: str, **fields) -> None:
@@ -21,8 +94,9 @@ def emit(kind: str, **fields) -> None:
     sys.stdout.flush()
 
 
-def metric(step: int, **values) -> None:
-    emit("metric", step=step, **{k: float(v) for k, v in values.items()})
+def metric(step: int, values: dict) -> None:
+    """One step's metrics, named by the scheme above (a name outside it is a bug: it raises)."""
+    emit("metric", step=step, **{checked(k): float(v) for k, v in values.items()})
 
 
 def progress(step: int, total: int) -> None:

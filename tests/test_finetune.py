@@ -81,7 +81,7 @@ def test_trains_converts_and_passes_the_gates(run, request, tmp_path, tiny_confi
     assert out.gate["passed"], out.gate
     assert out.metrics["loss_last"] < 0.5 * out.metrics["loss_first"]
     assert out.eval["metric"] == "heldout_exact_match" and out.eval["after"] > out.eval["before"]
-    for key in ("tokens_per_s_last", "step_time_s_last", "peak_mem_mb_max"):
+    for key in ("last_tokens_per_s", "last_step_time_s", "peak_mem_mib"):
         assert out.metrics[key] > 0
     assert out.extra["zero"]["stage"] == stage
     ds_config = json.loads((work / "ds_config.json").read_text())  # the generated DeepSpeed config is kept

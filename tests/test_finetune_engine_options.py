@@ -40,7 +40,7 @@ def test_zero3_nvme_offload_trains_and_converts_exactly(tmp_path, tiny_config, d
     zero_cfg = straight.extra["zero"]
     assert (zero_cfg["offload_param"]["device"], zero_cfg["offload_optimizer"]["device"]) == ("nvme", "cpu")
     swapped = straight.metrics["nvme_swap_bytes"]
-    print(f"nvme offload: {swapped} bytes of swap files, {straight.metrics['seconds']} s")
+    print(f"nvme offload: {swapped} bytes of swap files, {straight.metrics['wall_s']} s")
     assert not (tmp_path / "swap1" / "zero_stage_3").exists()  # cleared after the run
 
     conv = convert_and_gate(straight.output, tmp_path / "convert", tiny_config, data_dir)

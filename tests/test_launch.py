@@ -22,14 +22,14 @@ def test_events_and_lines_are_streamed(tmp_path):
         from tasks import events
         print("hello")
         for s in range(3):
-            events.metric(s, loss=3.0 - s)
+            events.metric(s, {events.TRAIN_LOSS: 3.0 - s})
         events.progress(3, 3)
         events.emit("result", answer=42)
     """ % os.getcwd())
     lines, evs = [], []
     res = launch.run(cmd, on_line=lines.append, on_event=evs.append, log_path=tmp_path / "log")
     assert res.returncode == 0 and "hello" in lines
-    assert [e["loss"] for e in res.metrics()] == [3.0, 2.0, 1.0]
+    assert [e["train/loss"] for e in res.metrics()] == [3.0, 2.0, 1.0]
     assert res.results() == {"answer": 42}
     assert "hello" in (tmp_path / "log").read_text()
 

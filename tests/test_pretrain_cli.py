@@ -29,10 +29,10 @@ def test_tiny_data_pretrain_convert_passes_every_gate(baton_home):
     from tasks import tracking
 
     c = tracking.client()
-    loss = sorted(c.get_metric_history(pre["mlflow_run_id"], "loss"), key=lambda m: m.step)
+    loss = sorted(c.get_metric_history(pre["mlflow_run_id"], "train/loss"), key=lambda m: m.step)
     assert len(loss) == 60 and loss[0].step == 1
     assert loss[-1].value <= 0.7 * loss[0].value, (loss[0].value, loss[-1].value)
-    ppl = sorted(c.get_metric_history(pre["mlflow_run_id"], "heldout_ppl"), key=lambda m: m.step)
+    ppl = sorted(c.get_metric_history(pre["mlflow_run_id"], "eval/heldout_ppl"), key=lambda m: m.step)
     assert [m.step for m in ppl] == [0, 20, 40, 60] and ppl[-1].value < ppl[0].value
-    for name in ("lr", "tokens_per_s", "step_time_s", "mfu"):
+    for name in ("train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/step_time_s", "perf/mfu"):
         assert c.get_metric_history(pre["mlflow_run_id"], name), name

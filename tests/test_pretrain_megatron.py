@@ -67,9 +67,9 @@ def losses(work: Path) -> dict[int, float]:
     """step → training loss, the latest attempt's value (engine.log accumulates every attempt)."""
     out = {}
     for line in (work / "engine.log").read_text().splitlines():
-        if line.startswith("@@baton ") and '"loss"' in line:
+        if line.startswith("@@baton ") and '"train/loss"' in line:
             e = json.loads(line[len("@@baton "):])
-            out[e["step"]] = e["loss"]
+            out[e["step"]] = e["train/loss"]
     return out
 
 
@@ -166,7 +166,7 @@ def test_resume_after_sigkill_is_bit_exact_with_the_plain_optimizer(tmp_path, da
     shard = max(torn.glob("*.distcp"), key=lambda f: f.stat().st_size)
     shard.write_bytes(shard.read_bytes()[:-100])
     resumed = run_stage(work, data_dir)
-    assert resumed.metrics["resumed_from"] == int(done.name[len("iter_"):]) >= 4
+    assert resumed.metrics["resumed_from_step"] == int(done.name[len("iter_"):]) >= 4
     assert_trained(resumed)
     assert resumed.metrics["loss_first"] == base.metrics["loss_first"]  # carried over from the first attempt
     assert losses(work) == losses(base_work)  # the whole trajectory, step by step
@@ -229,7 +229,7 @@ def test_dp2_distributed_optimizer_trains_and_resumes_after_sigkill(tmp_path, da
     killed, error = run_and_kill(work, data_dir, *DIST_OPT, after_iteration=4)
     assert len(killed) >= 2 and error is not None
     resumed = run_stage(work, data_dir, *DIST_OPT)
-    assert 4 <= resumed.metrics["resumed_from"] < 12
+    assert 4 <= resumed.metrics["resumed_from_step"] < 12
     assert_trained(resumed)
     diff = max_diff(dist_tensors(resumed.output), dist_tensors(base.output))
     print(f"distributed optimizer resume: max |Δ| over weights and optimizer state = {diff:g}")
@@ -259,7 +259,7 @@ def test_interleaved_pp2_vp2_trains_converts_and_resumes_after_sigkill(tmp_path,
     killed, error = run_and_kill(work, data_dir, *INTERLEAVED, after_iteration=4)
     assert len(killed) >= 2 and error is not None
     resumed = run_stage(work, data_dir, *INTERLEAVED)
-    assert 4 <= resumed.metrics["resumed_from"] < 12
+    assert 4 <= resumed.metrics["resumed_from_step"] < 12
     assert_trained(resumed)
     assert losses(work) == losses(tmp_path / "vp2")
     assert max_diff(dist_tensors(resumed.output), dist_tensors(base.output)) == 0.0

@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.ops, pytest.mark.reliability]
 ENGINE = """
 import json, time
 for step in range(1, {n} + 1):
-    print('@@baton ' + json.dumps({{"kind": "metric", "step": step, "loss": 1.0 / step}}), flush=True)
+    print('@@baton ' + json.dumps({{"kind": "metric", "step": step, "train/loss": 1.0 / step}}), flush=True)
     time.sleep({pause})
 """
 
@@ -85,7 +85,7 @@ def test_mlflow_frozen_mid_stage_loses_no_metric(mlflow_server, baton_home, reco
     t.start()
     t0 = time.time()
     res = launch.run([sys.executable, "-c", ENGINE.format(n=n, pause=pause)], name="engine", timeout=300,
-                     on_event=lambda e: sink.add(e["step"], {"loss": e["loss"]}) if e["kind"] == "metric" else None)
+                     on_event=lambda e: sink.add(e["step"], {"train/loss": e["train/loss"]}) if e["kind"] == "metric" else None)
     engine_s = time.time() - t0
     t.join()
     sink.close(timeout=180)
@@ -93,5 +93,5 @@ def test_mlflow_frozen_mid_stage_loses_no_metric(mlflow_server, baton_home, reco
     assert engine_s < n * pause + 15, f"the engine was held up by the frozen tracking server ({engine_s:.0f}s)"
     assert sink.failures > 0  # the outage was real: writes failed and were retried
     assert not (baton_home / "unsent-metrics").exists()
-    history = c.get_metric_history(run, "loss")
+    history = c.get_metric_history(run, "train/loss")
     assert {m.step for m in history} == set(range(1, n + 1))  # every metric arrived (a retried batch may repeat)

@@ -60,10 +60,10 @@ def test_dpo_through_the_cli_raises_margin_and_heldout_accuracy(tmp_path, baton_
     c = MlflowClient(tracking_uri=f"sqlite:///{baton_home / 'mlflow.db'}")
     run = c.get_run(stage["mlflow_run_id"])
     assert run.data.tags["baton.backend"] == "trl" and run.data.tags["baton.algorithm"] == "dpo"
-    for name in ("loss", "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected",
-                 "heldout_pref_accuracy", "heldout_kl_to_reference"):
+    for name in ("train/loss", "train/lr", "train/rewards_margins", "train/rewards_accuracies", "train/logps_chosen",
+                 "train/logps_rejected", "eval/heldout_pref_accuracy", "eval/heldout_kl_to_reference"):
         assert c.get_metric_history(run.info.run_id, name), f"no MLflow history for {name}"
-    history = sorted(c.get_metric_history(run.info.run_id, "heldout_pref_accuracy"), key=lambda x: x.step)
+    history = sorted(c.get_metric_history(run.info.run_id, "eval/heldout_pref_accuracy"), key=lambda x: x.step)
     held = [x.value for x in history]
     assert held == [ev["before"], ev["after"]]
 
@@ -94,8 +94,8 @@ def test_grpo_runs_a_few_steps_with_the_preference_reward(tmp_path, tiny_config,
     assert m["extra"]["algorithm"] == "grpo" and m["extra"]["backend"] == "trl"
     log = (tmp_path / "engine.log").read_text()
     steps = [json.loads(line[len("@@baton "):]) for line in log.splitlines() if line.startswith("@@baton ")]
-    rewards = [e for e in steps if e["kind"] == "metric" and "reward" in e]
-    assert len(rewards) == 3 and all("kl" in e for e in rewards)
+    rewards = [e for e in steps if e["kind"] == "metric" and "train/reward" in e]
+    assert len(rewards) == 3 and all("train/kl" in e and "perf/step_time_s" in e for e in rewards)
     assert out.metrics["heldout_kl_to_reference"] >= 0.0
     acc = next(c for c in out.gate["checks"] if c["name"] == "eval.heldout_pref_accuracy")
     assert acc["passed"] == (out.eval["after"] >= out.eval["before"])
@@ -145,7 +145,7 @@ def _metric_steps_after_resume(work: Path) -> tuple[int, list[int]]:
     lines = [json.loads(line[len("@@baton "):]) for line in (work / "engine.log").read_text().splitlines()
              if line.startswith("@@baton ")]
     start = max(i for i, e in enumerate(lines) if "resumed_from" in e)
-    return lines[start]["resumed_from"], [e["step"] for e in lines[start:] if e["kind"] == "metric" and "loss" in e]
+    return lines[start]["resumed_from"], [e["step"] for e in lines[start:] if e["kind"] == "metric" and "train/loss" in e]
 
 
 def test_dpo_killed_mid_run_resumes_from_its_newest_checkpoint(tmp_path, tiny_config, data_dir, hf_checkpoint):

@@ -49,7 +49,7 @@ def test_serve_vllm_then_sglang_promotes_champion_and_rollback(tmp_path, baton_h
     # lm-eval ran against the live server and its score is recorded.
     assert out.eval["metric"] == "lm_eval_exact_match"
     assert 0.0 <= out.eval["after"] <= 1.0
-    assert out.metrics["lm_eval.baton_sft_heldout.sample_len"] == 8
+    assert out.metrics["lm_eval_baton_sft_heldout_sample_len"] == 8
 
     # Served as <registered name>:<version> (SGLang forbids ':'), and promoted.
     c = tracking.client()

@@ -88,7 +88,7 @@ def test_plain_view_writes_one_line_per_event_without_control_characters(tmp_pat
     v.start()
     v.step_started("pretrain", tmp_path / "step.log")
     for step in range(1, 101):
-        v.step_metric("pretrain", step, {"loss": 5.0 - step / 50})
+        v.step_metric("pretrain", step, {"train/loss": 5.0 - step / 50})
         v.step_progress("pretrain", step, 100)
     v.step_finished("pretrain", {"status": "completed"}, None)
     text = out.getvalue()

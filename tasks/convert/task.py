@@ -47,5 +47,5 @@ def run_convert(ctx: StageContext, cfg: ConvertConfig) -> StageOutput:
     r = res.results()
     return StageOutput(output=out if g.get("passed") else tmp, engine="baton-convert",
                        backend=f"{r.get('from_format')}→{to_format}", gate=g,
-                       metrics={"seconds": r.get("seconds")},
+                       metrics={"wall_s": r.get("seconds")},
                        extra={"from_format": r.get("from_format"), "to_format": to_format})

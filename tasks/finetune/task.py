@@ -15,7 +15,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from conversions import hf, manifest as mf, verify
-from tasks import chat_template, gates
+from tasks import chat_template, events, gates
 from tasks.distributed import (Launch, LaunchConfigError, engine_command, remove_shm_segments, runtime_kind,
                                stage_runtime, with_port)
 from tasks.finetune import ds_config, engine_env
@@ -185,14 +185,15 @@ def run_finetune(ctx: StageContext, cfg: FinetuneConfig) -> StageOutput:
         output=out, engine="deepspeed", backend=f"ZeRO-{cfg.zero.stage} x{r.get('world_size', cfg.world_size())} "
                                                 f"{cfg.resolved_device()} {cfg.precision}",
         gate=gate(out, metric, before, after, cfg.gate.min_improvement),
-        metrics={"loss_first": metric_events[0].get("loss") if metric_events else None, "loss_last": last.get("loss"),
+        metrics={"loss_first": metric_events[0].get(events.TRAIN_LOSS) if metric_events else None,
+                 "loss_last": last.get(events.TRAIN_LOSS),
                  **heldout_metrics(before, after),
                  "overlong_dropped": r.get("overlong_dropped"), "overlong_truncated": r.get("overlong_truncated"),
-                 "peak_mem_mb_max": last.get("peak_mem_mb_max", r.get("peak_mem_mb")),
-                 "peak_reserved_mb": r.get("peak_reserved_mb"),
+                 "peak_mem_mib": last.get(events.PEAK_MEM_MIB, r.get("peak_mem_mib")),
+                 "peak_reserved_mib": r.get("peak_reserved_mib"),
                  "resumed_from_step": r.get("resumed_from"),
-                 "step_time_s_last": last.get("step_time_s"), "tokens_per_s_last": last.get("tokens_per_s"),
-                 "seconds": round(res.seconds, 2),
+                 "last_step_time_s": last.get(events.STEP_TIME_S), "last_tokens_per_s": last.get(events.TOKENS_PER_S),
+                 "wall_s": round(res.seconds, 2),
                  **({"nvme_swap_bytes": swap_bytes} if ds_config.uses_nvme(cfg) else {})},
         eval={"metric": eval_name(metric), "before": before.get(metric), "after": after.get(metric)},
         extra={"zero": m["extra"]["deepspeed_config"]["zero_optimization"], "deepspeed_config":

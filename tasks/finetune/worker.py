@@ -317,13 +317,13 @@ def resume(engine, ckpt_dir: Path, rank: int, facts: dict) -> int:
 
 
 # ---- main ----------------------------------------------------------------------------------------------------------
-def peak_memory_mb(device: str) -> float:
+def peak_memory_mib(device: str) -> float:
     if device == "cuda":
         return torch.cuda.max_memory_allocated() / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def peak_reserved_mb(device: str) -> float | None:
+def peak_reserved_mib(device: str) -> float | None:
     """What the CUDA caching allocator held at its peak (allocated + cached blocks); None on CPU."""
     return torch.cuda.max_memory_reserved() / 2**20 if device == "cuda" else None
 
@@ -397,13 +397,13 @@ def train_steps(engine, tok, train: list, spec: dict, ds_config: dict, start: in
 def report_step(engine, done: int, steps: int, loss: float, tokens: int, step_time: float, device: str, rank: int,
                 world: int) -> None:
     stats = torch.zeros(2 + world, dtype=torch.float64)
-    stats[0], stats[1], stats[2 + rank] = loss, tokens, peak_memory_mb(device)
+    stats[0], stats[1], stats[2 + rank] = loss, tokens, peak_memory_mib(device)
     dist.all_reduce(stats)  # gloo has no AVG: sum, then divide
     if rank == 0:
-        mem = {f"peak_mem_mb_rank{r}": stats[2 + r].item() for r in range(world)}
-        events.metric(done, loss=stats[0].item() / world, lr=engine.get_lr()[0],
-                      tokens_per_s=stats[1].item() / step_time, step_time_s=step_time,
-                      peak_mem_mb_max=max(mem.values()), **mem)
+        mem = {f"perf/rank{r}_peak_mem_mib": stats[2 + r].item() for r in range(world)}
+        events.metric(done, {events.TRAIN_LOSS: stats[0].item() / world, events.TRAIN_LR: engine.get_lr()[0],
+                             events.TOKENS_PER_S: stats[1].item() / step_time, events.STEP_TIME_S: step_time,
+                             events.PEAK_MEM_MIB: max(mem.values()), **mem})
         events.progress(done, steps)
 
 
@@ -418,7 +418,7 @@ def finish(engine, tok, heldout: list, held_ids: list, spec: dict, stage: int, r
         if spec["lora"]["enabled"]:  # how the converter merges the adapters (r, lora_alpha, ...)
             engine.module.peft_config["default"].save_pretrained(str(ckpt_dir))
         events.emit("result", after=after, samples=samples, tag=final_tag, steps=spec["steps"], timings=timings,
-                    peak_mem_mb=peak_memory_mb(device), peak_reserved_mb=peak_reserved_mb(device))
+                    peak_mem_mib=peak_memory_mib(device), peak_reserved_mib=peak_reserved_mib(device))
     dist.barrier()
 
 

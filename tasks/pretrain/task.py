@@ -14,6 +14,7 @@ from prefect.cache_policies import NO_CACHE
 from conversions import manifest as mf, probe, verify
 from conversions.megatron import architecture as checkpoint_architecture, padded_vocab_size
 from tasks.pretrain.config import PretrainConfig, resolved_device
+from tasks import events
 from tasks.distributed import Launch, LaunchConfigError, engine_command, stage_runtime
 from tasks.stage import StageContext, StageOutput
 
@@ -154,20 +155,19 @@ def run_pretrain(ctx: StageContext, cfg: PretrainConfig) -> StageOutput:
     res = ctx.launch(command(ctx, cfg, spec_path), name="pretrain", timeout=cfg.timeout_s, env=env)
     r = res.results()
     out = package(ctx, cfg, spec, r)
-    metrics = [e for e in res.metrics()]
-    train = [e for e in metrics if "loss" in e]
+    train = [e for e in res.metrics() if events.TRAIN_LOSS in e]
     before, after = r.get("heldout_before"), r.get("heldout_after")
     return StageOutput(
         output=out, engine="megatron-core",
         backend=backend(cfg, spec["device"]),
         gate=gate(out, r, cfg.torch_dtype()),
-        metrics={"loss_first": r.get("loss_first"), "loss_last": train[-1]["loss"] if train else None,
+        metrics={"loss_first": r.get("loss_first"), "loss_last": train[-1][events.TRAIN_LOSS] if train else None,
                  "heldout_loss": after[1] if after else None, "heldout_ppl": after[2] if after else None,
-                 "tokens_per_s": _median([e["tokens_per_s"] for e in train]),
-                 "mfu": _median([e["mfu"] for e in train]), "peak_tflops_per_rank": r.get("peak_tflops_per_rank"),
-                 "train_seconds": r.get("train_seconds"), "iteration": r.get("iteration"),
-                 "resumed_from": r.get("resumed_from"),
-                 **{k: v for k, v in r.items() if k.startswith(("peak_mem_mb", "peak_gpu_"))}},
+                 "tokens_per_s": _median([e[events.TOKENS_PER_S] for e in train]),
+                 "mfu": _median([e[events.MFU] for e in train]), "peak_tflops_per_rank": r.get("peak_tflops_per_rank"),
+                 "train_time_s": r.get("train_time_s"), "iteration": r.get("iteration"),
+                 "resumed_from_step": r.get("resumed_from"),
+                 **{k: v for k, v in r.items() if k.endswith("_mib")}},
         eval={"metric": "heldout_ppl", "before": before[2] if before else None, "after": after[2] if after else None},
         extra={"layout": r.get("layout"), "padded_vocab_size": spec["padded_vocab_size"], "fp8": cfg.fp8,
                "peak_tflops_source": r.get("peak_tflops_source")},

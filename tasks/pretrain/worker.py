@@ -140,7 +140,7 @@ class Run:
         import mcore_checkpoint as ckpt
 
         ckpt.clean_partials(self.ckpt_root)
-        state = {"loss_first": None, "heldout": [], "train_seconds": 0.0}
+        state = {"loss_first": None, "heldout": [], "train_time_s": 0.0}
         start = 0
         last = ckpt.latest(self.ckpt_root)
         if last is not None:
@@ -175,14 +175,16 @@ class Run:
             t0 = time.time()
             loss, grad_norm = self.train_step(it)
             step_time = time.time() - t0
-            state["train_seconds"] += step_time
+            state["train_time_s"] += step_time
             step = it + 1
             if state["loss_first"] is None:
                 state["loss_first"] = loss
             tps = tokens_per_step / step_time
             if self.rank == 0:
-                self.events().metric(step, loss=loss, lr=self.optimizer.param_groups[0]["lr"], grad_norm=grad_norm,
-                                     tokens_per_s=tps, step_time_s=step_time, mfu=fpt * tps / (peak * 1e12 * world))
+                ev = self.events()
+                ev.metric(step, {ev.TRAIN_LOSS: loss, ev.TRAIN_LR: self.optimizer.param_groups[0]["lr"],
+                                 ev.TRAIN_GRAD_NORM: grad_norm, ev.TOKENS_PER_S: tps, ev.STEP_TIME_S: step_time,
+                                 ev.MFU: fpt * tps / (peak * 1e12 * world)})
                 self.events().progress(step, steps)
             if step % cfg["eval_interval"] == 0 or step == steps:
                 self.evaluate(step, state)
@@ -267,7 +269,8 @@ class Run:
         ppl = math.exp(min(loss, 50.0))
         state["heldout"].append([step, loss, ppl])
         if self.rank == 0:
-            self.events().metric(step, heldout_loss=loss, heldout_ppl=ppl)
+            ev = self.events()
+            ev.metric(step, {ev.HELDOUT_LOSS: loss, ev.HELDOUT_PPL: ppl})
         self.log(f"step {step}: held-out loss {loss:.4f}, perplexity {ppl:.2f}")
 
     # ---- checkpoints -------------------------------------------------------------------------------------------
@@ -385,7 +388,7 @@ class Run:
                 padded_vocab_size=self.padded_vocab, layout=ckpt.layout(), reload_param_max_abs_diff=param_diff,
                 reload_logits_max_abs_diff=logit_diff, loss_first=state["loss_first"],
                 heldout_before=heldout[0] if heldout else None, heldout_after=heldout[-1] if heldout else None,
-                train_seconds=state["train_seconds"], peak_tflops_per_rank=peak, peak_tflops_source=peak_src,
+                train_time_s=state["train_time_s"], peak_tflops_per_rank=peak, peak_tflops_source=peak_src,
                 consumed_samples=steps * self.cfg["global_batch_size"], **memory)
         dist.barrier()
         dist.destroy_process_group()
@@ -405,12 +408,12 @@ class Run:
             t[1, rank] = torch.cuda.max_memory_allocated() / 2**20
             t[2, rank] = torch.cuda.max_memory_reserved() / 2**20
         dist.all_reduce(t)
-        prefix = {"rss": "peak_mem_mb", "gpu_allocated": "peak_gpu_allocated_mb", "gpu_reserved": "peak_gpu_reserved_mb"}
+        name = {"rss": "peak_mem_mib", "gpu_allocated": "peak_gpu_allocated_mib", "gpu_reserved": "peak_gpu_reserved_mib"}
         out = {}
         for i, kind in enumerate(kinds):
             values = t[i].tolist()
-            out[f"{prefix[kind]}_max"] = max(values)
-            out.update({f"{prefix[kind]}_rank{r}": v for r, v in enumerate(values)})
+            out[name[kind]] = max(values)
+            out.update({f"rank{r}_{name[kind]}": v for r, v in enumerate(values)})
         return out
 
     def max_all(self, value: float) -> float:

@@ -173,11 +173,12 @@ def run_trl(ctx: StageContext, cfg: RlhfConfig) -> StageOutput:
     facts = res.results()
     if cfg.algorithm == "rm":
         pass_through_policy(Path(ctx.input), out, trained, ctx.stage, backend="trl", template=template)
-    margins = _series(res, "rewards/margins") or _series(res, "margin") or _series(res, "reward")
-    metrics = {k: facts.get(k) for k in ("seconds", "heldout_kl_to_reference", "train_pairs", "heldout_pairs",
+    margins = _series(res, "train/rewards_margins") or _series(res, "train/margin") or _series(res, "train/reward")
+    metrics = {k: facts.get(k) for k in ("heldout_kl_to_reference", "train_pairs", "heldout_pairs",
                                          "overlong_dropped", "overlong_truncated", "heldout_loss_before",
                                          "heldout_loss_after")}
-    metrics["peak_mem_mb_max"] = facts.get("peak_mem_mb")
+    metrics["wall_s"] = facts.get("seconds")
+    metrics["peak_mem_mib"] = facts.get("peak_mem_mib")
     metrics["resumed_from_step"] = facts.get("resumed_from")
     metrics.update({f"{facts.get('metric')}_{k}": facts.get(k) for k in ("before", "after")})
     ev, eval_check = gate_eval(cfg, ctx, facts)

@@ -10,9 +10,10 @@ the input's tokenizer and chat template; measure the same accuracy on the saved 
 from __future__ import annotations
 
 import argparse
-import resource
 import json
 import os
+import re
+import resource
 import shutil
 import time
 from pathlib import Path
@@ -25,7 +26,34 @@ from tasks import events
 RANK = int(os.environ.get("RANK", "0"))
 WORLD_SIZE = int(os.environ.get("WORLD_SIZE", "1"))
 SKIP_LOGS = {"epoch", "total_flos", "train_runtime", "train_samples_per_second", "train_steps_per_second",
-             "train_loss", "step_time"}
+             "train_loss"}
+TRL_NAMES = {"loss": events.TRAIN_LOSS, "learning_rate": events.TRAIN_LR, "grad_norm": events.TRAIN_GRAD_NORM,
+             "step_time": events.STEP_TIME_S}
+
+
+def trl_metric_name(trl_key: str) -> str:
+    """TRL's log key as a baton metric name: the shared ones by name, the rest under train/ ('rewards/margins' →
+    'train/rewards_margins')."""
+    return TRL_NAMES.get(trl_key) or "train/" + re.sub(r"[^a-z0-9]+", "_", trl_key.lower()).strip("_")
+
+
+def trl_metrics(logs: dict) -> dict:
+    """TRL's numeric logs under baton's names; one a future TRL names outside the scheme goes to the log instead."""
+    out = {}
+    for key, value in logs.items():
+        if key in SKIP_LOGS or not isinstance(value, (int, float)) or isinstance(value, bool):
+            continue
+        problem = events.name_problem(trl_metric_name(key))
+        if problem:
+            print(f"TRL log {key}={value} (not streamed: {problem})", flush=True)
+        else:
+            out[trl_metric_name(key)] = value
+    return out
+
+
+def eval_metrics(facts: dict) -> dict:
+    """Held-out facts (heldout_loss, heldout_pref_accuracy, ...) as eval/ metrics."""
+    return {f"eval/{k}": v for k, v in facts.items()}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -157,10 +185,9 @@ def stream_callback():
         def on_log(self, args, state, control, logs=None, **kwargs):
             if not state.is_world_process_zero or not logs:
                 return
-            values = {("lr" if k == "learning_rate" else k): v for k, v in logs.items()
-                      if k not in SKIP_LOGS and isinstance(v, (int, float)) and not isinstance(v, bool)}
+            values = trl_metrics(logs)
             if values:
-                events.metric(state.global_step, **values)
+                events.metric(state.global_step, values)
 
         def on_step_end(self, args, state, control, **kwargs):
             if state.is_world_process_zero:
@@ -398,7 +425,7 @@ def main(argv=None) -> None:
     before = None
     if RANK == 0:
         before = before_facts(a, tok, held_pairs)
-        events.metric(0, **before)
+        events.metric(0, eval_metrics(before))
 
     work = a.output.parent / (a.output.name + ".trl")
     resume = newest_complete(work) if a.checkpoint_every > 0 else None
@@ -417,13 +444,13 @@ def main(argv=None) -> None:
         hf.copy_tokenizer(a.input, a.output, chat_template=a.chat_template)
         seconds = round(time.time() - t0, 2)
         facts = {**evaluate(a, tok, held_pairs, before), "train_pairs": len(train_pairs), "seconds": seconds,
-                 "peak_mem_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # rank 0's peak RSS
+                 "peak_mem_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # rank 0's peak RSS
                  ("overlong_dropped" if a.overlong == "drop" else "overlong_truncated"): overlong}
         final = {facts["metric"]: facts["after"]}
         for key in ("heldout_kl_to_reference", "heldout_loss_after"):
             if key in facts:
                 final[key.removesuffix("_after")] = facts[key]
-        events.metric(trainer.state.global_step, **final)
+        events.metric(trainer.state.global_step, eval_metrics(final))
         write_manifest(a, a.output, {"eval": facts})
         events.emit("result", **facts, algorithm=a.algorithm, backend="trl", steps=trainer.state.global_step)
     trainer.accelerator.wait_for_everyone()

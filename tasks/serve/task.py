@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import secrets
 import time
 from pathlib import Path
@@ -258,7 +259,7 @@ def _serve_engines(ctx: StageContext, cfg: ServeConfig, ident: dict, key: str, k
         results[engine] = r
         checks += r["checks"]
         metrics.update({f"{engine}_{k}": v for k, v in r["metrics"].items()})
-        metrics[f"{engine}_seconds"] = round(time.time() - t0, 1)
+        metrics[f"{engine}_wall_s"] = round(time.time() - t0, 1)
         eval_done = eval_done or r["eval"] is not None
         if not all(c["passed"] for c in r["checks"]):
             break  # a broken engine already decides the gate; don't spend minutes on the next one
@@ -277,8 +278,9 @@ def _evaluation(cfg: ServeConfig, results: dict, metrics: dict, checks: list[dic
     elif eval_result is not None:
         score = primary_score(eval_result.get("scores", {}))
         for task_name, ms in eval_result.get("scores", {}).items():
-            metrics.update({f"lm_eval.{task_name}.{k.replace(',', '.')}": v for k, v in ms.items()})
-        metrics["lm_eval_seconds"] = eval_result.get("seconds")
+            metrics.update({re.sub(r"[^a-z0-9]+", "_", f"lm_eval_{task_name}_{k}".lower()).strip("_"): v
+                            for k, v in ms.items()})
+        metrics["lm_eval_wall_s"] = eval_result.get("seconds")
     return score, eval_result is not None
 
 
