@@ -128,25 +128,66 @@ def _split_ids(tok, prompt: str, completion: str) -> tuple[list[int], list[int]]
     return full[:n], full[n:]
 
 
-@torch.no_grad()
-def completion_logprob(model, tok, prompt: str, completion: str) -> float:
-    """Sum of log p(completion tokens | prompt) under a causal LM."""
-    p, c = _split_ids(tok, prompt, completion)
-    ids = torch.tensor([p + c])
-    logps = torch.log_softmax(model(ids).logits[0, :-1].float(), dim=-1)
-    targets = ids[0, 1:]
-    return logps[len(p) - 1:].gather(-1, targets[len(p) - 1:, None]).sum().item()
+EVAL_BATCH = 16  # held-out sequences per forward: one at a time, a tiny model's forwards are all thread overhead
+
+
+def _padded(seqs: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask) of prompt+completion sequences, right-padded: real tokens keep their positions."""
+    width = max(len(p) + len(c) for p, c in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (p, c) in enumerate(seqs):
+        ids[i, :len(p) + len(c)] = torch.tensor(p + c, dtype=torch.long)
+        mask[i, :len(p) + len(c)] = 1
+    return ids, mask
 
 
 @torch.no_grad()
-def chosen_loss(model, tok, pairs: list[dict]) -> float:
-    """Mean cross-entropy per token of the chosen replies given their prompts (answer tokens only)."""
+def completion_logps(model, seqs: list[tuple[list[int], list[int]]], batch: int = EVAL_BATCH):
+    """Per (prompt ids, completion ids), in order: the log-softmax rows that predict the completion's tokens, and
+    those tokens. Batched forwards: other matrix shapes than one sequence at a time, so the last bits may differ
+    (1e-7 relative, tests/test_rlhf_eval.py)."""
+    for start in range(0, len(seqs), batch):
+        chunk = seqs[start:start + batch]
+        ids, mask = _padded(chunk)
+        logits = model(ids, attention_mask=mask).logits
+        for row, (p, c) in enumerate(chunk):
+            yield (torch.log_softmax(logits[row, len(p) - 1:len(p) + len(c) - 1].float(), dim=-1),
+                   torch.tensor(c, dtype=torch.long))
+
+
+def _logprob(logps: torch.Tensor, tokens: torch.Tensor) -> float:
+    """Sum of log p(completion tokens | prompt)."""
+    return logps.gather(-1, tokens[:, None]).sum().item()
+
+
+def _kl(lp: torch.Tensor, lq: torch.Tensor) -> float:
+    """Sum over positions of KL(p || q) of next-token distributions given as log-probabilities."""
+    return (lp.exp() * (lp - lq)).sum().item()
+
+
+@torch.no_grad()
+def policy_facts(model, tok, pairs: list[dict], ref=None, batch: int = EVAL_BATCH) -> dict:
+    """One pass over the held-out pairs: preference accuracy (chosen log-probability above rejected), mean
+    cross-entropy per token of the chosen replies (heldout_loss) and, given a reference model, the mean per-token
+    KL(policy || reference) over the chosen replies."""
     model.eval()
-    total, count = 0.0, 0
-    for pair in pairs:
-        total -= completion_logprob(model, tok, pair["prompt"], pair["chosen"])
-        count += len(_split_ids(tok, pair["prompt"], pair["chosen"])[1])
-    return total / max(count, 1)
+    chosen = [_split_ids(tok, p["prompt"], p["chosen"]) for p in pairs]
+    rejected = [_split_ids(tok, p["prompt"], p["rejected"]) for p in pairs]
+    refs = completion_logps(ref.eval(), chosen, batch) if ref is not None else None
+    scores, loss, tokens, kl = [], 0.0, 0, 0.0
+    for i, (lp, c) in enumerate(completion_logps(model, chosen + rejected, batch)):
+        scores.append(_logprob(lp, c))
+        if i < len(chosen):
+            loss -= scores[-1]
+            tokens += len(c)
+            if refs is not None:
+                kl += _kl(lp, next(refs)[0])
+    wins = sum(scores[i] > scores[len(chosen) + i] for i in range(len(chosen)))
+    facts = {"accuracy": wins / max(len(pairs), 1), "loss": loss / max(tokens, 1)}
+    if ref is not None:
+        facts["kl"] = kl / max(tokens, 1)
+    return facts
 
 
 @torch.no_grad()
@@ -155,26 +196,12 @@ def reward_score(model, tok, prompt: str, completion: str) -> float:
     return model(ids).logits[0, 0].item()
 
 
-def preference_accuracy(model, tok, pairs: list[dict], score) -> float:
-    """Fraction of pairs whose chosen completion scores above the rejected one."""
+def reward_accuracy(model, tok, pairs: list[dict]) -> float:
+    """Fraction of pairs whose chosen completion the reward model scores above the rejected one."""
     model.eval()
-    wins = sum(score(model, tok, p["prompt"], p["chosen"]) > score(model, tok, p["prompt"], p["rejected"])
+    wins = sum(reward_score(model, tok, p["prompt"], p["chosen"]) > reward_score(model, tok, p["prompt"], p["rejected"])
                for p in pairs)
     return wins / max(len(pairs), 1)
-
-
-@torch.no_grad()
-def kl_to_reference(policy, ref, tok, pairs: list[dict]) -> float:
-    """Mean per-token KL(policy || reference) of next-token distributions over held-out chosen completions."""
-    total, count = 0.0, 0
-    for pair in pairs:
-        p, c = _split_ids(tok, pair["prompt"], pair["chosen"])
-        ids = torch.tensor([p + c])
-        lp = torch.log_softmax(policy(ids).logits[0, len(p) - 1:-1].float(), dim=-1)
-        lq = torch.log_softmax(ref(ids).logits[0, len(p) - 1:-1].float(), dim=-1)
-        total += (lp.exp() * (lp - lq)).sum().item()
-        count += lp.shape[0]
-    return total / max(count, 1)
 
 
 # ---- metrics: TRL's logs become baton events (rank 0 only) ---------------------------------------------------------
@@ -370,17 +397,14 @@ def metric_name(algorithm: str) -> str:
     return "heldout_reward_accuracy" if algorithm == "rm" else "heldout_pref_accuracy"
 
 
-def accuracy_of(path: Path, algorithm: str, tok, pairs: list[dict]) -> float:
-    score = reward_score if algorithm == "rm" else completion_logprob
-    return preference_accuracy(load_eval_model(path, algorithm), tok, pairs, score)
-
-
 def before_facts(a, tok, held_pairs: list[dict]) -> dict:
-    """The input model's held-out preference accuracy and (policies) its loss on the chosen replies."""
-    facts = {metric_name(a.algorithm): accuracy_of(a.input, a.algorithm, tok, held_pairs)}
-    if a.algorithm != "rm":
-        facts["heldout_loss"] = chosen_loss(load_eval_model(a.input, a.algorithm), tok, held_pairs)
-    return facts
+    """The input model's held-out preference accuracy and (policies) its loss on the chosen replies: one load, one
+    pass."""
+    model = load_eval_model(a.input, a.algorithm)
+    if a.algorithm == "rm":
+        return {metric_name(a.algorithm): reward_accuracy(model, tok, held_pairs)}
+    facts = policy_facts(model, tok, held_pairs)
+    return {metric_name(a.algorithm): facts["accuracy"], "heldout_loss": facts["loss"]}
 
 
 def evaluate(a, tok, held_pairs: list[dict], before: dict | None = None) -> dict:
@@ -388,16 +412,19 @@ def evaluate(a, tok, held_pairs: list[dict], before: dict | None = None) -> dict
     metric = metric_name(a.algorithm)
     if before is None:
         before = before_facts(a, tok, held_pairs)
-    score = reward_score if a.algorithm == "rm" else completion_logprob
     saved = load_eval_model(a.output, a.algorithm)
-    facts = {"metric": metric, "before": before[metric], "after": preference_accuracy(saved, tok, held_pairs, score),
-             "heldout_pairs": len(held_pairs)}
-    if a.algorithm != "rm":
-        ref = load_eval_model(a.reference_model or a.input, a.algorithm).eval()
-        facts["heldout_kl_to_reference"] = kl_to_reference(saved.eval(), ref, tok, held_pairs)
-        facts.update(heldout_loss_before=before["heldout_loss"], heldout_loss_after=chosen_loss(saved, tok, held_pairs))
-    print(f"{metric}: {facts['before']:.4f} before, {facts['after']:.4f} after ({len(held_pairs)} held-out pairs)",
-          flush=True)
+    if a.algorithm == "rm":
+        return _printed({"metric": metric, "before": before[metric], "after": reward_accuracy(saved, tok, held_pairs),
+                         "heldout_pairs": len(held_pairs)})
+    after = policy_facts(saved, tok, held_pairs, ref=load_eval_model(a.reference_model or a.input, a.algorithm))
+    return _printed({"metric": metric, "before": before[metric], "after": after["accuracy"],
+                     "heldout_pairs": len(held_pairs), "heldout_kl_to_reference": after["kl"],
+                     "heldout_loss_before": before["heldout_loss"], "heldout_loss_after": after["loss"]})
+
+
+def _printed(facts: dict) -> dict:
+    print(f"{facts['metric']}: {facts['before']:.4f} before, {facts['after']:.4f} after "
+          f"({facts['heldout_pairs']} held-out pairs)", flush=True)
     return facts
 
 
