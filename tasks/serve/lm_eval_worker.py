@@ -15,6 +15,18 @@ from pathlib import Path
 from tasks import events
 
 
+def task_manager(names: list[str], include_path: Path | None):
+    """The include path's own tasks alone when they are all the run asks for: indexing lm-eval's ~15k built-in task
+    files takes 7 s on 2 idle cores (~20 s under load). Groups, and any built-in name, get the full index."""
+    from lm_eval.tasks import TaskManager
+
+    if include_path:
+        own = TaskManager(include_path=str(include_path), include_defaults=False)
+        if all(n in own.task_index and own.task_index[n].kind.name == "TASK" for n in names):
+            return own
+    return TaskManager(include_path=str(include_path) if include_path else None)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--base-url", required=True)
@@ -29,10 +41,9 @@ def main() -> None:
     os.environ["OPENAI_API_KEY"] = args.key_file.read_text().strip()
 
     import lm_eval
-    from lm_eval.tasks import TaskManager
 
     t0 = time.time()
-    manager = TaskManager(include_path=str(args.include_path) if args.include_path else None)
+    manager = task_manager(args.tasks.split(","), args.include_path)
     res = lm_eval.simple_evaluate(
         model="local-chat-completions",
         model_args={"model": args.model, "base_url": f"{args.base_url}/v1/chat/completions",
