@@ -81,10 +81,12 @@ def cmd_run(args) -> int:
               file=sys.stderr)
         return 2
     from flows import runs, view as views
+    from tasks import tracking
 
     run_id = runs.new_run_id()
     run_dir = runs.runs_root() / run_id
     out = sys.stdout if args.verbose else views.detach_process_output(run_dir / "run.log")
+    tracking.warm_up()  # MLflow's store start-up overlaps Prefect's server start-up (its log goes to run.log)
     title = f"baton run {run_id} · {cfg.name}"
     view = views.open_view([s.label for s in steps], title, out, live=not args.verbose)
     try:

@@ -32,7 +32,33 @@ def tracking_uri() -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{baton_home() / 'mlflow.db'}?timeout={SQLITE_WAIT_S}"
 
 
+_warm_up: threading.Thread | None = None
+
+
+def warm_up() -> None:
+    """Import MLflow and create (or migrate) the local SQLite tracking store in a thread, so that it overlaps the
+    start of Prefect's temporary server (a subprocess; ~30 s on 2 cores for a new home). client() waits for it; a
+    failure here is left for client()'s own call to report."""
+    global _warm_up
+    if _warm_up is None and tracking_uri().startswith("sqlite:///"):
+        _warm_up = threading.Thread(target=_warm_up_store, name="mlflow-warm-up", daemon=True)
+        _warm_up.start()
+
+
+def _warm_up_store() -> None:
+    try:
+        _client().search_experiments(max_results=1)
+    except Exception:  # noqa: BLE001 - reported by the first real call
+        pass
+
+
 def client():
+    if _warm_up is not None and _warm_up is not threading.current_thread():
+        _warm_up.join()
+    return _client()
+
+
+def _client():
     import mlflow
     from mlflow import MlflowClient
 
