@@ -86,11 +86,12 @@ def cmd_run(args) -> int:
     run_id = runs.new_run_id()
     run_dir = runs.runs_root() / run_id
     out = sys.stdout if args.verbose else views.detach_process_output(run_dir / "run.log")
-    tracking.warm_up()  # MLflow's store start-up overlaps Prefect's server start-up (its log goes to run.log)
+    server = _start_prefect_server()  # both start-ups overlap each other and the view (their logs go to run.log)
+    tracking.warm_up()
     title = f"baton run {run_id} · {cfg.name}"
     view = views.open_view([s.label for s in steps], title, out, live=not args.verbose)
     try:
-        error = _run_pipeline(cfg, args, run_id, findings)
+        error = _run_pipeline(cfg, args, run_id, findings, server)
     finally:  # Ctrl-C too: the terminal gets its cursor back
         views.close_view(view)
     if args.smoke and error is None:
@@ -109,9 +110,36 @@ def _busy_step(steps) -> str | None:
     return None
 
 
-def _run_pipeline(cfg, args, run_id: str, findings: list) -> Exception | None:
+def _start_prefect_server():
+    """Without a running stack (no PREFECT_API_URL) the flow starts Prefect's temporary server (a subprocess, 5-30 s
+    on 2 cores); started here in a thread instead, it boots while the rest gets ready. The flow's own start() then
+    finds it running; a failure here is left for that call to report."""
+    import threading
+
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
+
+    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+        return None
+    from prefect.server.api.server import SubprocessASGIServer
+
+    def start():
+        try:
+            SubprocessASGIServer().start()
+        except Exception:  # noqa: BLE001 - the flow's own start() retries and reports
+            pass
+
+    thread = threading.Thread(target=start, name="prefect-server", daemon=True)
+    thread.start()
+    return thread
+
+
+def _run_pipeline(cfg, args, run_id: str, findings: list, server=None) -> Exception | None:
+    import prefect.flow_engine  # noqa: F401 - imported while the server boots, not after
+
     from flows.pipeline import pipeline
 
+    if server is not None:
+        server.join()  # start() marks the server running before it is healthy: the flow must not see it earlier
     try:
         pipeline(cfg, from_ref=args.from_ref, use_cache=not args.no_cache, run_id=run_id, doctor=findings)
     except Exception as e:
