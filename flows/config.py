@@ -18,7 +18,7 @@ from tasks.pretrain.config import PretrainConfig
 from tasks.registry import DEFAULT_CHAIN, STAGES
 from tasks.rlhf.config import RlhfConfig
 from tasks.serve.config import ServeConfig
-from tasks.stage import StrictModel
+from tasks.stage import StrictModel, error_key
 
 
 class ConfigError(ValueError):
@@ -160,7 +160,7 @@ class PipelineConfig(StrictModel):
 def _format_error(e: ValidationError, prefix: str = "") -> str:
     lines = []
     for err in e.errors():
-        key = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        key = error_key(err["loc"]) or "(top level)"
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
             msg = "unknown key"

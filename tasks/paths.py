@@ -67,13 +67,13 @@ def data_source_errors(data) -> list[str]:
 
     errors = []
     for name in ("pretrain", "preference", "sft"):
-        src = getattr(data, name)
-        if src.kind != "files":
-            continue
-        for split in ("train", "heldout"):
-            pattern = getattr(src, split)
-            if pattern and not matched_files(pattern):
-                errors.append(f"data.{name}.{split}: {pattern} matches no file (a file, a folder or a glob)")
+        for key, src in data.sources(name):
+            if src.kind != "files":
+                continue
+            for split in ("train", "heldout"):
+                pattern = getattr(src, split)
+                if pattern and not matched_files(pattern):
+                    errors.append(f"{key}.{split}: {pattern} matches no file (a file, a folder or a glob)")
     return errors
 
 
