@@ -63,8 +63,8 @@ def _mixed(kind: str, cfg: DataConfig) -> tuple[list, list, dict]:
     train, held, per_source = [], [], []
     for i, (key, src) in enumerate(cfg.sources(kind)):
         tr, he, facts = _external(kind, key, src, cfg)
-        facts.update(index=i, train_rows=[len(train), len(train) + len(tr)],
-                     heldout_rows=[len(held), len(held) + len(he)])
+        facts.update(index=i, train={"rows": len(tr), "range": [len(train), len(train) + len(tr)]},
+                     heldout={"rows": len(he), "range": [len(held), len(held) + len(he)]})
         train, held = train + tr, held + he
         per_source.append(facts)
     bad: Counter = sum((Counter(f["rows_bad"]) for f in per_source), Counter())
