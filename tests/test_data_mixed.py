@@ -155,6 +155,19 @@ def test_mixed_preference_list_strings_and_message_lists(tmp_path):
 
 
 @pytest.mark.fast
+def test_mixed_pretraining_text_files_and_rows_under_another_column(tmp_path):
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.md").write_text("first doc\n\nsecond doc\n\nthird doc\n")
+    rows = write_jsonl(tmp_path / "rows.jsonl", [{"body": f"row {i}"} for i in range(4)])
+    sets, facts = build(pretrain=[{"kind": "files", "train": str(tmp_path / "corpus")},
+                                  {"kind": "files", "train": str(rows), "columns": {"text": "body"}, "max_rows": 3}])
+    train, held = sets["pretrain"]
+    assert [(s["format"], s["rows_read"], s["train"]["rows"], s["heldout"]["rows"])
+            for s in facts["pretrain"]["sources"]] == [("text", 3, 2, 1), ("text", 3, 2, 1)]
+    assert sorted(r["text"] for r in train + held) == ["first doc", "row 0", "row 1", "row 2", "second doc", "third doc"]
+
+
+@pytest.mark.fast
 def test_a_bad_row_in_the_second_source_names_it(tmp_path):
     srcs = sft_sources(tmp_path)
     bad = [sharegpt(0), sharegpt(1), {"conversations": [{"from": "human", "value": "x"}, {"from": "robot", "value": "y"}]}]
