@@ -74,8 +74,8 @@ def validate(cfg: DataConfig, pipeline=None) -> list[str]:
             errors.append(f"data.{kind}: an empty list of sources (give one source, or several)")
         if len(listed) > 1 and any(src.kind == "synthetic" for _, src in listed):
             errors.append(f"data.{kind}: a synthetic source cannot be mixed with others (its size is "
-                          f"data.{_SYNTHETIC_SIZE[kind]} and its gates are the synthetic ones); list only files and hub "
-                          "sources, or use synthetic alone")
+                          f"data.{_SYNTHETIC_SIZE[kind]} and its gates are the synthetic ones); "
+                          "list only files and hub sources, or use synthetic alone")
         for key, src in listed:
             if src.kind == "synthetic" and src.max_rows is not None:
                 errors.append(f"{key}.max_rows: applies to files and hub sources; a synthetic dataset's size is "

@@ -141,8 +141,8 @@ def resolve_format(kind: str, src: SourceConfig, columns: set[str], key: str, wh
     other = next(((k, f) for k in formats.FORMATS if k != kind
                   for f in [formats.detect(k, columns, src.columns)] if f), None)
     if fmt is None and other:  # e.g. SFT rows in a preference list: never guessed into the wrong form
-        raise DataError(f"{key}: {where} holds {other[0]} data ({other[1]} columns {sorted(columns)}), not {kind} data; "
-                        f"data.{kind} takes only {', '.join(formats.FORMATS[kind])}")
+        raise DataError(f"{key}: {where} holds {other[0]} data ({other[1]} columns {sorted(columns)}), "
+                        f"not {kind} data; data.{kind} takes only {', '.join(formats.FORMATS[kind])}")
     if fmt is None:
         known = "; ".join(f"{n}: {', '.join(r)}" for n, r in formats.FORMATS[kind].items())
         raise DataError(f"{key}: cannot tell the format of {where} from its columns {sorted(columns)} ({known}); "
