@@ -113,6 +113,8 @@ def test_synthetic_is_never_mixed(tmp_path):
     assert "data.sft: a synthetic source cannot be mixed with others (its size is data.sft_examples" in msg
     assert "data.sft[0].max_rows: applies to files and hub sources" in refused("data.sft=[{kind: synthetic, max_rows: 5}]")
     assert load(TINY, ["data.sft=[{kind: synthetic}]"], stages=["data"]).data.backend() == "synthetic"
+    with pytest.raises(DataError, match=r"data\.sft: a synthetic source cannot be mixed"):  # without the CLI too
+        build(sft=[{"kind": "synthetic"}, {"kind": "files", "train": str(f)}])
 
 
 # ---- building the datasets ------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from prefect.cache_policies import NO_CACHE
 from conversions import durable, hf, manifest as mf
 from tasks import chat_template, tracking
 from tasks.data import formats, sources, synthetic
-from tasks.data.config import DataConfig, SourceConfig
+from tasks.data.config import DataConfig, SourceConfig, validate
 from tasks.data.lm_eval_task import write_lm_eval_task
 from tasks.data.tokenizer import train_tokenizer
 from tasks.stage import StageContext, StageOutput
@@ -65,7 +65,8 @@ def _mixed(kind: str, cfg: DataConfig) -> tuple[list, list, dict]:
         tr, he, facts = _external(kind, key, src, cfg)
         facts.update(index=i, train={"rows": len(tr), "range": [len(train), len(train) + len(tr)]},
                      heldout={"rows": len(he), "range": [len(held), len(held) + len(he)]})
-        train, held = train + tr, held + he
+        train.extend(tr)
+        held.extend(he)
         per_source.append(facts)
     bad: Counter = sum((Counter(f["rows_bad"]) for f in per_source), Counter())
     formats_used = list(dict.fromkeys(f["format"] for f in per_source))
@@ -77,12 +78,15 @@ def _mixed(kind: str, cfg: DataConfig) -> tuple[list, list, dict]:
 
 def build_datasets(cfg: DataConfig) -> tuple[dict[str, tuple[list, list]], dict[str, dict]]:
     """Every dataset in canonical form (train, held-out), and per dataset its source, format, mapping and counts."""
+    errors = validate(cfg)  # (the CLI checked them at load; a direct caller gets the same refusal)
+    if errors:
+        raise sources.DataError("; ".join(errors))
     rng = random.Random(cfg.seed)
     sets: dict[str, tuple[list, list]] = {}
     facts: dict[str, dict] = {}
     for kind in KINDS:  # synthetic generation order fixes the random stream: keep it
         listed = cfg.sources(kind)
-        if listed[0][1].kind == "synthetic":  # (config validation: synthetic is never mixed)
+        if listed[0][1].kind == "synthetic":  # (validated: synthetic is never mixed)
             sets[kind] = _synthetic(kind, cfg, rng)
             facts[kind] = {"source": "synthetic", "format": SYNTHETIC_FORMAT[kind][0]}
         elif isinstance(getattr(cfg, kind), list):
