@@ -120,7 +120,7 @@ def lm_eval_path_errors(gate: GateConfig, stage: str) -> list[str]:
     if problems:
         return [f"{key}: {problems[0]}"]
     task = gate.task or default_lm_eval_task(stage)
-    if task not in names:
+    if task is not None and task not in names:  # (no task at all: lm_eval_errors says so)
         return [f"{stage}.gate.task: {task!r} is not defined in include_path {folder} (its YAML files define: "
                 f"{', '.join(sorted(names)[:10]) or 'no task'})"]
     return []

@@ -114,7 +114,7 @@ def test_finetune_gate_runs_lm_eval_on_both_checkpoints(tmp_path, tiny_config, d
     from tasks.finetune.task import run_finetune
     from tasks.stage import StageContext
 
-    cfg = FinetuneConfig(nproc_per_node=1, steps=60, checkpoint_every=60, warmup_steps=5, timeout_s=900,
+    cfg = FinetuneConfig(nproc_per_node=1, steps=100, checkpoint_every=100, warmup_steps=5, timeout_s=900,
                          gate={"metric": "lm_eval", "limit": 16})
     ctx = StageContext(stage="finetune", run_id="test", run_dir=tmp_path, work_dir=tmp_path,
                        model=tiny_config.model.model_dump(), seed=0, data_dir=data_dir, input=hf_checkpoint,
