@@ -132,3 +132,28 @@ def test_finetune_gate_runs_lm_eval_on_both_checkpoints(tmp_path, tiny_config, d
     log = (tmp_path / "engine.log").read_text()
     assert "[lm-eval-gate]" in log or "lm-eval-gate" in log or "baton_sft_heldout" in log
     assert json.loads(json.dumps(ev))  # summary.json can hold it
+
+
+@pytest.mark.slow
+def test_rlhf_gate_runs_the_configured_lm_eval_task(tmp_path, tiny_config, data_dir, hf_checkpoint):
+    """rlhf has no default task: here baton's held-out SFT task, named with its include_path and score. A few DPO
+    steps may or may not raise it; the gate's verdict follows the recorded numbers either way."""
+    from tasks.data import lm_eval_task
+    from tasks.rlhf.config import RlhfConfig
+    from tasks.rlhf.task import run_rlhf
+    from tasks.stage import StageContext
+
+    folder = lm_eval_task.write_lm_eval_task(data_dir, tmp_path / "tasks")
+    cfg = RlhfConfig(steps=5, micro_batch_size=8, timeout_s=900, gate={
+        "metric": "lm_eval", "task": lm_eval_task.TASK_NAME, "score": "exact_match,strip", "include_path": folder,
+        "limit": 4})
+    work = tmp_path / "rlhf"
+    ctx = StageContext(stage="rlhf", run_id="test", run_dir=work, work_dir=work, model=tiny_config.model.model_dump(),
+                       seed=0, data_dir=data_dir, input=hf_checkpoint, input_format="hf-safetensors")
+    out = run_rlhf.fn(ctx, cfg)
+    ev = out.eval
+    assert ev["metric"] == "lm_eval_baton_sft_heldout" and ev["lm_eval_version"], ev
+    assert isinstance(ev["before"], float) and isinstance(ev["after"], float), ev
+    check = {c["name"]: c for c in out.gate["checks"]}["eval.lm_eval_baton_sft_heldout"]
+    assert check["passed"] == (ev["after"] > ev["before"]), (check, ev)
+    assert out.metrics["lm_eval_wall_s"] > 0
