@@ -4,6 +4,7 @@ Unknown keys and wrong values fail with one message naming the key; `--set a.b=c
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -18,7 +19,7 @@ from tasks.pretrain.config import PretrainConfig
 from tasks.registry import DEFAULT_CHAIN, STAGES
 from tasks.rlhf.config import RlhfConfig
 from tasks.serve.config import ServeConfig
-from tasks.stage import StrictModel
+from tasks.stage import StrictModel, error_key
 
 
 class ConfigError(ValueError):
@@ -160,7 +161,7 @@ class PipelineConfig(StrictModel):
 def _format_error(e: ValidationError, prefix: str = "") -> str:
     lines = []
     for err in e.errors():
-        key = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        key = error_key(err["loc"]) or "(top level)"
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
@@ -182,17 +183,36 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected key=value (e.g. pretrain.steps=20)")
         key, value = item.split("=", 1)
-        parts = key.strip().split(".")
+        parts = re.sub(r"\[(\d+)\]", r".\1", key.strip()).split(".")  # data.sft[1].train == data.sft.1.train
         node = raw
         for p in parts[:-1]:
-            if not isinstance(node.setdefault(p, {}), dict):
-                raise ConfigError(f"--set {key}: {p} is not a section")
-            node = node[p]
+            node = _section(node, p, key)
         try:
-            node[parts[-1]] = _parse_value(value)
+            parsed = _parse_value(value)
         except yaml.YAMLError as e:
             raise ConfigError(f"--set {key}: not a YAML value: {str(e).splitlines()[0]}") from None
+        if isinstance(node, list):
+            node[_list_index(node, parts[-1], key)] = parsed
+        else:
+            node[parts[-1]] = parsed
     return raw
+
+
+def _list_index(node: list, part: str, key: str) -> int:
+    if not part.isdigit() or int(part) >= len(node):
+        raise ConfigError(f"--set {key}: {part} is not an index of that list (0..{len(node) - 1})")
+    return int(part)
+
+
+def _section(node, part: str, key: str):
+    """One step down an override's key: a mapping's section (made if absent) or a list's item (a list of sources)."""
+    if isinstance(node, list):
+        node = node[_list_index(node, part, key)]
+    else:
+        node = node.setdefault(part, {})
+    if not isinstance(node, (dict, list)):
+        raise ConfigError(f"--set {key}: {part} is not a section")
+    return node
 
 
 def load(path: str | Path | None, overrides: list[str] | None = None, stages: list[str] | None = None,

@@ -46,6 +46,7 @@ def _convert(src_fmt: str, dst_fmt: str, source_stage: str | None, implicit: boo
 
 CORE_CODE = ("conversions/manifest.py", "conversions/hf.py", "conversions/probe.py", "conversions/verify.py",
              "tasks/events.py", "conversions/chat.py", "tasks/launch.py", "tasks/stage.py", "tasks/gates.py")
+STAGE_CODE = {"rlhf": ("tasks/serve/lm_eval_worker.py",), "finetune": ("tasks/serve/lm_eval_worker.py",)}  # gate.metric lm_eval
 
 
 def _code_digest(*paths: str) -> str:
@@ -124,7 +125,7 @@ def fingerprint_steps(cfg: PipelineConfig, steps: list[Step], input_fingerprint:
             continue
         scfg = cfg.stage_config(st.name).model_dump()
         st.input_fingerprint = prev
-        code = [f"tasks/{st.name}"]
+        code = [f"tasks/{st.name}", *STAGE_CODE.get(st.name, ())]
         if st.name == "convert" and supported(st.consumes, st.produces):
             code.append(CONVERTERS[(st.consumes, st.produces)].split(":")[0].replace(".", "/") + ".py")
         st.fingerprint = _hash([st.name, st.extra, scfg, model_facts(cfg), cfg.seed, data_fp, prev,

@@ -67,13 +67,13 @@ def data_source_errors(data) -> list[str]:
 
     errors = []
     for name in ("pretrain", "preference", "sft"):
-        src = getattr(data, name)
-        if src.kind != "files":
-            continue
-        for split in ("train", "heldout"):
-            pattern = getattr(src, split)
-            if pattern and not matched_files(pattern):
-                errors.append(f"data.{name}.{split}: {pattern} matches no file (a file, a folder or a glob)")
+        for key, src in data.sources(name):
+            if src.kind != "files":
+                continue
+            for split in ("train", "heldout"):
+                pattern = getattr(src, split)
+                if pattern and not matched_files(pattern):
+                    errors.append(f"{key}.{split}: {pattern} matches no file (a file, a folder or a glob)")
     return errors
 
 
@@ -98,4 +98,9 @@ def config_errors(cfg, host: bool = True) -> list[str]:
         errors += data_source_errors(cfg.data)
     if "serve" in cfg.stages:  # (serve.api_key_file and rlhf.reference_model: their stages' own checks)
         errors += read_errors("serve.lm_eval.include_path", cfg.serve.lm_eval.include_path, "dir")
+    for stage in ("rlhf", "finetune"):
+        if stage in cfg.stages:
+            from tasks.gates import lm_eval_path_errors
+
+            errors += lm_eval_path_errors(cfg.stage_config(stage).gate, stage)
     return errors + runtime_errors(cfg.runtimes)

@@ -9,9 +9,9 @@ import importlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar
+from typing import Annotated, Any, Callable, ClassVar, Union
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Tag, model_validator
 from pydantic_core import PydanticCustomError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -33,6 +33,25 @@ class StrictModel(BaseModel):
                     raise PydanticCustomError("renamed", "{old}: renamed to {new}",
                                               {"old": old, "new": cls.renamed[old]})
         return data
+
+
+UNION_TAGS = ("<one>", "<list>")  # what pydantic puts in an error's loc for a one_or_list field: left out of keys
+
+
+def one_or_list(model: type[BaseModel]):
+    """A config field that takes one `model` or a list of them (e.g. data.sft: one source, or several mixed)."""
+    return Annotated[Union[Annotated[model, Tag(UNION_TAGS[0])], Annotated[list[model], Tag(UNION_TAGS[1])]],
+                     Discriminator(lambda v: UNION_TAGS[1] if isinstance(v, list) else UNION_TAGS[0])]
+
+
+def error_key(loc: tuple) -> str:
+    """A pydantic error location as the config key a user writes: `data.sft[1].columns`."""
+    key = ""
+    for part in loc:
+        if part in UNION_TAGS:
+            continue
+        key += f"[{part}]" if isinstance(part, int) else (f".{part}" if key else str(part))
+    return key
 
 
 @dataclass(frozen=True)

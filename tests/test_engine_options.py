@@ -142,8 +142,11 @@ def test_rlhf_resumes_only_from_a_checkpoint_marked_complete(tmp_path):
     done = checkpoint(2, b"x" * 10, mark=True)
     torn = checkpoint(4, b"x" * 10, mark=True)
     (torn / "model.safetensors").write_bytes(b"x" * 3)  # lost bytes after the marker: not complete
+    flipped = checkpoint(5, b"x" * 10, mark=True)
+    (flipped / "model.safetensors").write_bytes(b"x" * 9 + b"y")  # same size, one byte changed: complete, corrupt
     unmarked = checkpoint(6, b"x" * 10, mark=False)  # killed before the marker
     assert worker.is_complete(done) and not worker.is_complete(torn) and not worker.is_complete(unmarked)
+    assert worker.is_complete(flipped)
     assert worker.newest_complete(tmp_path) == done
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"]  # the others are deleted
     assert worker.checkpoint_args(argparse.Namespace(checkpoint_every=0, keep_checkpoints=2)) == {"save_strategy": "no"}

@@ -58,16 +58,23 @@ def test_pretrain_across_two_slurm_nodes(layout, tmp_path, tmp_path_factory, hos
     assert diff <= TOLERANCE
 
 
-def test_finetune_zero2_across_two_slurm_nodes(tmp_path, tmp_path_factory, hosts, slurm, data_dir, hf_checkpoint):
-    ref = timed("finetune ZeRO-2, 1 host x 2 ranks", reference_run, tmp_path_factory.getbasetemp(), "finetune-zero2",
-                hosts, stage_spec("finetune", tmp_path, data_dir, *FINETUNE, "finetune.nproc_per_node=2",
-                                  input=hf_checkpoint))
-    spec = stage_spec("finetune", tmp_path / "slurm", data_dir, *FINETUNE, "finetune.nnodes=2",
+@pytest.mark.parametrize("zero", [2, 3])
+def test_finetune_zero_across_two_slurm_nodes(zero, tmp_path, tmp_path_factory, hosts, slurm, data_dir,
+                                              hf_checkpoint):
+    """ZeRO-2: optimizer state and gradients partitioned across the hosts; ZeRO-3: the parameters too (gathered
+    from the other host for every layer's forward and backward)."""
+    stage = f"finetune.zero.stage={zero}"
+    ref = timed(f"finetune ZeRO-{zero}, 1 host x 2 ranks", reference_run, tmp_path_factory.getbasetemp(),
+                f"finetune-zero{zero}", hosts, stage_spec("finetune", tmp_path, data_dir, *FINETUNE, stage,
+                                                          "finetune.nproc_per_node=2", input=hf_checkpoint))
+    spec = stage_spec("finetune", tmp_path / "slurm", data_dir, *FINETUNE, stage, "finetune.nnodes=2",
                       "finetune.nproc_per_node=1", input=hf_checkpoint, runtime=SLURM)
-    out = timed("finetune ZeRO-2, salloc -N2 x 1 rank", run_stage, hosts, spec, via=["salloc", "-N2"], env=slurm.env)
+    out = timed(f"finetune ZeRO-{zero}, salloc -N2 x 1 rank", run_stage, hosts, spec, via=["salloc", "-N2"],
+                env=slurm.env)
     assert out["gate"]["passed"], json.dumps(out["gate"], indent=1)
+    assert f"ZeRO-{zero}" in out["backend"], out["backend"]
     diff = max_abs_diff(zero_weights(Path(out["output"])), zero_weights(Path(ref["output"])))
-    print(f"finetune ZeRO-2 Slurm 2x1 vs 1x2: max |Δweight| = {diff:g} (tolerance {TOLERANCE:g})")
+    print(f"finetune ZeRO-{zero} Slurm 2x1 vs 1x2: max |Δweight| = {diff:g} (tolerance {TOLERANCE:g})")
     assert diff <= TOLERANCE
 
 

@@ -117,14 +117,14 @@ def test_flipped_byte_in_a_training_checkpoint_is_not_resumed(tmp_path, record_p
     """Two complete pretrain checkpoints; a byte of the newer one flips on disk (same size): resume takes the older."""
     record_property("fault", "bit flip in a checkpoint")
     pytest.importorskip("megatron.core")
+    from conversions import sealed
     from tasks.pretrain import mcore_checkpoint as ckpt
 
     for it in (1, 2):
         d = tmp_path / f"{ckpt.PREFIX}{it:07d}"
         d.mkdir()
         (d / "__0_0.distcp").write_bytes(bytes([it]) * 4096)
-        info = {"iteration": it, "files": ckpt._file_sizes(d), "sha256": ckpt._file_hashes(d)}
-        (d / ckpt.STATE_FILE).write_text(json.dumps(info))
+        sealed.seal(d, ckpt.STATE_FILE, iteration=it)
     newest = tmp_path / f"{ckpt.PREFIX}0000002" / "__0_0.distcp"
     data = bytearray(newest.read_bytes())
     data[100] ^= 0xFF

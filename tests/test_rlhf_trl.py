@@ -148,7 +148,9 @@ def _metric_steps_after_resume(work: Path) -> tuple[int, list[int]]:
     return lines[start]["resumed_from"], [e["step"] for e in lines[start:] if e["kind"] == "metric" and "train/loss" in e]
 
 
-def test_dpo_killed_mid_run_resumes_from_its_newest_checkpoint(tmp_path, tiny_config, data_dir, hf_checkpoint):
+def test_dpo_killed_mid_run_resumes_from_its_newest_good_checkpoint(tmp_path, tiny_config, data_dir, hf_checkpoint):
+    """SIGKILL after checkpoint 4, then one flipped byte in the newest checkpoint: the rerun names it, resumes from
+    the one before, and ends with the weights of an uninterrupted run."""
     cfg = RlhfConfig(algorithm="dpo", steps=8, micro_batch_size=8, lr=5e-4, checkpoint_every=2, keep_checkpoints=2,
                      timeout_s=900)
     straight = run_stage(tmp_path / "straight", tiny_config, data_dir, hf_checkpoint, cfg)
@@ -156,11 +158,20 @@ def test_dpo_killed_mid_run_resumes_from_its_newest_checkpoint(tmp_path, tiny_co
     work = tmp_path / "killed"
     error = _kill_after_checkpoint(work, lambda: run_stage(work, tiny_config, data_dir, hf_checkpoint, cfg), step=4)
     assert error is not None and not (work / "checkpoint").exists()
-    kept = sorted(p.name for p in (work / "checkpoint.partial.trl").glob("checkpoint-*"))
-    assert len(kept) <= 2  # keep_checkpoints
+    from tasks.rlhf import worker
+
+    kept = sorted((p for p in (work / "checkpoint.partial.trl").glob("checkpoint-*") if worker.is_complete(p)),
+                  key=lambda p: int(p.name.split("-")[-1]))
+    assert len(kept) == 2  # keep_checkpoints
+    newest = kept[-1]
+    weights = newest / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x01  # a bit flip: same size, so only the sha256 can tell
+    weights.write_bytes(bytes(data))
     resumed = run_stage(work, tiny_config, data_dir, hf_checkpoint, cfg)
     start, steps = _metric_steps_after_resume(work)
-    assert start >= 4 and resumed.metrics["resumed_from_step"] == start
+    assert start == int(newest.name.split("-")[-1]) - 2 and resumed.metrics["resumed_from_step"] == start
+    assert "model.safetensors differs from the sha256 recorded at save time" in (work / "engine.log").read_text()
     assert steps and min(steps) == start + 1 and max(steps) == 8  # no step repeated, none skipped
     assert resumed.gate["passed"], resumed.gate
     assert not (work / "checkpoint.partial.trl").exists()  # a finished attempt leaves no scratch

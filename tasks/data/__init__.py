@@ -1,4 +1,4 @@
-from tasks.data.config import DataConfig
+from tasks.data.config import DataConfig, validate
 from tasks.stage import StageSpec
 
 STAGE = StageSpec(
@@ -8,6 +8,7 @@ STAGE = StageSpec(
     consumes=lambda cfg: None,
     produces=lambda cfg: "dataset",
     input_required=False,
+    validate=validate,
     description="datasets in one canonical chat form (pretraining text, preference pairs, conversations) and a "
                 "tokenizer (the input model's, or a new BPE with a chat template)",
 )

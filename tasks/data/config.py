@@ -4,7 +4,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from tasks.stage import StrictModel
+from tasks.stage import StrictModel, one_or_list
 
 
 Format = Literal["auto", "text", "alpaca", "prompt_completion", "messages", "sharegpt", "preference",
@@ -23,6 +23,8 @@ class SourceConfig(StrictModel):
     revision: str | None = Field(None, description="hub: a branch, tag or commit to pin")
     format: Format = Field("auto", description="auto: detected from the columns (tasks/data/formats.py)")
     columns: dict[str, str] = Field(default_factory=dict, description="canonical field → column name in the files")
+    max_rows: int | None = Field(None, ge=1, description="take at most this many valid training rows from this "
+                                                         "source (in file order, before any held-out split)")
 
     @model_validator(mode="after")
     def _needs_train(self):
@@ -43,6 +45,45 @@ class DataConfig(StrictModel):
         "auto", description="auto: the input HF checkpoint's tokenizer when the run starts from one (--from), else "
                             "train a byte-level BPE; model: require the checkpoint's; train: always a new BPE")
     revision: str = "v1"              # bump to mark a new data revision (scheduled retraining watches the digest)
-    pretrain: SourceConfig = SourceConfig()
-    preference: SourceConfig = SourceConfig()
-    sft: SourceConfig = SourceConfig()
+    # one source, or a list of sources mixed into one dataset (each with its own format, columns and max_rows)
+    pretrain: one_or_list(SourceConfig) = SourceConfig()
+    preference: one_or_list(SourceConfig) = SourceConfig()
+    sft: one_or_list(SourceConfig) = SourceConfig()
+
+    def sources(self, kind: str) -> list[tuple[str, SourceConfig]]:
+        """(config key, source) of every source of one dataset: `data.sft` for one, `data.sft[1]` in a list."""
+        value = getattr(self, kind)
+        if isinstance(value, SourceConfig):
+            return [(f"data.{kind}", value)]
+        return [(f"data.{kind}[{i}]", src) for i, src in enumerate(value)]
+
+    def backend(self) -> str:
+        """'synthetic' when every dataset is baton's generator, else where the others come from (files, hub)."""
+        kinds = {src.kind for k in ("pretrain", "preference", "sft") for _, src in self.sources(k)} - {"synthetic"}
+        return "+".join(sorted(kinds)) or "synthetic"
+
+
+def validate(cfg: DataConfig, pipeline=None) -> list[str]:
+    """Before anything launches: a list is not empty, synthetic stands alone, declared formats fit the dataset."""
+    from tasks.data import formats
+
+    errors = []
+    for kind in ("pretrain", "preference", "sft"):
+        listed = cfg.sources(kind)
+        if isinstance(getattr(cfg, kind), list) and not listed:
+            errors.append(f"data.{kind}: an empty list of sources (give one source, or several)")
+        if len(listed) > 1 and any(src.kind == "synthetic" for _, src in listed):
+            errors.append(f"data.{kind}: a synthetic source cannot be mixed with others (its size is "
+                          f"data.{_SYNTHETIC_SIZE[kind]} and its gates are the synthetic ones); "
+                          "list only files and hub sources, or use synthetic alone")
+        for key, src in listed:
+            if src.kind == "synthetic" and src.max_rows is not None:
+                errors.append(f"{key}.max_rows: applies to files and hub sources; a synthetic dataset's size is "
+                              f"data.{_SYNTHETIC_SIZE[kind]}")
+            if src.format != "auto" and formats.kind_of(src.format) != kind:
+                errors.append(f"{key}.format: {src.format!r} is not a {kind} format "
+                              f"({', '.join(formats.FORMATS[kind])})")
+    return errors
+
+
+_SYNTHETIC_SIZE = {"pretrain": "pretrain_docs", "preference": "preference_pairs", "sft": "sft_examples"}

@@ -43,7 +43,8 @@ def _save(path: Path, cache: dict) -> None:
 
 
 def patterns(cfg: DataConfig) -> list[str]:
-    return [p for kind in ("pretrain", "preference", "sft") for src in [getattr(cfg, kind)] if src.kind == "files"
+    """Every train/heldout pattern of every files source (each source of a mixed list too)."""
+    return [p for kind in ("pretrain", "preference", "sft") for _, src in cfg.sources(kind) if src.kind == "files"
             for p in (src.train, src.heldout) if p]
 
 

@@ -4,6 +4,7 @@ the row (parquet, hub), so a bad row is reported as `train.jsonl:7`."""
 from __future__ import annotations
 
 import glob
+import itertools
 import json
 import os
 import random
@@ -30,6 +31,7 @@ class Loaded:
     bad: Counter = field(default_factory=Counter)
     first_problem: formats.Problem | None = None
     read: int = 0
+    capped: bool = False              # max_rows reached: the rest of the source was not read
     files: list[str] = field(default_factory=list)
 
 
@@ -136,6 +138,11 @@ def resolve_format(kind: str, src: SourceConfig, columns: set[str], key: str, wh
                             f"({', '.join(formats.FORMATS[kind])})")
         return src.format
     fmt = formats.detect(kind, columns, src.columns)
+    other = next(((k, f) for k in formats.FORMATS if k != kind
+                  for f in [formats.detect(k, columns, src.columns)] if f), None)
+    if fmt is None and other:  # e.g. SFT rows in a preference list: never guessed into the wrong form
+        raise DataError(f"{key}: {where} holds {other[0]} data ({other[1]} columns {sorted(columns)}), "
+                        f"not {kind} data; data.{kind} takes only {', '.join(formats.FORMATS[kind])}")
     if fmt is None:
         known = "; ".join(f"{n}: {', '.join(r)}" for n, r in formats.FORMATS[kind].items())
         raise DataError(f"{key}: cannot tell the format of {where} from its columns {sorted(columns)} ({known}); "
@@ -144,7 +151,8 @@ def resolve_format(kind: str, src: SourceConfig, columns: set[str], key: str, wh
 
 
 def load(kind: str, src: SourceConfig, split_name: str, key: str, fmt: str | None = None) -> Loaded:
-    """Read, detect, validate and normalise one split of one source; bad rows are counted, not raised."""
+    """Read, detect, validate and normalise one split of one source; bad rows are counted, not raised. Training rows
+    stop at the source's max_rows valid ones (in file order)."""
     if src.kind == "hub":
         files, rows = [], hub_rows(src, src.split if split_name == "train" else src.heldout, key)
         origin = src.train
@@ -156,7 +164,11 @@ def load(kind: str, src: SourceConfig, split_name: str, key: str, fmt: str | Non
         raise DataError(f"{key}: no rows ({', '.join(map(str, files)) or origin})")
     fmt = fmt or resolve_format(kind, src, cols, key.rsplit(".", 1)[0], origin)  # hints name data.sft, not .train
     out = Loaded(format=fmt, files=[str(f) for f in files])
-    for where, raw in [*head, *rows]:
+    cap = src.max_rows if split_name == "train" else None
+    for where, raw in itertools.chain(head, rows):
+        if cap is not None and len(out.rows) >= cap:
+            out.capped = True
+            break
         out.read += 1
         problem = raw if isinstance(raw, formats.Problem) else None
         row = None

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections import Counter
 from pathlib import Path
 
 from prefect import task
@@ -11,7 +12,7 @@ from prefect.cache_policies import NO_CACHE
 from conversions import durable, hf, manifest as mf
 from tasks import chat_template, tracking
 from tasks.data import formats, sources, synthetic
-from tasks.data.config import DataConfig, SourceConfig
+from tasks.data.config import DataConfig, SourceConfig, validate
 from tasks.data.lm_eval_task import write_lm_eval_task
 from tasks.data.tokenizer import train_tokenizer
 from tasks.stage import StageContext, StageOutput
@@ -37,13 +38,14 @@ def _synthetic(kind: str, cfg: DataConfig, rng: random.Random) -> tuple[list, li
     return _canonical_synthetic(kind, train), _canonical_synthetic(kind, held)
 
 
-def _external(kind: str, src: SourceConfig, cfg: DataConfig) -> tuple[list, list, dict]:
+def _external(kind: str, key: str, src: SourceConfig, cfg: DataConfig) -> tuple[list, list, dict]:
     """Read, validate and normalise one configured source; the facts the manifest records about it."""
-    key = f"data.{kind}"
     train = sources.load(kind, src, "train", f"{key}.train")
     sources.check_quality(train, f"{key}.train", cfg.max_bad_fraction)
     facts = {"source": src.kind, "format": train.format, "columns": dict(src.columns), "files": train.files,
              "rows_read": train.read, "rows_bad": dict(train.bad)}
+    if src.max_rows is not None:
+        facts.update(max_rows=src.max_rows, capped=train.capped)
     if src.kind == "hub":
         facts.update(dataset=src.train, config_name=src.name, revision=src.revision)
     if src.heldout:
@@ -55,18 +57,43 @@ def _external(kind: str, src: SourceConfig, cfg: DataConfig) -> tuple[list, list
     return tr, he, facts
 
 
+def _mixed(kind: str, cfg: DataConfig) -> tuple[list, list, dict]:
+    """A list of sources: each read, validated and split on its own (its heldout, or split off its own rows), then
+    concatenated in list order; the facts name every source and where its rows lie in train/heldout.jsonl."""
+    train, held, per_source = [], [], []
+    for i, (key, src) in enumerate(cfg.sources(kind)):
+        tr, he, facts = _external(kind, key, src, cfg)
+        facts.update(index=i, train={"rows": len(tr), "range": [len(train), len(train) + len(tr)]},
+                     heldout={"rows": len(he), "range": [len(held), len(held) + len(he)]})
+        train.extend(tr)
+        held.extend(he)
+        per_source.append(facts)
+    bad: Counter = sum((Counter(f["rows_bad"]) for f in per_source), Counter())
+    formats_used = list(dict.fromkeys(f["format"] for f in per_source))
+    return train, held, {"source": "+".join(sorted({f["source"] for f in per_source})),
+                         "format": "+".join(formats_used), "rows_read": sum(f["rows_read"] for f in per_source),
+                         "rows_bad": dict(bad), "files": [p for f in per_source for p in f["files"]],
+                         "sources": per_source}
+
+
 def build_datasets(cfg: DataConfig) -> tuple[dict[str, tuple[list, list]], dict[str, dict]]:
     """Every dataset in canonical form (train, held-out), and per dataset its source, format, mapping and counts."""
+    errors = validate(cfg)  # (the CLI checked them at load; a direct caller gets the same refusal)
+    if errors:
+        raise sources.DataError("; ".join(errors))
     rng = random.Random(cfg.seed)
     sets: dict[str, tuple[list, list]] = {}
     facts: dict[str, dict] = {}
     for kind in KINDS:  # synthetic generation order fixes the random stream: keep it
-        src: SourceConfig = getattr(cfg, kind)
-        if src.kind == "synthetic":
+        listed = cfg.sources(kind)
+        if listed[0][1].kind == "synthetic":  # (validated: synthetic is never mixed)
             sets[kind] = _synthetic(kind, cfg, rng)
             facts[kind] = {"source": "synthetic", "format": SYNTHETIC_FORMAT[kind][0]}
+        elif isinstance(getattr(cfg, kind), list):
+            train, held, facts[kind] = _mixed(kind, cfg)
+            sets[kind] = (train, held)
         else:
-            train, held, facts[kind] = _external(kind, src, cfg)
+            train, held, facts[kind] = _external(kind, *listed[0], cfg)
             sets[kind] = (train, held)
     return sets, facts
 
@@ -147,6 +174,6 @@ def run_data(ctx: StageContext, cfg: DataConfig) -> StageOutput:
 
     gate = {"passed": True, "checks": integrity(out)}
     gate["passed"] = all(c["passed"] for c in gate["checks"])
-    return StageOutput(output=out, engine="datasets", backend="synthetic" if cfg.pretrain.kind == "synthetic" else "files",
+    return StageOutput(output=out, engine="datasets", backend=cfg.backend(),
                        gate=gate, metrics=metrics,
                        extra={"formats": {n: info[n]["format"] for n in KINDS}, "tokenizer": info["tokenizer"]["source"]})

@@ -5,7 +5,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from tasks.gates import GateConfig
+from tasks.gates import GateConfig, lm_eval_errors
 from tasks.stage import StrictModel
 from tasks.vocabulary import TrainingConfig, batch_errors, schedule_errors
 
@@ -88,7 +88,9 @@ def validate(cfg: FinetuneConfig, pipeline=None) -> list[str]:
     errors += offload_errors(cfg) + zero_plus_plus_errors(cfg)
     errors += batch_errors(cfg, "finetune") + schedule_errors(cfg, "finetune")
     if cfg.gate.metric == "preference_accuracy":
-        errors.append("finetune.gate.metric: preference_accuracy is an rlhf metric (heldout_loss or exact_match)")
+        errors.append("finetune.gate.metric: preference_accuracy is an rlhf metric (heldout_loss, exact_match or "
+                      "lm_eval)")
+    errors += lm_eval_errors(cfg.gate, "finetune")
     if cfg.lora.enabled and not cfg.lora.target_modules:
         errors.append("finetune.lora.target_modules: empty")
     if pipeline is not None:

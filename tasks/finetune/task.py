@@ -39,7 +39,7 @@ def check_inputs(ctx: StageContext, cfg: FinetuneConfig) -> None:
     for split in ("train", "heldout"):
         if ctx.data_dir is None or not (Path(ctx.data_dir) / "sft" / f"{split}.jsonl").exists():
             problems.append(f"finetune: data {ctx.data_dir} lacks sft/{split}.jsonl (run the data stage)")
-    problems += nvme_problems(cfg)
+    problems += nvme_problems(cfg) + gates.lm_eval_path_errors(cfg.gate, "finetune")
     if problems:
         raise FinetuneInputError("; ".join(problems))
 
@@ -139,10 +139,14 @@ def finalize(out: Path, ctx: StageContext, cfg: FinetuneConfig, r: dict) -> dict
     return m
 
 
-def gate(out: Path, metric: str, before: dict, after: dict, min_improvement: float) -> dict:
-    checks = verify.integrity(out)
-    checks.append(gates.check(metric, before.get(metric), after.get(metric), min_improvement, eval_name(metric)))
-    return verify.report(checks)
+def gate_eval(ctx: StageContext, cfg: FinetuneConfig, out: Path, metric: str, before: dict,
+              after: dict) -> tuple[dict, dict]:
+    """(summary eval entry, gate check): the worker's held-out metric, or lm-eval run on the input and the output."""
+    if metric == "lm_eval":
+        ev = gates.run_lm_eval(ctx, cfg.gate, out, cfg.resolved_device(), cfg.timeout_s)
+        return ev, gates.lm_eval_check(ev, cfg.gate.min_improvement)
+    ev = {"metric": eval_name(metric), "before": before.get(metric), "after": after.get(metric)}
+    return ev, gates.check(metric, ev["before"], ev["after"], cfg.gate.min_improvement, ev["metric"])
 
 
 def eval_name(metric: str) -> str:
@@ -179,15 +183,16 @@ def run_finetune(ctx: StageContext, cfg: FinetuneConfig) -> StageOutput:
     m = finalize(out, ctx, cfg, r)
     before, after = r["before"], r["after"]
     metric = json.loads((Path(ctx.work_dir) / "finetune_spec.json").read_text())["gate_metric"]
+    ev, eval_check = gate_eval(ctx, cfg, out, metric, before, after)
     metric_events = res.metrics()
     last = metric_events[-1] if metric_events else {}
     return StageOutput(
         output=out, engine="deepspeed", backend=f"ZeRO-{cfg.zero.stage} x{r.get('world_size', cfg.world_size())} "
                                                 f"{cfg.resolved_device()} {cfg.precision}",
-        gate=gate(out, metric, before, after, cfg.gate.min_improvement),
+        gate=verify.report(verify.integrity(out) + [eval_check]),
         metrics={"loss_first": metric_events[0].get(events.TRAIN_LOSS) if metric_events else None,
                  "loss_last": last.get(events.TRAIN_LOSS),
-                 **heldout_metrics(before, after),
+                 **heldout_metrics(before, after), **gates.lm_eval_metrics(ev),
                  "overlong_dropped": r.get("overlong_dropped"), "overlong_truncated": r.get("overlong_truncated"),
                  "peak_mem_mib": last.get(events.PEAK_MEM_MIB, r.get("peak_mem_mib")),
                  "peak_reserved_mib": r.get("peak_reserved_mib"),
@@ -195,6 +200,6 @@ def run_finetune(ctx: StageContext, cfg: FinetuneConfig) -> StageOutput:
                  "last_step_time_s": last.get(events.STEP_TIME_S), "last_tokens_per_s": last.get(events.TOKENS_PER_S),
                  "wall_s": round(res.seconds, 2),
                  **({"nvme_swap_bytes": swap_bytes} if ds_config.uses_nvme(cfg) else {})},
-        eval={"metric": eval_name(metric), "before": before.get(metric), "after": after.get(metric)},
+        eval=ev,
         extra={"zero": m["extra"]["deepspeed_config"]["zero_optimization"], "deepspeed_config":
                m["extra"]["deepspeed_config"], "tag": m["extra"]["tag"], "samples": r.get("samples")})

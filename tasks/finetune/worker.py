@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoTokenizer
 
-from conversions import chat, durable, hf, manifest as mf, probe
+from conversions import chat, durable, hf, manifest as mf, probe, sealed
 from tasks import events
 
 COMPLETE = "baton_complete.json"
@@ -243,8 +243,7 @@ def save(engine, ckpt_dir: Path, step: int, keep: int, rank: int, facts: dict) -
     dist.barrier()  # every rank's partitions are on disk: only now does the tag count
     if rank == 0:
         durable.sync_tree(ckpt_dir / tag)
-        marker = {"step": step, **facts, "sha256": tag_hashes(ckpt_dir / tag)}
-        write_atomic(ckpt_dir / tag / COMPLETE, json.dumps(marker))  # last: hashes of what is on disk now
+        sealed.seal(ckpt_dir / tag, COMPLETE, step=step, **facts)  # last: sizes and sha256 of what is on disk now
         write_atomic(ckpt_dir / "latest", tag)
         for _, old in complete_tags(ckpt_dir)[:-keep]:
             shutil.rmtree(ckpt_dir / old)
@@ -252,29 +251,10 @@ def save(engine, ckpt_dir: Path, step: int, keep: int, rank: int, facts: dict) -
     dist.barrier()
 
 
-def tag_hashes(tag_dir: Path) -> dict[str, str]:
-    files = [f for f in sorted(tag_dir.rglob("*")) if f.is_file() and f.name != COMPLETE]
-    return {str(f.relative_to(tag_dir)): h for f, h in zip(files, mf.sha256_files(files))}
-
-
-def corruption(tag_dir: Path) -> str | None:
-    """Why this checkpoint's contents are not what its save recorded (None: every file's sha256 matches)."""
-    hashes = json.loads((tag_dir / COMPLETE).read_text()).get("sha256")
-    if not hashes:
-        return "no sha256 recorded at save time"
-    missing = [name for name in hashes if not (tag_dir / name).is_file()]
-    if missing:
-        return f"{missing[0]} is missing"
-    names = list(hashes)
-    actual = mf.sha256_files([tag_dir / n for n in names], reuse=False)  # read the bytes, whatever the stat says
-    changed = [n for n, h in zip(names, actual) if h != hashes[n]]
-    return f"{changed[0]} differs from the sha256 recorded at save time" if changed else None
-
-
 def verified_tags(ckpt_dir: Path, tags: list[tuple[int, str]]) -> list[tuple[int, str]]:
     """Newest first, drop (and delete) checkpoints whose contents changed since their save, down to a good one."""
     while tags:
-        why = corruption(ckpt_dir / tags[-1][1])
+        why = sealed.problem(ckpt_dir / tags[-1][1], COMPLETE)
         if why is None:
             break
         print(f"checkpoint {ckpt_dir / tags[-1][1]}: {why}; not resuming from it", flush=True)

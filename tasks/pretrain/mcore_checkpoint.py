@@ -17,7 +17,7 @@ from megatron.core import dist_checkpointing, parallel_state as ps
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-from conversions import durable, manifest as mf
+from conversions import durable, sealed
 from conversions.megatron import ARCH_KEY
 
 STATE_FILE = "baton_state.json"   # written last inside a checkpoint: what a resume needs to know without torch
@@ -118,29 +118,10 @@ def full_state(chunks: list, optimizer, scheduler, iteration: int, arch: dict, e
     return sd
 
 
-def _file_sizes(ckpt: Path) -> dict[str, int]:
-    return {f.name: f.stat().st_size for f in sorted(ckpt.iterdir()) if f.is_file() and f.name != STATE_FILE}
-
-
-def _file_hashes(ckpt: Path) -> dict[str, str]:
-    return {f.name: mf.sha256_file(f) for f in sorted(ckpt.iterdir()) if f.is_file() and f.name != STATE_FILE}
-
-
-def verified(ckpt: Path) -> bool:
-    """Contents, not just sizes: every file's sha256 as recorded at save time (what a resume checks first)."""
-    hashes = read_info(ckpt).get("sha256") or {}
-    return bool(hashes) and all((ckpt / n).is_file() and mf.sha256_file(ckpt / n) == h for n, h in hashes.items())
-
-
 def is_complete(ckpt: Path) -> bool:
     """Renamed from .partial, and every file it listed at save time is there with its size (a cheap check that
-    scales to large checkpoints; the packaged output gets sha256 in its manifest)."""
-    try:
-        info = json.loads((ckpt / STATE_FILE).read_text())
-    except (OSError, json.JSONDecodeError):
-        return False
-    sizes = info.get("files") or {}
-    return bool(sizes) and all((ckpt / n).is_file() and (ckpt / n).stat().st_size == s for n, s in sizes.items())
+    scales to large checkpoints; a resume then checks the newest one's sha256)."""
+    return sealed.is_sealed(ckpt, STATE_FILE)
 
 
 def iteration_dirs(root: Path) -> list[Path]:
@@ -155,10 +136,10 @@ def iteration_dirs(root: Path) -> list[Path]:
 def latest(root: Path) -> Path | None:
     """The newest checkpoint whose contents verify; a corrupted one is skipped (and named) for the one before it."""
     for ckpt in reversed(iteration_dirs(root)):
-        if verified(ckpt):
+        why = sealed.problem(ckpt, STATE_FILE)
+        if why is None:
             return ckpt
-        print(f"checkpoint {ckpt}: contents differ from the sha256 recorded at save time; not resuming from it",
-              flush=True)
+        print(f"checkpoint {ckpt}: {why}; not resuming from it", flush=True)
     return None
 
 
@@ -183,8 +164,7 @@ def save(root: Path, iteration: int, state: dict, info: dict, keep: int) -> Path
     dist.barrier()
     if dist.get_rank() == 0:
         durable.sync_tree(tmp)
-        state = {"iteration": iteration, **info, "files": _file_sizes(tmp), "sha256": _file_hashes(tmp)}
-        durable.write_text(tmp / STATE_FILE, json.dumps(state, indent=2))  # last: the checkpoint exists from here
+        sealed.seal(tmp, STATE_FILE, iteration=iteration, **info)  # last: the checkpoint exists from here
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from tasks.gates import lm_eval_errors
 from tasks.hardware import visible_gpus
 
 GRPO_ONLY = ("num_generations", "max_completion_length")
@@ -68,7 +69,12 @@ def validate(cfg, pipeline) -> list[str]:
     errors = []
     set_keys = cfg.model_fields_set
     if cfg.gate.metric == "exact_match":
-        errors.append("rlhf.gate.metric: exact_match is a finetune metric (heldout_loss or preference_accuracy)")
+        errors.append("rlhf.gate.metric: exact_match is a finetune metric (heldout_loss, preference_accuracy or "
+                      "lm_eval)")
+    if cfg.gate.metric == "lm_eval" and cfg.algorithm == "rm":
+        errors.append("rlhf.gate.metric: lm_eval scores a policy, and algorithm rm trains a reward model (its gate is "
+                      "preference_accuracy)")
+    errors += lm_eval_errors(cfg.gate, "rlhf")
     if cfg.algorithm == "dpo" and cfg.beta <= 0:
         errors.append(f"rlhf.beta: DPO needs beta > 0 (got {cfg.beta})")
     if cfg.algorithm == "grpo" and cfg.beta < 0:

@@ -30,8 +30,8 @@ class RlhfInputError(ValueError):
     pass
 
 
-def check_inputs(ctx: StageContext) -> None:
-    problems = []
+def check_inputs(ctx: StageContext, cfg: RlhfConfig) -> None:
+    problems = gates.lm_eval_errors(cfg.gate, "rlhf") + gates.lm_eval_path_errors(cfg.gate, "rlhf")
     if ctx.input is None or not (Path(ctx.input) / "config.json").exists():
         problems.append(f"rlhf: input {ctx.input} is not an HF checkpoint (no config.json)")
     elif problem := chat_template.missing_problem("rlhf", ctx, "format the preference prompts"):
@@ -62,10 +62,14 @@ def _series(res, name: str) -> list[float]:
     return [e[name] for e in res.metrics() if isinstance(e.get(name), (int, float))]
 
 
-def gate_eval(cfg: RlhfConfig, ctx: StageContext, facts: dict) -> tuple[dict, dict]:
-    """(summary eval entry, gate check) for the configured metric: held-out loss on the chosen replies, or held-out
-    preference accuracy (reward models have no loss: always their accuracy)."""
+def gate_eval(cfg: RlhfConfig, ctx: StageContext, facts: dict, out: Path) -> tuple[dict, dict]:
+    """(summary eval entry, gate check) for the configured metric: held-out loss on the chosen replies, an lm-eval
+    task on the input and the output policy `out`, or held-out preference accuracy (reward models have no loss:
+    always their accuracy)."""
     metric = gates.resolve_metric(cfg.gate, ctx.data_dir, "preference", "preference_accuracy")
+    if metric == "lm_eval" and cfg.algorithm != "rm":
+        ev = gates.run_lm_eval(ctx, cfg.gate, out, cfg.resolved_device(), cfg.timeout_s)
+        return ev, gates.lm_eval_check(ev, cfg.gate.min_improvement)
     if metric == "heldout_loss" and cfg.algorithm != "rm":
         ev = {"metric": "heldout_loss", "before": facts.get("heldout_loss_before"),
               "after": facts.get("heldout_loss_after")}
@@ -182,7 +186,8 @@ def run_trl(ctx: StageContext, cfg: RlhfConfig) -> StageOutput:
     metrics["peak_mem_mib"] = facts.get("peak_mem_mib")
     metrics["resumed_from_step"] = facts.get("resumed_from")
     metrics.update({f"{facts.get('metric')}_{k}": facts.get(k) for k in ("before", "after")})
-    ev, eval_check = gate_eval(cfg, ctx, facts)
+    ev, eval_check = gate_eval(cfg, ctx, facts, out)
+    metrics.update(gates.lm_eval_metrics(ev))
     if margins:
         metrics.update(margin_first=margins[0], margin_last=margins[-1])
     return StageOutput(
@@ -247,7 +252,7 @@ def run_nemo_rl(ctx: StageContext, cfg: RlhfConfig) -> StageOutput:
                       *(["--chat-template", str(template)] if template else [])],
                      name="rlhf-eval", timeout=cfg.timeout_s)
     facts = res.results()
-    ev, eval_check = gate_eval(cfg, ctx, facts)
+    ev, eval_check = gate_eval(cfg, ctx, facts, trained)
     return StageOutput(output=out, engine="nemo-rl", backend="nemo_rl",
                        gate=gate(cfg.algorithm, out, trained, Path(ctx.input), eval_check),
                        metrics={"heldout_kl_to_reference": facts.get("heldout_kl_to_reference")}, eval=ev,
@@ -256,7 +261,7 @@ def run_nemo_rl(ctx: StageContext, cfg: RlhfConfig) -> StageOutput:
 
 @task(name="rlhf", cache_policy=NO_CACHE)
 def run_rlhf(ctx: StageContext, cfg: RlhfConfig) -> StageOutput:
-    check_inputs(ctx)
+    check_inputs(ctx, cfg)
     backend = checks.resolve_backend(cfg, ctx.runtimes)
     _tag_backend(ctx, backend, cfg.algorithm)
     return run_nemo_rl(ctx, cfg) if backend == "nemo_rl" else run_trl(ctx, cfg)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from conversions import chat, hf, manifest as mf
+from conversions import chat, hf, manifest as mf, sealed
 from tasks import events
 
 RANK = int(os.environ.get("RANK", "0"))
@@ -238,7 +238,7 @@ def common_args(a: argparse.Namespace, work: Path) -> dict:
 
 
 # ---- checkpoints: TRL's own (model, optimizer, scheduler, RNG, trainer state), marked complete by us ---------------
-COMPLETE = "baton_complete.json"   # written last, atomically: the checkpoint's files and sizes
+COMPLETE = "baton_complete.json"   # written last, atomically: the checkpoint's files, sizes and sha256
 
 
 def checkpoint_args(a: argparse.Namespace) -> dict:
@@ -247,27 +247,12 @@ def checkpoint_args(a: argparse.Namespace) -> dict:
     return {"save_strategy": "steps", "save_steps": a.checkpoint_every, "save_total_limit": a.keep_checkpoints}
 
 
-def _files(ckpt: Path) -> dict[str, int]:
-    return {str(f.relative_to(ckpt)): f.stat().st_size for f in sorted(ckpt.rglob("*"))
-            if f.is_file() and not f.name.startswith(COMPLETE)}
-
-
 def mark_complete(ckpt: Path) -> None:
-    tmp = ckpt / f"{COMPLETE}.tmp"
-    with open(tmp, "w") as f:
-        json.dump({"files": _files(ckpt)}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, ckpt / COMPLETE)
+    sealed.seal(ckpt, COMPLETE, step=_step_of(ckpt))
 
 
 def is_complete(ckpt: Path) -> bool:
-    try:
-        listed = json.loads((ckpt / COMPLETE).read_text())["files"]
-    except (OSError, ValueError, KeyError):
-        return False
-    return bool(listed) and all((ckpt / n).is_file() and (ckpt / n).stat().st_size == size
-                                for n, size in listed.items())
+    return sealed.is_sealed(ckpt, COMPLETE)
 
 
 def _step_of(ckpt: Path) -> int:
@@ -275,13 +260,21 @@ def _step_of(ckpt: Path) -> int:
 
 
 def newest_complete(work: Path) -> Path | None:
-    """The newest complete `checkpoint-N` of an earlier attempt; incomplete ones (a killed save) are deleted."""
+    """The newest complete `checkpoint-N` of an earlier attempt whose contents verify. Every rank checks (no process
+    group exists yet; they read the same bytes, so they agree); rank 0 names and deletes the rejected ones — a rank
+    that finds one already deleted rejects it too."""
     found = [p for p in work.glob("checkpoint-*") if p.is_dir() and p.name.split("-")[-1].isdigit()]
     complete = sorted((p for p in found if is_complete(p)), key=_step_of)
     if RANK == 0:
         for p in found:
             if p not in complete:
-                shutil.rmtree(p, ignore_errors=True)
+                shutil.rmtree(p, ignore_errors=True)  # a save killed before its seal
+    while complete and (why := sealed.problem(complete[-1], COMPLETE)) is not None:
+        rejected = complete.pop()
+        if RANK == 0:
+            print(f"checkpoint {rejected}: {why}; not resuming from it", flush=True)
+            events.emit("checkpoint_rejected", tag=rejected.name, reason=why)
+            shutil.rmtree(rejected, ignore_errors=True)
     return complete[-1] if complete else None
 
 
