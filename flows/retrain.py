@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from pathlib import Path
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
@@ -85,7 +84,7 @@ def stop_server(server: dict | None, grace: float = 30.0) -> None:
 
 def stop_serving(grace: float = 30.0) -> None:
     current = serving() or {}
-    for server in (current.get("candidate", {}).get("server"), current.get("server")):
+    for server in ((current.get("candidate") or {}).get("server"), current.get("server")):
         stop_server(server, grace)
     supervisor.update_serving(lambda _: None)
 
@@ -294,7 +293,7 @@ def reconcile_serving(base: PipelineConfig, serve: ServeConfig, champ: dict, nam
     was = f"version {current.get('version')}, " + ("serving" if supervisor.alive(current.get("server")) else "down")
     if current.get("server") and str(current.get("version")) == version and was.endswith("serving"):
         return "stopped a leftover candidate server" if candidate else None
-    ok, state = start_serving(base, serve, champ["path"], version, publish=False)
+    ok, state = start_serving(base, serve.model_copy(update={"port": 0}), champ["path"], version, publish=False)
     if not ok:
         return f"could not serve champion version {version}: {state['error']}"
     switch_serving(name, state, promoted=False)

@@ -19,7 +19,6 @@ from flows import retrain
 from tasks import tracking
 from tasks.serve import supervisor
 from tasks.serve.server import SHM, Server, free_port
-from tasks.serve.task import record_promotion
 
 pytestmark = [pytest.mark.slow, pytest.mark.reliability]  # supervisor processes + MLflow: ~35 s
 NAME = "supervised"
