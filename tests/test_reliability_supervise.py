@@ -102,8 +102,8 @@ def test_detached_server_restarted_then_down_and_champion_rolled_back(tmp_path, 
         first = state(server)["engine_pid"]
         assert answers(server.base_url) == first == retrain.serving()["server"]["engine_pid"]
         os.killpg(first, signal.SIGKILL)
-        wait_for(lambda: state(server).get("restarts_used") == 1 and state(server)["engine_pid"] != first,
-                 what="the restart")
+        wait_for(lambda: state(server).get("restarts_used") == 1 and state(server)["status"] == "serving",
+                 what="the restarted engine healthy")
         wait_for(lambda: retrain.serving()["server"]["engine_pid"] == state(server)["engine_pid"], what="serving.json")
         second = state(server)["engine_pid"]
         wait_for(lambda: answers(server.base_url) == second, what="the restarted engine to answer")

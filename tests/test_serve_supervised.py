@@ -20,7 +20,7 @@ from conversions import hf, manifest as mf
 from flows import retrain
 from tasks import tracking
 from tasks.serve import supervisor
-from tasks.serve.server import LEFTOVER_PATTERNS, _mapped_shm, shm_entries
+from tasks.serve.server import LEFTOVER_PATTERNS, _in_use, _mapped_shm, shm_entries
 
 pytestmark = [pytest.mark.serve, pytest.mark.reliability]
 NAME = "supervised-vllm"
@@ -62,11 +62,22 @@ def group(pgid: int) -> list[int]:
     return out
 
 
+def in_flow(fn, *args):
+    """Run one retrain step inside a flow run, as the retrain flow does (the pipeline body logs to its run)."""
+    from prefect import flow
+
+    def step():
+        return fn(*args)
+
+    return flow(name="retrain-step", log_prints=True)(step)()
+
+
 def unused_leftovers(before: set[str]) -> list[str]:
     import fnmatch
 
     new = [n for n in shm_entries() - before if any(fnmatch.fnmatch(n, p) for p in LEFTOVER_PATTERNS)]
-    return sorted(set(new) - _mapped_shm())
+    used, inodes = _mapped_shm()
+    return sorted(n for n in new if not _in_use(n, used, inodes))
 
 
 def test_promoted_vllm_server_supervised_rolled_back_and_reconciled(tmp_path, baton_home, hf_checkpoint, data_dir,
@@ -87,7 +98,7 @@ def test_promoted_vllm_server_supervised_rolled_back_and_reconciled(tmp_path, ba
         "smoke": tiny_config.serve.smoke.model_copy(update={"json_requests": 2, "parity_prompts": 1})})
     try:
         # retrain's switch: candidate served and smoke-tested on a side port, champion moved by CAS, serving switched
-        candidate = retrain.serve_candidate(base, serve, str(newer), v2)
+        candidate = in_flow(retrain.serve_candidate, base, serve, str(newer), v2)
         assert "error" not in candidate, candidate
         tracking.promote_champion(c, NAME, v2, expected=v1)
         state = retrain.switch_serving(NAME, candidate)
@@ -110,7 +121,7 @@ def test_promoted_vllm_server_supervised_rolled_back_and_reconciled(tmp_path, ba
         assert str(c.get_model_version_by_alias(NAME, tracking.CHAMPION).version) == v1, "champion not rolled back"
 
         # the next retrain run reconciles: the champion (v1 again) is served again
-        did = retrain.reconcile_serving(base, serve, retrain.champion(c, NAME), NAME)
+        did = in_flow(retrain.reconcile_serving, base, serve, retrain.champion(c, NAME), NAME)
         assert did and f"serving champion version {v1} again" in did, did
         state = retrain.serving()
         assert str(state["version"]) == v1 and served_models(state) == [f"{NAME}:{v1}"]

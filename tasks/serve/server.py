@@ -51,21 +51,37 @@ def shm_entries() -> set[str]:
         return set()
 
 
-def _mapped_shm() -> set[str]:
-    """Names under /dev/shm that some live process still maps or holds open."""
+def _mapped_shm() -> tuple[set[str], set[int]]:
+    """Names and inodes under /dev/shm that some live process still maps or holds open. Inodes too: glibc's sem_open
+    maps a temporary file it then renames, so /proc/PID/maps shows a POSIX semaphore (sem.mp-*) under another name."""
     used: set[str] = set()
+    inodes: set[int] = set()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             for line in open(f"/proc/{pid}/maps", errors="replace"):
                 if "/dev/shm/" in line:
                     used.add(line.rsplit("/dev/shm/", 1)[1].split()[0])
+                    inodes.add(int(line.split()[4]))
+        except (OSError, ValueError, IndexError):
+            pass
+        try:
             for fd in os.listdir(f"/proc/{pid}/fd"):
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                try:
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                except OSError:
+                    continue
                 if target.startswith("/dev/shm/"):
-                    used.add(target[len("/dev/shm/"):])
+                    used.add(target[len("/dev/shm/"):].split()[0])
         except OSError:
             continue
-    return used
+    return used, inodes
+
+
+def _in_use(name: str, used: set[str], inodes: set[int]) -> bool:
+    try:
+        return name in used or (SHM / name).stat().st_ino in inodes
+    except OSError:
+        return True  # gone already, or not ours to judge
 
 
 def remove_leftover_shm(before: set[str] | None) -> list[str]:
@@ -77,10 +93,10 @@ def remove_leftover_shm(before: set[str] | None) -> list[str]:
     new = [n for n in shm_entries() - before if any(fnmatch.fnmatch(n, p) for p in LEFTOVER_PATTERNS)]
     if not new:
         return []
-    in_use = _mapped_shm()
+    used, inodes = _mapped_shm()
     removed = []
     for name in new:
-        if name not in in_use:
+        if not _in_use(name, used, inodes):
             try:
                 (SHM / name).unlink()
                 removed.append(name)

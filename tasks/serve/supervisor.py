@@ -34,9 +34,11 @@ GAVE_UP = 3
 PROMOTED = "promoted.json"
 
 
-def hold(server: Server, restarts: int, health_timeout: float, on_start=None) -> int | None:
+def hold(server: Server, restarts: int, health_timeout: float, on_state=None) -> int | None:
     """Watch a healthy server until KeyboardInterrupt (None). An engine that dies is restarted up to `restarts` times
-    (on_start(n) after the n-th); then its exit code is returned (never 0: a server that ends is a failure)."""
+    (on_state("restarting", n) once the n-th restart started, on_state("serving", n) once it is healthy); then its
+    exit code is returned (never 0: a server that ends is a failure)."""
+    on_state = on_state or (lambda status, used: None)
     deaths = 0
     try:
         while True:
@@ -50,10 +52,10 @@ def hold(server: Server, restarts: int, health_timeout: float, on_start=None) ->
             log.warning("%s server died (exit %s); restart %d of %d", server.name, code, deaths, restarts)
             server.stop()
             server.start()
-            if on_start:
-                on_start(deaths)
+            on_state("restarting", deaths)
             try:
                 server.wait_healthy(health_timeout)
+                on_state("serving", deaths)
             except ServerFailed as e:
                 log.warning("%s restart failed: %s", server.name, str(e).splitlines()[0])
     except KeyboardInterrupt:
@@ -213,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         sup.record("stopped")
         return 0
     sup.record("serving")
-    code = hold(server, args.restarts, args.health_timeout, on_start=lambda n: sup.record("serving", n))
+    code = hold(server, args.restarts, args.health_timeout, on_state=sup.record)
     if code is None:
         sup.record("stopped")
         return 0
