@@ -129,7 +129,7 @@ def test_a_live_jobs_posix_semaphore_is_kept(record_property):
 
     from tasks.serve.server import remove_leftover_shm, shm_entries
 
-    record_property("fault", "server stopped beside a live job's semaphore")
+    record_property("fault", "stop beside a live job's semaphore")
     before = shm_entries()
     lock = multiprocessing.get_context("spawn").Lock()
     name = "sem." + lock._semlock.name.lstrip("/")

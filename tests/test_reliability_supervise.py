@@ -91,7 +91,7 @@ def test_detached_server_restarted_then_down_and_champion_rolled_back(tmp_path, 
     """serving.json's server: its engine SIGKILLed is restarted and answers again (serving.json follows the new engine
     pid); killed once more than serve.restarts allows, the supervisor exits 3, serving.json says down, and the
     champion it served is rolled back by compare-and-set, as `baton serve` does."""
-    record_property("fault", "detached (retrain/keep_alive) engine killed")
+    record_property("fault", "detached server's engine killed")
     v1, v2 = versions(tmp_path, 2)
     c = tracking.client()
     tracking.promote_champion(c, NAME, v1)
