@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from pathlib import Path
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run as prefect_flow_run
 from pydantic import Field
 
-from conversions import durable
 from flows import report, runs
 from flows.config import ConfigError, ModelConfig, PipelineConfig, TrackingConfig
 from flows.pipeline import pipeline
@@ -35,8 +33,9 @@ from flows.stages import data_digest
 from tasks import tracking as mlt
 from tasks.data.config import DataConfig
 from tasks.finetune.config import FinetuneConfig
-from tasks.launch import kill_group
+from tasks.serve import supervisor
 from tasks.serve.config import ServeConfig
+from tasks.serve.task import record_promotion
 from tasks.stage import StrictModel
 
 DECISION_TAG = "baton.retrain.decision"
@@ -65,38 +64,29 @@ def champion(c, name: str) -> dict | None:
     return {"version": version, "path": str(path), "data_digest": mv.tags.get("data_digest", ""), "tags": mv.tags}
 
 
-# ---- serving -------------------------------------------------------------------------------------------------------
-def serving_file() -> Path:
-    return mlt.baton_home() / "serving.json"
+# ---- serving ----------------------------------------------------------------------------------------------------
+# serving.json: what retrain serves now. "server" is the supervisor's record (its pid and start time, its engine's, its
+# state file); "status" is "down" once the supervisor gave up; "candidate" is a side-port server not yet switched to.
+serving_file = supervisor.serving_file
+same_process = supervisor.same_process
 
 
 def serving() -> dict | None:
     """What is being served now (written when retraining starts a server): version, checkpoint, server pid/url."""
-    f = serving_file()
-    return json.loads(f.read_text()) if f.exists() else None
+    return supervisor.read_json(serving_file())
 
 
-def stop_server(server: dict | None, grace: float = 15.0) -> None:
-    """Stop a recorded server, only if its pid still is that server (same start time): a pid reused by another
-    process since is never signalled."""
-    pid = (server or {}).get("pid")
-    if pid and same_process(int(pid), (server or {}).get("started_at")):
-        kill_group(int(pid), grace)
+def stop_server(server: dict | None, grace: float = 30.0) -> None:
+    """Stop a recorded server (supervisor and engine), only while its pids still are those processes (same start
+    time): a pid reused by another process since is never signalled."""
+    supervisor.stop_recorded(server, grace)
 
 
-def same_process(pid: int, started_at: float | None) -> bool:
-    import psutil
-
-    try:
-        created = psutil.Process(pid).create_time()
-    except psutil.Error:
-        return False
-    return started_at is None or abs(created - float(started_at)) < 1.0
-
-
-def stop_serving(grace: float = 15.0) -> None:
-    stop_server((serving() or {}).get("server"), grace)
-    serving_file().unlink(missing_ok=True)
+def stop_serving(grace: float = 30.0) -> None:
+    current = serving() or {}
+    for server in ((current.get("candidate") or {}).get("server"), current.get("server")):
+        stop_server(server, grace)
+    supervisor.update_serving(lambda _: None)
 
 
 def start_serving(base: PipelineConfig, serve: ServeConfig, path: str, version: str,
@@ -114,7 +104,7 @@ def start_serving(base: PipelineConfig, serve: ServeConfig, path: str, version: 
              "served_model_name": entry.get("served_model_name"), "api_key_file": entry.get("api_key_file"),
              "since": dt.datetime.now().isoformat(timespec="seconds")}
     if publish:
-        durable.write_json(serving_file(), state)
+        supervisor.update_serving(lambda _: state)
     return True, state
 
 
@@ -229,13 +219,13 @@ def _train_candidate(base: PipelineConfig, champ: dict, result: dict) -> str | N
 
 def _switch(c, base: PipelineConfig, serve: ServeConfig, policy: RetrainPolicy, champ: dict, result: dict) -> None:
     """Smoke-test the candidate on a side port (the old server keeps serving), then compare-and-set the alias against
-    the champion this decision was made on, then retire the old server. Any step failing leaves the earlier state."""
+    the champion this decision was made on, then retire the old server. Any step failing leaves the earlier state; a
+    crash between the steps is reconciled by the next run (`reconcile_serving`)."""
     name = base.tracking.registered_model
     candidate = None
     if policy.serve:
-        ok, candidate = start_serving(base, serve.model_copy(update={"port": 0}), result["candidate_path"],
-                                      result["candidate_version"], publish=False)
-        if not ok:
+        candidate = serve_candidate(base, serve, result["candidate_path"], result["candidate_version"])
+        if candidate.get("error"):
             result.update(decision="kept", serving=candidate, reason="candidate failed its serving smoke test on a "
                           f"side port ({candidate['error']}); champion and its server unchanged")
             return
@@ -245,16 +235,69 @@ def _switch(c, base: PipelineConfig, serve: ServeConfig, policy: RetrainPolicy, 
                                               "retrain_score": result["candidate_score"]})
     except mlt.AliasMoved as e:
         if candidate:
-            stop_server(candidate.get("server"))
+            drop_candidate()
         result.update(decision="aborted", reason=str(e))
         return
     result.update(decision="promoted", previous_champion=promoted["previous"],
                   reason=f"candidate {result['metric']} {result['candidate_score']} ≥ champion's "
                          f"{result['champion_score']} + {policy.margin}")
     if candidate:
-        stop_serving()
-        durable.write_json(serving_file(), candidate)
-        result["serving"] = candidate
+        result["serving"] = switch_serving(name, candidate)
+
+
+def serve_candidate(base: PipelineConfig, serve: ServeConfig, path: str, version: str) -> dict:
+    """Serve and smoke-test a candidate on a side port; recorded in serving.json as "candidate" before anything moves,
+    so that a crash after this leaves no unrecorded server. Its state, or {"error": ...} (nothing left running)."""
+    ok, candidate = start_serving(base, serve.model_copy(update={"port": 0}), path, version, publish=False)
+    if ok:
+        record_candidate(candidate)
+    return candidate
+
+
+def record_candidate(candidate: dict) -> None:
+    supervisor.update_serving(lambda current: {**(current or {}), "candidate": candidate})
+
+
+def drop_candidate() -> None:
+    """Stop the recorded side-port candidate and forget it."""
+    stop_server(((serving() or {}).get("candidate") or {}).get("server"))
+    supervisor.update_serving(lambda current: {k: v for k, v in current.items() if k != "candidate"}
+                              if current and len(current) > 1 else None)
+
+
+def switch_serving(name: str, candidate: dict, promoted: bool = True) -> dict:
+    """The candidate serves: its supervisor learns the champion it promoted (to roll back should it keep dying), the
+    old server stops, serving.json records the candidate alone."""
+    if promoted:
+        record_promotion(candidate["server"]["state"], name, candidate["version"])
+    stop_server((serving() or {}).get("server"))
+    return supervisor.update_serving(lambda _: candidate)
+
+
+def reconcile_serving(base: PipelineConfig, serve: ServeConfig, champ: dict, name: str) -> str | None:
+    """Make serving.json, the champion alias and the live servers agree again after a retrain that died between its
+    steps: a candidate the alias moved to is switched to, any other candidate stops; a server that is down or serves
+    another version than the champion is replaced by one serving the champion. What was done, if anything."""
+    current = serving()
+    if current is None:
+        return None  # retrain serves nothing (a pipeline's keep_alive server is its own)
+    candidate, version = current.get("candidate"), str(champ["version"])
+    if candidate and str(candidate.get("version")) == version and supervisor.alive(candidate.get("server")):
+        switch_serving(name, candidate)
+        return f"switched to candidate version {version}, which the champion alias had moved to"
+    if candidate:
+        drop_candidate()
+    current = serving()
+    if current is None:
+        return "stopped a leftover candidate server"
+    was = f"version {current.get('version')}, " + ("serving" if supervisor.alive(current.get("server")) else "down")
+    if current.get("server") and str(current.get("version")) == version and was.endswith("serving"):
+        return "stopped a leftover candidate server" if candidate else None
+    ok, state = start_serving(base, serve.model_copy(update={"port": 0}), champ["path"], version, publish=False)
+    if not ok:
+        return f"could not serve champion version {version}: {state['error']}"
+    switch_serving(name, state, promoted=False)
+    return f"serving champion version {version} again (serving.json said {was})"
 
 
 @flow(name="baton-retrain", log_prints=True)
@@ -273,6 +316,10 @@ def retrain(data: DataConfig = DataConfig(), finetune: FinetuneConfig = Finetune
     result: dict = {"started": dt.datetime.now().strftime("%Y%m%d-%H%M%S"), "registered_model": name,
                     "champion_version": champ["version"], "champion_data_digest": champ["data_digest"],
                     "margin": policy.margin, "runs": []}
+    if policy.serve:
+        result["reconciled"] = reconcile_serving(base, serve, champ, name)
+        if result["reconciled"]:
+            get_run_logger().warning("serving reconciled: %s", result["reconciled"])
     if not _new_data(base, champ, result, policy.force):
         record(c, base, result)
         return result

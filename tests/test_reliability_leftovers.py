@@ -120,3 +120,18 @@ def test_detached_server_log_is_redacted(tmp_path, record_property):
     text = log.read_text()
     assert "api_key='***'" in text and key not in text and "env False" in text
     assert stat.S_IMODE(log.stat().st_mode) == 0o600
+
+
+def test_a_live_jobs_posix_semaphore_is_kept(record_property):
+    """glibc maps a semaphore under a temporary name (`/dev/shm/sem.XXXXXX (deleted)` in /proc/PID/maps): found by
+    inode, a live job's `sem.mp-*` is not removed by another server's cleanup (it broke a concurrent vLLM start)."""
+    import multiprocessing
+
+    from tasks.serve.server import remove_leftover_shm, shm_entries
+
+    record_property("fault", "stop beside a live job's semaphore")
+    before = shm_entries()
+    lock = multiprocessing.get_context("spawn").Lock()
+    name = "sem." + lock._semlock.name.lstrip("/")
+    assert (SHM / name).exists()
+    assert name not in remove_leftover_shm(before) and (SHM / name).exists()

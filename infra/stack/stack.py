@@ -249,15 +249,16 @@ def print_addresses() -> None:
 
 
 def stop_serving() -> None:
-    """The model server retraining keeps up (detached, recorded in $BATON_HOME/serving.json) goes down with the stack."""
+    """The model server retraining keeps up (detached, recorded in $BATON_HOME/serving.json: its supervisor, engine and
+    any side-port candidate) goes down with the stack; each pid only while its start time still matches."""
+    from tasks.serve.supervisor import read_json, stop_recorded
+
     f = home() / "serving.json"
-    if not f.exists():
-        return
-    pid = (json.loads(f.read_text()).get("server") or {}).get("pid")
-    if pid:
-        pid_file("model-server").parent.mkdir(parents=True, exist_ok=True)
-        pid_file("model-server").write_text(str(pid))
-        stop("model-server")
+    current = read_json(f) or {}
+    for server in ((current.get("candidate") or {}).get("server"), current.get("server")):
+        if server:
+            stop_recorded(server)
+            log(f"stopped the model server (supervisor pid {server.get('pid')})")
     f.unlink(missing_ok=True)
 
 

@@ -34,7 +34,7 @@ def redactor(*secrets: str) -> Callable[[str], str]:
             line = line.replace(s, "***")
         return line
 
-    redact.secrets = secrets  # for the relay of a detached server
+    redact.secrets = secrets  # for the supervisor of a detached server
     return redact
 
 
@@ -51,21 +51,37 @@ def shm_entries() -> set[str]:
         return set()
 
 
-def _mapped_shm() -> set[str]:
-    """Names under /dev/shm that some live process still maps or holds open."""
+def _mapped_shm() -> tuple[set[str], set[int]]:
+    """Names and inodes under /dev/shm that some live process still maps or holds open. Inodes too: glibc's sem_open
+    maps a temporary file it then renames, so /proc/PID/maps shows a POSIX semaphore (sem.mp-*) under another name."""
     used: set[str] = set()
+    inodes: set[int] = set()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             for line in open(f"/proc/{pid}/maps", errors="replace"):
                 if "/dev/shm/" in line:
                     used.add(line.rsplit("/dev/shm/", 1)[1].split()[0])
+                    inodes.add(int(line.split()[4]))
+        except (OSError, ValueError, IndexError):
+            pass
+        try:
             for fd in os.listdir(f"/proc/{pid}/fd"):
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                try:
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                except OSError:
+                    continue
                 if target.startswith("/dev/shm/"):
-                    used.add(target[len("/dev/shm/"):])
+                    used.add(target[len("/dev/shm/"):].split()[0])
         except OSError:
             continue
-    return used
+    return used, inodes
+
+
+def _in_use(name: str, used: set[str], inodes: set[int]) -> bool:
+    try:
+        return name in used or (SHM / name).stat().st_ino in inodes
+    except OSError:
+        return True  # gone already, or not ours to judge
 
 
 def remove_leftover_shm(before: set[str] | None) -> list[str]:
@@ -77,10 +93,10 @@ def remove_leftover_shm(before: set[str] | None) -> list[str]:
     new = [n for n in shm_entries() - before if any(fnmatch.fnmatch(n, p) for p in LEFTOVER_PATTERNS)]
     if not new:
         return []
-    in_use = _mapped_shm()
+    used, inodes = _mapped_shm()
     removed = []
     for name in new:
-        if name not in in_use:
+        if not _in_use(name, used, inodes):
             try:
                 (SHM / name).unlink()
                 removed.append(name)
@@ -90,12 +106,16 @@ def remove_leftover_shm(before: set[str] | None) -> list[str]:
 
 
 class Server:
-    """One engine server. managed=True: tied to us (log relay, killed with us); False: detached (keep_alive)."""
+    """One engine server. managed=True: tied to us (log relay, killed with us); False: detached (keep_alive,
+    retrain), run by a supervisor process (`supervisor.py`) that restarts it up to `restarts` times."""
 
     def __init__(self, name: str, cmd: list[str], env: dict, base_url: str, log_path: Path,
-                 redact: Callable[[str], str], on_line: Callable[[str], None] | None = None, managed: bool = True):
+                 redact: Callable[[str], str], on_line: Callable[[str], None] | None = None, managed: bool = True,
+                 restarts: int = 0, health_timeout: float = 600):
         self.name, self.cmd, self.env, self.base_url = name, [str(c) for c in cmd], env, base_url
         self.log_path, self.redact, self.on_line, self.managed = log_path, redact, on_line, managed
+        self.restarts, self.health_timeout = restarts, health_timeout
+        self.state_path = log_path.with_name(log_path.stem + ".supervisor.json")
         self.proc: subprocess.Popen | None = None
         self.tail: collections.deque[str] = collections.deque(maxlen=60)
         self.started_at = 0.0
@@ -120,11 +140,20 @@ class Server:
                 launch._active.add(self.proc)
             self._relay = threading.Thread(target=self._pump, name=f"{self.name}-log", daemon=True)
             self._relay.start()
-        else:  # outlives this process: a relay in its process group writes the log (0600), secrets redacted
+        else:  # outlives this process: its supervisor writes the log (0600, secrets redacted) and restarts it
             full_env["BATON_REDACT"] = "\n".join(getattr(self.redact, "secrets", ()))
-            relay = [sys.executable, str(Path(__file__).with_name("relay.py")), str(self.log_path), "--", *self.cmd]
-            self.proc = subprocess.Popen(relay, env=full_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+            self.state_path.unlink(missing_ok=True)
+            supervisor = [sys.executable, str(Path(__file__).with_name("supervisor.py")), "--name", self.name,
+                          "--log", str(self.log_path), "--state", str(self.state_path), "--url", self.base_url,
+                          "--restarts", str(self.restarts), "--health-timeout", str(self.health_timeout),
+                          "--", *self.cmd]
+            sup_log = os.open(self.log_path.with_name(self.log_path.stem + ".supervisor.log"),
+                              os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            try:
+                self.proc = subprocess.Popen(supervisor, env=full_env, stdout=sup_log, stderr=subprocess.STDOUT,
+                                             stdin=subprocess.DEVNULL, start_new_session=True)
+            finally:
+                os.close(sup_log)
         return self
 
     def _pump(self) -> None:
@@ -152,9 +181,21 @@ class Server:
             tail = self.log_tail()
             self.stop()
             raise ServerFailed(f"{self.name} server not healthy after {timeout:.0f}s", tail) from None
+        if not self.managed:
+            self._wait_supervised(timeout)
         self.healthy_after = time.time() - self.started_at
         log.info("%s server healthy after %.1fs at %s", self.name, self.healthy_after, self.base_url)
         return self.healthy_after
+
+    def _wait_supervised(self, timeout: float) -> None:
+        """Until the supervisor itself saw the engine healthy (from then on it restarts an engine that dies)."""
+        deadline = time.time() + timeout
+        while self._engine()["status"] != "serving":
+            if self.proc.poll() is not None or time.time() > deadline:
+                tail = self.log_tail()
+                self.stop()
+                raise ServerFailed(f"{self.name} server's supervisor did not report it serving", tail)
+            time.sleep(0.2)
 
     def log_tail(self) -> list[str]:
         if self.managed:
@@ -167,7 +208,13 @@ class Server:
     def stop(self) -> None:
         if self.proc is None:
             return
-        launch.kill_tree(self.proc, grace=15.0)
+        engine = None if self.managed else self._engine()
+        launch.kill_tree(self.proc, grace=15.0 if self.managed else 30.0)  # a supervisor first stops its engine
+        if engine and engine.get("engine_pid"):
+            from tasks.serve.supervisor import same_process
+
+            if same_process(engine["engine_pid"], engine.get("engine_started_at")):
+                launch.kill_group(int(engine["engine_pid"]), 15.0)
         with launch._active_lock:
             launch._active.discard(self.proc)
         if self._relay is not None:
@@ -176,11 +223,24 @@ class Server:
         if removed:
             log.info("%s: removed %d shared-memory leftovers (%s)", self.name, len(removed), ", ".join(removed[:5]))
 
+    def _engine(self) -> dict:
+        """The engine a supervisor runs now (pid and start time, from its state file)."""
+        from tasks.serve.supervisor import read_json
+
+        state = read_json(self.state_path) or {}
+        return {k: state.get(k) for k in ("engine_pid", "engine_started_at", "status")}
+
     def describe(self) -> dict:
-        """What a user needs to reach or stop a detached server (no secret in it)."""
-        return {"engine": self.name, "pid": self.proc.pid if self.proc else None, "base_url": self.base_url,
-                "log": str(self.log_path), "stop": f"kill -- -{self.proc.pid}" if self.proc else None,
-                "started_at": self._started_at()}  # with pid: a later stop signals only this very process
+        """What a user needs to reach or stop a detached server (no secret in it): pid is the supervisor's (or the
+        engine's, when managed); with its start time a later stop signals only this very process."""
+        out = {"engine": self.name, "pid": self.proc.pid if self.proc else None, "base_url": self.base_url,
+               "log": str(self.log_path), "stop": f"kill -- -{self.proc.pid}" if self.proc else None,
+               "started_at": self._started_at()}
+        if not self.managed:
+            engine = self._engine()
+            out.update(engine_pid=engine["engine_pid"], engine_started_at=engine["engine_started_at"],
+                       state=str(self.state_path), restarts=self.restarts)
+        return out
 
     def _started_at(self) -> float | None:
         import psutil

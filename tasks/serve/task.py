@@ -18,7 +18,7 @@ from prefect.cache_policies import NO_CACHE
 
 from conversions import manifest as mf, verify
 from tasks import tracking
-from tasks.serve import engines, smoke
+from tasks.serve import engines, smoke, supervisor
 from tasks.serve.config import ServeConfig
 from tasks.serve.server import Server, ServerFailed, free_port, redactor
 from tasks.stage import StageContext, StageOutput
@@ -156,7 +156,8 @@ def serve_engine(ctx: StageContext, cfg: ServeConfig, engine: str, ident: dict, 
     cmd, env = engines.COMMANDS[engine](cfg, ctx.python(engines.RUNTIME[engine]), ctx.input, port, name, key,
                                         secrets_dir=ctx.work_dir)
     server = Server(engine, cmd, {**ctx.worker_env(**ctx.runtime_env(engines.RUNTIME[engine])), **env}, base_url, ctx.work_dir / f"server-{engine}.log",
-                    redactor(key), on_line=lambda line: log.info("[%s] %s", engine, line), managed=not detach)
+                    redactor(key), on_line=lambda line: log.info("[%s] %s", engine, line), managed=not detach,
+                    restarts=cfg.restarts, health_timeout=cfg.health_timeout_s)
     out: dict = {"checks": [], "metrics": {}, "server": server, "eval": None}
     server.start()
     try:
@@ -341,6 +342,8 @@ def serve(ctx: StageContext, cfg: ServeConfig, hold: bool = False) -> StageOutpu
              "champion": {k: champion[k] for k in ("name", "version", "previous")} if champion else None,
              "api_key_file": str(key_file)}
     kept = _kept_server(ctx, cfg, results, gate, extra, hold)
+    if kept is not None and not kept.managed and champion and champion.get("changed"):
+        record_promotion(kept.state_path, ident["name"], ident["version"])
     if hold and kept is not None:
         extra["engine_exit"] = _hold(kept, extra["served_model_names"].get(kept.name, ident["served_model_name"]),
                                      key_file, cfg.restarts, cfg.health_timeout_s)
@@ -354,33 +357,20 @@ def serve(ctx: StageContext, cfg: ServeConfig, hold: bool = False) -> StageOutpu
 
 def _hold(server: Server, served: str, key_file: Path, restarts: int = 0, health_timeout: float = 600) -> int | None:
     """Serve in the foreground until Ctrl-C (None). An engine that dies is restarted (same command, port and key) up to
-    `restarts` times; then its exit code is returned (never 0 for a crash)."""
+    `restarts` times; then its exit code is returned (never 0 for a crash). The same supervision runs detached
+    servers (`supervisor.py`)."""
     if server.proc is None:
         return None
     print(f"\nserving {served!r} with {server.name} at {server.base_url}/v1 (API key in {key_file}; every check "
           "passed). Ctrl-C to stop.", flush=True)
-    deaths = 0
-    try:
-        while True:
-            while server.proc.poll() is None:
-                time.sleep(1.0)
-            code = server.proc.returncode or 1
-            if deaths >= restarts:
-                print(f"{server.name} server exited with code {code} while serving; {restarts} restarts used",
-                      flush=True)
-                return code
-            deaths += 1
-            _logger().warning("%s server died (exit %s); restart %d of %d", server.name, code, deaths, restarts)
-            server.stop()
-            server.start()
-            try:
-                server.wait_healthy(health_timeout)
-            except ServerFailed as e:
-                _logger().warning("%s restart failed: %s", server.name, str(e).splitlines()[0])
-    except KeyboardInterrupt:
-        return None
-    finally:
-        server.stop()
+    return supervisor.hold(server, restarts, health_timeout)
+
+
+def record_promotion(state_path: Path, name: str, version) -> None:
+    """Tell a detached server's supervisor which champion it serves, to roll back should the server keep dying."""
+    from conversions import durable
+
+    durable.write_json(Path(state_path).with_name(supervisor.PROMOTED), {"name": name, "version": str(version)})
 
 
 def _roll_back_after_death(ident: dict, champion: dict | None, extra: dict) -> None:
