@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoTokenizer
 
-from conversions import chat, durable, hf, manifest as mf, probe, sealed
+from conversions import chat, durable, hf, probe, sealed
 from tasks import events
 
 COMPLETE = "baton_complete.json"
