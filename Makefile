@@ -42,9 +42,10 @@ test: setup system-deps runtimes
 test-fast: setup
 	$(VENV)/bin/python -m pytest -m fast -p no:cacheprovider $(PYTEST_ARGS)
 
-# Every fault test (marker `reliability`): each injects its fault for real and prints one table row (tests/reliability_table.py).
+# Every fault test (marker `reliability`): each injects its fault for real and prints one table row
+# (tests/reliability_table.py; `make test` prints the same table for the fault tests among all the others).
 reliability: setup
-	PYTHONPATH=tests $(VENV)/bin/python -m pytest -m reliability -p reliability_table -p no:cacheprovider $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -m reliability -p no:cacheprovider $(PYTEST_ARGS)
 
 # Multi-node for real: two network-namespace hosts with a real Slurm and a real Ray cluster (root; installs
 # slurm-wlm + munge with apt-get when missing). Also part of `make test`.

@@ -105,6 +105,13 @@ FAMILIES = {"test_serve": "serve", "test_serve_promotion": "serve", "test_ops": 
 KINDS = ("fast", "slow", "serve", "ops", "gpu")
 
 
+def pytest_configure(config):
+    import reliability_table
+
+    if not config.pluginmanager.is_registered(reliability_table):
+        config.pluginmanager.register(reliability_table, "reliability_table")
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         module = item.module.__name__.rsplit(".", 1)[-1]

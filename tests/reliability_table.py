@@ -1,6 +1,7 @@
-"""pytest plugin for `make reliability`: one row per injected fault (the `fault` property a test records, else its
-name): times injected, survived (the test's assertions on the outcome held), data lost (injections whose outcome
-did not hold: counted as lost, since those tests assert that nothing was lost or exposed)."""
+"""pytest plugin (registered by conftest, so `make reliability` and `make test` both print it): one row per injected
+fault of the tests marked `reliability` (the `fault` property a test records, else its name): times injected,
+survived (the test's assertions on the outcome held), data lost (injections whose outcome did not hold: counted as
+lost, since those tests assert that nothing was lost or exposed)."""
 from __future__ import annotations
 
 import collections
@@ -9,6 +10,8 @@ _rows: dict[str, collections.Counter] = collections.defaultdict(collections.Coun
 
 
 def pytest_runtest_logreport(report):
+    if "reliability" not in report.keywords:
+        return
     if report.when == "call" or (report.when == "setup" and not report.passed):
         fault = dict(report.user_properties).get("fault") or report.nodeid.split("::")[-1].removeprefix("test_")
         row = _rows[fault]
