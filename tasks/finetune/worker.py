@@ -243,7 +243,8 @@ def disk_full_fails(tag_dir: Path, rank: int):
         with durable.disk_full_names_the_disk(tag_dir):
             yield
     except durable.DiskFullError as e:
-        raise SystemExit(f"rank {rank}: {e}; not retried") from None
+        os.write(2, f"rank {rank}: {e}; not retried\n".encode())  # one write: ranks' lines never interleave
+        raise SystemExit(1) from None
 
 
 def save(engine, ckpt_dir: Path, step: int, keep: int, rank: int, facts: dict) -> None:

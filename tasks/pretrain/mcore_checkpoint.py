@@ -162,7 +162,8 @@ def disk_full_fails(partial: Path):
         with durable.disk_full_names_the_disk(partial):
             yield
     except durable.DiskFullError as e:
-        raise SystemExit(f"rank {dist.get_rank()}: {e}; not retried") from None
+        os.write(2, f"rank {dist.get_rank()}: {e}; not retried\n".encode())  # one write: ranks' lines never interleave
+        raise SystemExit(1) from None
 
 
 def save(root: Path, iteration: int, state: dict, info: dict, keep: int) -> Path:
