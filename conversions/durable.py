@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 PRIVATE_FILE = 0o600
@@ -65,6 +66,55 @@ def free_space_problem(path: Path, needed: int) -> str | None:
     if shutil.disk_usage(existing).free >= needed:
         return None
     return f"not enough free space for {path}: needs about {needed / 1e6:.1f} MB on {describe_disk(existing)}"
+
+
+NEARLY_FULL = 1 << 20  # a writer that dropped errno failed on a disk with less than this free: ENOSPC
+
+
+def is_disk_full(err: BaseException, path: Path) -> bool:
+    """ENOSPC anywhere in err's chain or text, or (for a writer that drops errno: torch's zip writer says only "file
+    write failed") the disk holding path has under 1 MiB free right after the failure."""
+    seen: set[int] = set()
+    e: BaseException | None = err
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left on device" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    existing = Path(path).resolve()
+    while not existing.exists():
+        existing = existing.parent
+    try:
+        return shutil.disk_usage(existing).free < NEARLY_FULL
+    except OSError:
+        return False
+
+
+@contextmanager
+def disk_full_names_the_disk(partial: Path, what: str = "checkpoint"):
+    """Around a save into the folder `partial` (an engine's writer, whatever it raises): when the disk ran out of
+    space, remove the partial folder (freeing the space; earlier checkpoints beside it stay as they are) and raise
+    DiskFullError naming the disk, its free space at the failure and after the clean-up."""
+    partial = Path(partial)
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is a BaseException
+        if not is_disk_full(e, partial):
+            raise
+        at_failure = describe_disk(partial)
+        shutil.rmtree(partial, ignore_errors=True)
+        after = shutil.disk_usage(mount_point(partial)).free
+        raise DiskFullError(errno.ENOSPC, f"No space left on device (ENOSPC) saving {what} {partial}: "
+                                          f"{at_failure}; the partial {what} was removed ({after / 1e6:.1f} MB free "
+                                          f"now) and earlier ones are untouched; free space on that disk and run "
+                                          f"again to resume ({type(e).__name__}: {_first_line(e)})") from e
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0][:200] if lines else ""
 
 
 def write_bytes(path: Path, data: bytes, mode: int | None = None) -> Path:

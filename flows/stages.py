@@ -170,6 +170,16 @@ def failure_class(e: LaunchError, oom_kills_before: int | None = None) -> str:
     return "error"
 
 
+def cause_line(e: LaunchError, cause: str) -> str:
+    """': <the engine's line that names the cause>' (the first with the most of its marks: a rank's ENOSPC line,
+    naming the disk and its free space, over a library's bare errno), so the stage's one-line error says it; ''
+    when no line does."""
+    marks = FATAL_MARKS.get(cause, ())
+    hits = [(sum(m in line for m in marks), -i, line) for i, line in enumerate(e.tail)]
+    best = max(hits, default=(0, 0, ""))
+    return f": {best[2].strip()[:600]}" if best[0] else ""
+
+
 def infrastructure_failure(e: LaunchError, oom_kills_before: int | None = None) -> bool:
     return failure_class(e, oom_kills_before) == "infrastructure"
 
@@ -186,7 +196,8 @@ def _run_with_retries(step: Step, ctx: StageContext, stage_cfg) -> StageOutput:
         except LaunchError as e:
             cause = failure_class(e, before)
             if cause != "infrastructure":
-                raise LaunchError(f"{str(e).splitlines()[0]} ({cause}; not retried)", e.returncode, e.tail) from None
+                raise LaunchError(f"{str(e).splitlines()[0]} ({cause}; not retried){cause_line(e, cause)}",
+                                  e.returncode, e.tail) from None
             if attempt == retries:
                 raise
             get_run_logger().warning("%s: infrastructure failure (%s); retry %d of %d in %.0fs, resuming from the last "
@@ -206,12 +217,13 @@ def parameter_estimate(model) -> int:
 
 
 def disk_needed(cfg: PipelineConfig, step: Step) -> int:
-    """Bytes a step will write: each kept training checkpoint holds fp32 weights, master copy and two Adam moments
-    (16 bytes a parameter), plus the fp32 output; a conversion writes the weights once more."""
+    """Bytes a step will write: each training checkpoint holds fp32 weights, master copy and two Adam moments (16
+    bytes a parameter), and a save writes a new one before the oldest of the kept ones is removed (keep + 1 on disk
+    at its peak), plus the fp32 output; a conversion writes the weights once more."""
     params = parameter_estimate(cfg.model)
     if step.name in TRAINING_STAGES:
         keep = getattr(cfg.stage_config(step.name), "keep_checkpoints", 1)
-        return params * (16 * keep + 4)
+        return params * (16 * (keep + 1) + 4)
     if step.name == "convert":
         return params * 4
     return 0

@@ -193,8 +193,8 @@ def _pump(proc: subprocess.Popen, logf, tail: collections.deque, collected: list
     assert proc.stdout is not None
     for raw in proc.stdout:
         line = raw.rstrip("\n")
-        if logf:
-            logf.write(line + "\n")
+        if logf and not logf.closed:
+            _write_log(logf, line)
         event = events.parse(line)
         if event is not None:
             collected.append(event)
@@ -204,6 +204,23 @@ def _pump(proc: subprocess.Popen, logf, tail: collections.deque, collected: list
         tail.append(line)
         if on_line:
             on_line(line)
+
+
+def _write_log(logf, line: str) -> None:
+    """A log write that fails (ENOSPC: the log shares the disk the engine's checkpoint just filled) closes the log and
+    never stops the pump: the engine's own error and exit code still come through (in the tail and the stage log)."""
+    try:
+        logf.write(line + "\n")
+    except OSError as e:
+        log.warning("cannot write to %s (%s); its further lines are only in the stage's log", logf.name, e.strerror)
+        _close_log(logf)
+
+
+def _close_log(logf) -> None:
+    try:
+        logf.close()  # the file is closed even when flushing what it still buffers fails
+    except OSError:
+        pass
 
 
 def _reap(proc: subprocess.Popen) -> None:
@@ -252,7 +269,7 @@ def run(
         if timer:
             timer.cancel()
         if logf:
-            logf.close()
+            _close_log(logf)
         _reap(proc)
     if timed_out.is_set():
         raise LaunchError(f"{name} timed out after {timeout}s", proc.returncode, list(tail))
