@@ -65,6 +65,21 @@ class Hosts:
             sh("ip", "-n", ns, "link", "set", "lo", "up")
         return self
 
+    def reach_from_root(self) -> str:
+        """A login host: a third veth pair from this (root) namespace to host 0, and a route to the hosts' network, so
+        that processes here (a Prefect worker) reach slurmctld on host 0 as a login node does; host 1 stays unreachable
+        from here. The link goes with host 0's namespace. Returns this side's address."""
+        n = self.addrs[0].split(".")[1]
+        here, there, link = f"10.{n}.1.1", f"10.{n}.1.2", f"{self.tag}vl"
+        sh("ip", "link", "add", link, "type", "veth", "peer", "name", f"{self.tag}vh")
+        sh("ip", "link", "set", f"{self.tag}vh", "netns", self.names[0])
+        sh("ip", "-n", self.names[0], "addr", "add", f"{there}/24", "dev", f"{self.tag}vh")
+        sh("ip", "-n", self.names[0], "link", "set", f"{self.tag}vh", "up")
+        sh("ip", "addr", "add", f"{here}/24", "dev", link)
+        sh("ip", "link", "set", link, "up")
+        sh("ip", "route", "add", f"10.{n}.0.0/24", "via", there, "dev", link)
+        return here
+
     def enter(self, i: int) -> list[str]:
         """Prefix that runs a command on host i (nsenter: slurmd refuses `ip netns exec`'s remounted /sys)."""
         return ["nsenter", f"--net=/var/run/netns/{self.names[i]}", "--"]

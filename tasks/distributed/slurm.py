@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from tasks.distributed import NODE_MODULE, Launch
+from tasks.distributed.node import die_with_parent
 
 
 def srun_command(launch: Launch, runtime: dict) -> list[str]:
@@ -60,13 +61,17 @@ def stream_file(path: Path, done: threading.Event) -> None:
 
 
 def submit_and_follow(script: Path, log: Path) -> int:
-    sbatch = subprocess.Popen(["sbatch", "--wait", "--parsable", str(script)], stdout=subprocess.PIPE, text=True)
+    # sbatch --wait dies with us: left alone it would poll slurmctld for a job nobody follows any more
+    sbatch = subprocess.Popen(["sbatch", "--wait", "--parsable", str(script)], stdout=subprocess.PIPE, text=True,
+                              preexec_fn=die_with_parent)
     job_id = (sbatch.stdout.readline().strip().split(";") or [""])[0]
     print(f"submitted Slurm job {job_id}: {script}", flush=True)
 
     def cancel(signum, frame):
         print(f"cancelling Slurm job {job_id}", flush=True)
         subprocess.run(["scancel", job_id], check=False)
+        if sbatch.poll() is None:
+            sbatch.terminate()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, cancel)
