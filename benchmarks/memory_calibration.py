@@ -1,4 +1,5 @@
-"""Check `baton plan`'s CPU memory estimate against the peak RSS of real runs (Megatron TP/PP, DeepSpeed ZeRO-1/2/3).
+"""Check `baton plan`'s CPU memory estimate against the peak RSS of real runs (Megatron TP/PP, DeepSpeed ZeRO-1/2/3,
+TRL DPO at two micro-batches).
 
     .venv/bin/python benchmarks/memory_calibration.py OUT_DIR [--only NAME,...]
 
@@ -43,11 +44,19 @@ RUNS = [  # name, stage, size, stage overrides
     ("finetune-B-zero1", "finetune", "B", {"zero": {"stage": 1}}),
     ("finetune-B-zero2", "finetune", "B", {"zero": {"stage": 2}}),
     ("finetune-B-zero3", "finetune", "B", {"zero": {"stage": 3}}),
+    ("rlhf-A-mb8", "rlhf", "A", {}),
+    ("rlhf-A-mb16", "rlhf", "A", {"micro_batch_size": 16}),
+    ("rlhf-A-mb32", "rlhf", "A", {"micro_batch_size": 32}),
+    ("rlhf-B-mb8", "rlhf", "B", {}),
+    ("rlhf-B-mb16", "rlhf", "B", {"micro_batch_size": 16}),
+    ("rlhf-B-mb32", "rlhf", "B", {"micro_batch_size": 32}),
 ]
 PRETRAIN = {"steps": 3, "warmup_steps": 1, "micro_batch_size": 8, "global_batch_size": 16, "eval_interval": 100,
             "eval_iters": 1, "checkpoint_every": 100, "device": "cpu"}
 FINETUNE = {"steps": 3, "warmup_steps": 1, "micro_batch_size": 8, "nproc_per_node": 2, "checkpoint_every": 100,
             "eval_max_new_tokens": 4, "launcher": "torchrun", "device": "cpu"}
+RLHF = {"steps": 3, "micro_batch_size": 8, "backend": "trl", "algorithm": "dpo", "checkpoint_every": 100,
+        "device": "cpu"}  # DPO with TRL on one CPU process (the tiny config's rlhf), a copied reference model
 
 
 def data_dir(root: Path) -> Path:
@@ -60,7 +69,7 @@ def data_dir(root: Path) -> Path:
     if (out / mf.MANIFEST_NAME).exists():
         return out
     ctx = StageContext(stage="data", run_id="calibration", run_dir=out, work_dir=out, model=SIZES["A"], seed=0)
-    write_data(ctx, DataConfig(pretrain_docs=600, preference_pairs=20, sft_examples=200))
+    write_data(ctx, DataConfig(pretrain_docs=600, preference_pairs=200, sft_examples=200))  # DPO: 32-pair batches
     mf.write(out, mf.build(out, format="dataset", stage="data", tokenizer_dir=out / "tokenizer"))
     return out
 
@@ -101,6 +110,17 @@ def command_for(name: str, stage: str, size: str, overrides: dict, root: Path, d
         spec_path.write_text(json.dumps(build_spec(ctx, cfg)))
         env = ctx.worker_env(OMP_NUM_THREADS=1, TORCHDYNAMO_DISABLE=1)
         return command(ctx, cfg, spec_path), env, cfg
+    if stage == "rlhf":
+        from tasks import chat_template
+        from tasks.rlhf.config import RlhfConfig
+        from tasks.rlhf.task import check_inputs, worker_command
+
+        cfg = RlhfConfig(**{**RLHF, **overrides})
+        ctx = StageContext(stage=stage, run_id=name, run_dir=work, work_dir=work, model=SIZES[size], seed=0,
+                           data_dir=data, input=hf_input(root, size, data), input_format="hf-safetensors")
+        check_inputs(ctx, cfg)
+        cmd = worker_command(ctx, cfg, work / "checkpoint.partial", chat_template.for_input(ctx))
+        return cmd, ctx.worker_env(OMP_NUM_THREADS=1), cfg  # as run_trl launches it
     from tasks.finetune.config import FinetuneConfig
     from tasks.finetune.task import prepare
 
@@ -163,6 +183,7 @@ def main() -> None:
         t0 = time.time()
         peaks = measured_peaks(cmd, env, a.out / f"{name}.log")
         ranks = [v for k, v in peaks.items() if re.search(r"rank\d+_peak_mem_mib$", k)]
+        ranks = ranks or [peaks["peak_mem_mib"]]  # TRL on one process reports its own (rank 0's) peak
         results[name] = {"stage": stage, "size": size, "measured_mb_max": max(ranks), "measured_mb_ranks": ranks,
                          "seconds": round(time.time() - t0, 1)}
         results_path.write_text(json.dumps(results, indent=2))
@@ -173,7 +194,10 @@ def main() -> None:
 def stage_cfg(stage: str, overrides: dict):
     from tasks.finetune.config import FinetuneConfig
     from tasks.pretrain.config import PretrainConfig
+    from tasks.rlhf.config import RlhfConfig
 
+    if stage == "rlhf":
+        return RlhfConfig(**{**RLHF, **overrides})
     return (PretrainConfig(**{**PRETRAIN, **overrides}) if stage == "pretrain"
             else FinetuneConfig(**{**FINETUNE, **overrides}))
 
@@ -196,10 +220,13 @@ def fit(results: dict) -> None:
     """Least squares per engine: measured - states = base + factor × activations + staging × params; with the
     leave-one-out residual of each run (its prediction from a fit on the others). DeepSpeed's runs vary the ZeRO
     stage at one micro-batch, so activations and parameters move together there: its activation factor is fixed at
-    1 (HF's eager fp32 attention keeps the score matrices the formula counts) and only base and staging are fitted."""
+    1 (HF's eager fp32 attention keeps the score matrices the formula counts) and only base and staging are fitted.
+    TRL's DPO runs vary the micro-batch at two sizes, so all three are fitted (its factor also carries DPO's two
+    sequences per pair, the reference model's forward and TRL's concatenated batch)."""
     import numpy as np
 
-    for engine, stage, factor in (("megatron", "pretrain", None), ("deepspeed", "finetune", 1.0)):
+    for engine, stage, factor in (("megatron", "pretrain", None), ("deepspeed", "finetune", 1.0),
+                                  ("trl", "rlhf", None)):
         rows = [(name, features(stage, size, stage_cfg(stage, ov)), results[name]["measured_mb_max"])
                 for name, st, size, ov in RUNS if st == stage and name in results]
         if factor is None:

@@ -208,20 +208,41 @@ def memory_line(entry: dict) -> str:
 
 
 def add_batch_parser(sub) -> None:
-    b = sub.add_parser("batch", help="find the largest micro-batch that fits (real probes, doubling then bisection)")
+    b = sub.add_parser("batch",
+                       help="find the largest micro-batch that fits (real engine probes, doubling then bisection)")
     b.add_argument("config")
-    b.add_argument("--stage", choices=TRAINING_STAGES, default="finetune")
+    b.add_argument("--stage", choices=("pretrain", "finetune"), default="finetune")
+    b.add_argument("--data-dir", required=True, help="the data stage's output (a run's data folder)")
+    b.add_argument("--input", help="the stage's input checkpoint (finetune: an HF checkpoint; pretrain: optional)")
     b.add_argument("--budget-mb", type=float, help="CPU: peak RSS per rank allowed (GPU: default the device memory)")
     b.add_argument("--margin", type=float, default=0.1, help="fraction of the budget kept free")
     b.add_argument("--limit", type=int, default=1024, help="largest micro-batch tried")
+    b.add_argument("--steps", type=int, default=2, help="training steps per probe")
     b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     b.add_argument("--write", metavar="FILE", help="write the resolved config with the chosen micro_batch_size")
     b.set_defaults(fn=cmd_batch)
 
 
+def batch_prober(cfg, stage: str, data_dir: Path, input_path: Path | None, scratch: Path, steps: int = 2):
+    """The stage's engine prober: its context as the pipeline builds it (model, runtimes, inputs), in `scratch`."""
+    from tasks import chat_template
+    from tasks.batch_finder import EngineProber
+    from tasks.stage import StageContext
+
+    fmt = None if input_path is None else ("hf-safetensors" if stage == "finetune" else "megatron-dist")
+    ctx = StageContext(stage=stage, run_id="batch-finder", run_dir=scratch, work_dir=scratch,
+                       model=chat_template.resolved(cfg.model.model_dump()), seed=cfg.seed,
+                       data_dir=Path(data_dir).resolve(), input=Path(input_path).resolve() if input_path else None,
+                       input_format=fmt, runtimes=cfg.engine_runtimes())
+    return EngineProber(stage, ctx, cfg.stage_config(stage), steps=steps)
+
+
 def cmd_batch(a) -> int:
+    import shutil
+    import tempfile
+
     from flows.config import ConfigError, load
-    from tasks.batch_finder import Prober, find
+    from tasks.batch_finder import find
     from tasks.hardware import gpu_memory_gb
 
     try:
@@ -229,20 +250,35 @@ def cmd_batch(a) -> int:
     except ConfigError as e:
         print(f"baton batch: {e}", file=sys.stderr)
         return 2
-    sc = cfg.stage_config(a.stage)
-    device = sc.resolved_device()
+    device = cfg.stage_config(a.stage).resolved_device()
     budget = a.budget_mb or ((gpu_memory_gb() or 0) * 1024 if device == "cuda" else None)
     if device == "cpu" and not budget:
         print("baton batch: on CPU give --budget-mb (peak RSS per rank)", file=sys.stderr)
         return 2
-    seq = sc.max_seq_length or cfg.model.seq_length
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with Prober(sys.executable, cfg.model.model_dump(), seq, device, env=env) as prober:
+    if a.stage == "finetune" and not a.input:
+        print("baton batch: finetune probes need --input (the HF checkpoint the stage starts from)", file=sys.stderr)
+        return 2
+    from tasks.finetune.task import FinetuneInputError
+    from tasks.pretrain.task import PretrainInputError
+
+    scratch = Path(tempfile.mkdtemp(prefix=f"baton-batch-{a.stage}-"))
+    try:
+        prober = batch_prober(cfg, a.stage, Path(a.data_dir), Path(a.input) if a.input else None, scratch, a.steps)
         chosen = find(prober, budget, a.margin, a.limit)
+    except (FinetuneInputError, PretrainInputError) as e:  # found by the stage's own checks, before any launch
+        shutil.rmtree(scratch, ignore_errors=True)
+        print(f"baton batch: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        print(f"baton batch: a probe failed: {e}\n(probe logs kept in {scratch})", file=sys.stderr)
+        return 1
+    shutil.rmtree(scratch, ignore_errors=True)
     chosen = _batch_compatible(cfg, a.stage, chosen)
     for m, r in sorted(prober.measured.items()):
         peak = r["gpu_peak_mb"] if device == "cuda" else r["peak_rss_mb"]
-        print(f"  micro-batch {m:>5}: " + ("out of memory" if r["oom"] else f"peak {peak:.0f} MiB"))
+        ranks = "/".join(f"{v:.0f}" for v in r["rank_peaks_mb"])
+        print(f"  micro-batch {m:>5}: " + ("out of memory" if r["oom"] else
+                                          f"peak {peak:.0f} MiB (ranks {ranks}; {r['seconds']:.0f} s)"))
     if not chosen:
         print(f"baton batch: even micro-batch 1 exceeds {budget:.0f} MiB less {a.margin:.0%}", file=sys.stderr)
         return 1

@@ -1,19 +1,26 @@
 """The batch-size finder: the largest micro-batch that fits, found by real probes ("start small and grow it").
 
 Doubles the micro-batch from 1 until a probe fails (GPU: out of memory; CPU: peak RSS above the budget less the margin),
-then bisects between the last size that fit and the first that did not. Each probe is a fresh process running a few
-real training steps of the stage's model (tasks/finetune/batch_probe.py).
+then bisects between the last size that fit and the first that did not. Each probe is the stage's own engine run —
+the worker spec and launch command the stage task builds (DeepSpeed for finetune, Megatron-Core under torchrun for
+pretrain), on the configured ranks, for a few training steps at the candidate micro-batch — and its measurement is
+every rank's peak as the worker itself reports it (ru_maxrss, or CUDA's max allocated), the numbers memory monitoring
+puts beside the plan.
 """
 from __future__ import annotations
 
-import json
-import subprocess
-import tempfile
+import re
+import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-PROBE = Path(__file__).resolve().parent / "finetune" / "batch_probe.py"
+from tasks import launch
+from tasks.stage import StageContext
+
+PROBE_STAGES = ("pretrain", "finetune")
+OOM = re.compile(r"out of memory|OutOfMemoryError|MemoryError|Killed|exitcode\s*:\s*-9|signal 9|SIGKILL", re.I)
 
 
 def largest_fitting(fits: Callable[[int], bool], limit: int = 4096) -> int:
@@ -36,59 +43,101 @@ def largest_fitting(fits: Callable[[int], bool], limit: int = 4096) -> int:
     return good
 
 
+def probe_config(stage: str, cfg, micro: int, steps: int):
+    """The stage config of one probe: `micro` per rank, `steps` steps, the lr schedule without warm-up. Pretrain keeps
+    PP micro-batches per step (1F1B's first stage holds up to PP of them); finetune one (accumulation does not add to
+    the peak)."""
+    per_step = micro * cfg.data_parallel() * (cfg.pipeline_parallel if stage == "pretrain" else 1)
+    update = {"micro_batch_size": micro, "global_batch_size": per_step, "gradient_accumulation_steps": None,
+              "steps": steps, "warmup_steps": 0}
+    if stage == "finetune":
+        update["log_every"] = 1
+    return type(cfg).model_validate({**cfg.model_dump(), **update})
+
+
+def probe_command(stage: str, ctx: StageContext, cfg) -> tuple[list[str], dict, int]:
+    """(command, environment, DeepSpeed's rendezvous port or 0) of a probe run, built by the stage task itself with
+    the worker's probe flag."""
+    import json
+
+    ctx.work_dir.mkdir(parents=True, exist_ok=True)
+    if stage == "finetune":
+        from tasks.finetune.task import prepare
+
+        cmd, env, _, port = prepare(ctx, cfg, probe=True)
+        return cmd, ctx.worker_env(**env), port or 0
+    from tasks.pretrain.task import build_spec, command, engine_env
+
+    spec = {**build_spec(ctx, cfg), "probe": True}
+    path = ctx.work_dir / "worker_spec.json"
+    path.write_text(json.dumps(spec, indent=2))
+    return command(ctx, cfg, path), ctx.worker_env(**engine_env(spec["device"])), 0
+
+
+def peaks_of(res: launch.LaunchResult, device: str) -> dict:
+    """Every rank's peak (MiB) from the worker's events: the pretrain worker's result, the finetune worker's last
+    step metric (the same fields the stage's memory monitoring reads)."""
+    found: dict = {}
+    for e in res.events:
+        found.update({k: v for k, v in e.items() if k.endswith("peak_mem_mib") or k.endswith("gpu_allocated_mib")})
+    rss = [v for k, v in found.items() if re.fullmatch(r"(perf/)?rank\d+_peak_mem_mib", k)]
+    gpu = [v for k, v in found.items() if re.fullmatch(r"rank\d+_peak_gpu_allocated_mib", k)]
+    if device == "cuda" and not gpu:  # the finetune worker reports CUDA's max allocated as its peak on a GPU
+        gpu, rss = rss, []
+    return {"peak_rss_mb": max(rss) if rss else None, "gpu_peak_mb": max(gpu) if gpu else None,
+            "rank_peaks_mb": gpu if device == "cuda" else rss}
+
+
 @dataclass
-class Prober:
-    """One probe process in the stage's runtime (`python`); remembers every measurement."""
-    python: str
-    arch: dict
-    seq: int
-    device: str = "cpu"
+class EngineProber:
+    """Probes of one training stage: `ctx` carries its inputs (data, checkpoint, runtimes) and a scratch `work_dir`
+    under which each probe gets its own folder (removed after it; its engine.log kept). Remembers every
+    measurement."""
+    stage: str
+    ctx: StageContext
+    cfg: object                         # the stage's config model (resolved)
     steps: int = 2
-    env: dict | None = None
+    timeout: float = 1800
     measured: dict = field(default_factory=dict)      # micro-batch -> probe result
-    _proc: subprocess.Popen | None = None
 
-    def start(self) -> None:
-        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-            json.dump(self.arch, f)
-        self._arch_file = Path(f.name)
-        self._proc = subprocess.Popen(
-            [self.python, str(PROBE), "--arch", f.name, "--seq", str(self.seq), "--steps", str(self.steps),
-             "--device", self.device], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=self.env)
-        self._read()  # {"ready": true} once torch is imported
-
-    def _read(self) -> dict:
-        line = self._proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"batch probe process exited {self._proc.wait()}")
-        return json.loads(line)
+    def __post_init__(self):
+        if self.stage not in PROBE_STAGES:
+            raise ValueError(f"batch probes run the {' or '.join(PROBE_STAGES)} engine, not {self.stage}")
+        self.device = self.cfg.resolved_device()
 
     def run(self, micro: int) -> dict:
         if micro not in self.measured:
-            if self._proc is None:
-                self.start()
-            self._proc.stdin.write(f"{micro}\n")
-            self._proc.stdin.flush()
-            self.measured[micro] = self._read()
+            self.measured[micro] = self._probe(micro)
         return self.measured[micro]
 
-    def close(self) -> None:
-        if self._proc is not None:
-            self._proc.stdin.close()
-            self._proc.wait(timeout=60)
-            self._arch_file.unlink(missing_ok=True)
-            self._proc = None
+    def _probe(self, micro: int) -> dict:
+        from dataclasses import replace
 
-    def __enter__(self):
-        return self
+        work = Path(self.ctx.work_dir) / f"micro-{micro}"
+        ctx = replace(self.ctx, work_dir=work, run_dir=work)
+        cmd, env, port = probe_command(self.stage, ctx, probe_config(self.stage, self.cfg, micro, self.steps))
+        log = Path(self.ctx.work_dir) / f"micro-{micro}.log"
+        t0 = time.time()
+        try:
+            res = launch.run(cmd, env=env, timeout=self.timeout, log_path=log, name=f"{self.stage} probe {micro}")
+        except launch.LaunchError as e:
+            if e.returncode is not None and (OOM.search("\n".join(e.tail)) or e.returncode in (-9, 137)):
+                return {"micro_batch": micro, "oom": True, "peak_rss_mb": None, "gpu_peak_mb": None,
+                        "rank_peaks_mb": [], "seconds": round(time.time() - t0, 1), "log": str(log)}
+            raise
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+            if port:
+                from tasks.distributed import remove_shm_segments
 
-    def __exit__(self, *exc):
-        self.close()
+                remove_shm_segments(port)
+        return {"micro_batch": micro, "oom": False, **peaks_of(res, self.device),
+                "seconds": round(res.seconds, 1), "log": str(log)}
 
 
-def find(prober: Prober, budget_mb: float | None, margin: float = 0.1, limit: int = 4096) -> int:
-    """The largest micro-batch whose probe stays within budget × (1 - margin) MiB (CPU), or does not run out of
-    memory with `margin` of the device left (GPU: budget_mb is the device's memory)."""
+def find(prober, budget_mb: float | None, margin: float = 0.1, limit: int = 4096) -> int:
+    """The largest micro-batch whose probe stays within budget × (1 - margin) MiB on its busiest rank (CPU: peak
+    RSS), or does not run out of memory and stays within it (GPU: budget_mb is the device's memory)."""
     allowed = budget_mb * (1 - margin) if budget_mb else None
 
     def fits(m: int) -> bool:

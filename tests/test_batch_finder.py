@@ -1,12 +1,11 @@
-"""The batch-size finder: doubling then bisection over real probes; the largest micro-batch under two CPU budgets."""
+"""The batch-size finder: doubling then bisection over real engine probes (the stage's own DeepSpeed / Megatron-Core
+launch, a few steps per size, every rank's peak RSS as the worker reports it); the largest micro-batch under CPU
+budgets."""
 from __future__ import annotations
-
-import os
-import sys
 
 import pytest
 
-from tasks.batch_finder import Prober, find, largest_fitting
+from tasks.batch_finder import find, largest_fitting
 
 
 @pytest.mark.fast
@@ -22,18 +21,39 @@ def test_largest_fitting_finds_the_boundary(answer):
     assert len(tried) <= 2 * 11  # doubling + bisection: logarithmic
 
 
+def _assert_boundary(prober, budget: float, m: int) -> None:
+    peak = {k: v["peak_rss_mb"] for k, v in prober.measured.items()}
+    assert m >= 1 and peak[m] <= budget, peak
+    assert peak[m + 1] > budget, f"{m + 1} would also fit: {peak}"
+
+
 @pytest.mark.slow
-def test_largest_micro_batch_under_two_cpu_budgets(tiny_config):
-    """Real probes (a few training steps of the tiny model per size); the answer fits and one more does not."""
-    arch = tiny_config.model.model_dump()
-    with Prober(sys.executable, arch, seq=64, steps=1, env={**os.environ, "OMP_NUM_THREADS": "1"}) as p:
-        base = p.run(1)["peak_rss_mb"]
-        chosen = {}
-        for extra in (20, 80):
-            budget = base + extra
-            m = find(p, budget, margin=0.0, limit=256)
-            peak = {k: v["peak_rss_mb"] for k, v in p.measured.items()}
-            assert m >= 1 and peak[m] <= budget
-            assert peak[m + 1] > budget, f"{m + 1} would also fit: {peak}"
-            chosen[extra] = m
-    assert chosen[20] < chosen[80], chosen
+def test_finetune_probes_run_deepspeed_under_two_cpu_budgets(tiny_config, data_dir, hf_checkpoint, tmp_path):
+    """The finetune stage's DeepSpeed ZeRO-2 launch on its 2 ranks per probe; two budgets, the largest under each."""
+    from flows.playbook import batch_prober
+
+    p = batch_prober(tiny_config, "finetune", data_dir, hf_checkpoint, tmp_path, steps=2)
+    base = p.run(1)
+    assert len(base["rank_peaks_mb"]) == tiny_config.finetune.nproc_per_node  # one peak per DeepSpeed rank
+    assert "DeepSpeed" in open(base["log"]).read() or "deepspeed" in open(base["log"]).read()
+    chosen = {}
+    for extra in (6, 18):  # ~3 MiB per sequence here: a few probes each
+        budget = base["peak_rss_mb"] + extra
+        chosen[extra] = find(p, budget, margin=0.0, limit=256)
+        _assert_boundary(p, budget, chosen[extra])
+    assert chosen[6] < chosen[18], chosen
+    assert not list(tmp_path.glob("micro-*/")), "probe work folders are removed"
+
+
+@pytest.mark.slow
+def test_pretrain_probes_run_megatron_under_a_cpu_budget(tiny_config, data_dir, tmp_path):
+    """The pretrain stage's Megatron-Core launch (torchrun, the worker's training steps only) per probe."""
+    from flows.playbook import batch_prober
+
+    p = batch_prober(tiny_config, "pretrain", data_dir, None, tmp_path, steps=2)
+    base = p.run(1)
+    assert len(base["rank_peaks_mb"]) == tiny_config.pretrain.nproc_per_node
+    budget = base["peak_rss_mb"] + 40
+    m = find(p, budget, margin=0.0, limit=256)
+    _assert_boundary(p, budget, m)
+    assert m > 1

@@ -60,8 +60,9 @@ def command(ctx: StageContext, cfg: FinetuneConfig, spec_path: Path) -> tuple[li
 
 
 def worker_spec(ctx: StageContext, cfg: FinetuneConfig, out: Path, ds_config_path: Path,
-                template: Path | None = None) -> dict:
-    """What the worker reads from finetune_spec.json (paths as the worker will see them)."""
+                template: Path | None = None, probe: bool = False) -> dict:
+    """What the worker reads from finetune_spec.json (paths as the worker will see them). `probe`: the batch
+    finder's run (training steps only: no evaluation, no checkpoint)."""
     return {
         "input": str(Path(ctx.input).resolve()), "data_dir": str(Path(ctx.data_dir).resolve()), "output": str(out),
         "ds_config": str(ds_config_path), "device": cfg.resolved_device(), "seed": ctx.seed, "steps": cfg.steps,
@@ -72,6 +73,7 @@ def worker_spec(ctx: StageContext, cfg: FinetuneConfig, out: Path, ds_config_pat
         "lora": cfg.lora.model_dump(), "gate_metric": gates.resolve_metric(cfg.gate, ctx.data_dir, "sft", "exact_match"),
         "overlong": cfg.overlong, "eval_batch_size": cfg.micro_batch_size,
         "chat_template": str(template) if template else None,  # model.chat_template, for an input without one
+        "probe": probe,
     }
 
 
@@ -96,7 +98,7 @@ def nvme_problems(cfg: FinetuneConfig) -> list[str]:
 
 
 
-def prepare(ctx: StageContext, cfg: FinetuneConfig) -> tuple[list[str], dict, Path, int]:
+def prepare(ctx: StageContext, cfg: FinetuneConfig, probe: bool = False) -> tuple[list[str], dict, Path, int]:
     """Write the DeepSpeed config and the worker spec into the work dir, seed the output folder, build the command."""
     check_inputs(ctx, cfg)
     work = Path(ctx.work_dir)
@@ -109,7 +111,7 @@ def prepare(ctx: StageContext, cfg: FinetuneConfig) -> tuple[list[str], dict, Pa
             shutil.copy2(Path(ctx.input) / name, out / name)
     ds = ds_config.build(cfg)
     (work / "ds_config.json").write_text(json.dumps(ds, indent=2) + "\n")
-    spec = worker_spec(ctx, cfg, out, work / "ds_config.json", template)
+    spec = worker_spec(ctx, cfg, out, work / "ds_config.json", template, probe)
     (work / "finetune_spec.json").write_text(json.dumps(spec, indent=2) + "\n")
     cmd, port = command(ctx, cfg, work / "finetune_spec.json")
     if port:

@@ -385,7 +385,7 @@ def train_steps(engine, tok, train: list, spec: dict, ds_config: dict, start: in
         done = step + 1
         if done % spec["log_every"] == 0 or done == steps:
             report_step(engine, done, steps, loss_sum / ga, tokens, time.time() - t0, spec["device"], rank, world)
-        if done % spec["checkpoint_every"] == 0 or done == steps:
+        if not spec.get("probe") and (done % spec["checkpoint_every"] == 0 or done == steps):
             save(engine, ckpt_dir, done, spec["keep_checkpoints"], rank, facts)
 
 
@@ -450,6 +450,10 @@ def main() -> None:
     facts = {"world_size": world, "zero_stage": stage}
     tok, train, heldout, held_ids, counts = load_data(spec)
     engine = build_engine(spec, ds_config, stage, timings)
+    if spec.get("probe"):  # the batch finder: only the training steps; every rank's peak is in the metric events
+        train_steps(engine, tok, train, spec, ds_config, 0, rank, world, facts)
+        dist.barrier()
+        return
     start = start_step(engine, tok, heldout, held_ids, spec, facts, rank, timings, counts, len(train))
     t_train = time.time()
     train_steps(engine, tok, train, spec, ds_config, start, rank, world, facts)

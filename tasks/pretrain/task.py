@@ -139,6 +139,10 @@ def backend(cfg: PretrainConfig, device: str) -> str:
     return f"TP{cfg.tensor_parallel}×PP{cfg.pipeline_parallel}{vp}×DP{cfg.data_parallel()} {device}{fp8}"
 
 
+def engine_env(device: str) -> dict:
+    return {"OMP_NUM_THREADS": "1", **({"TORCHDYNAMO_DISABLE": "1"} if device == "cpu" else {})}
+
+
 def _median(values):
     return statistics.median(values) if values else None
 
@@ -149,10 +153,8 @@ def run_pretrain(ctx: StageContext, cfg: PretrainConfig) -> StageOutput:
     ctx.work_dir.mkdir(parents=True, exist_ok=True)
     spec_path = ctx.work_dir / "worker_spec.json"
     spec_path.write_text(json.dumps(spec, indent=2))
-    env = {"OMP_NUM_THREADS": "1"}
-    if spec["device"] == "cpu":
-        env["TORCHDYNAMO_DISABLE"] = "1"
-    res = ctx.launch(command(ctx, cfg, spec_path), name="pretrain", timeout=cfg.timeout_s, env=env)
+    res = ctx.launch(command(ctx, cfg, spec_path), name="pretrain", timeout=cfg.timeout_s,
+                     env=engine_env(spec["device"]))
     r = res.results()
     out = package(ctx, cfg, spec, r)
     train = [e for e in res.metrics() if events.TRAIN_LOSS in e]

@@ -79,6 +79,8 @@ class Run:
         self.init_parallel()
         self.init_data()
         n_params, impl = self.init_model()
+        if self.spec.get("probe"):
+            return self.probe_memory()
         start, state = self.starting_point(n_params, impl)
         peak, peak_src = self.train(start, state)
         self.finish(self.cfg["steps"], state, peak, peak_src)
@@ -390,6 +392,21 @@ class Run:
                 heldout_before=heldout[0] if heldout else None, heldout_after=heldout[-1] if heldout else None,
                 train_time_s=state["train_time_s"], peak_tflops_per_rank=peak, peak_tflops_source=peak_src,
                 consumed_samples=steps * self.cfg["global_batch_size"], **memory)
+        dist.barrier()
+        dist.destroy_process_group()
+
+    def probe_memory(self) -> None:
+        """The batch finder's run: only the training steps at this micro-batch (no evaluation, no checkpoint), then
+        every rank's peak memory, as the full run reports it."""
+        import torch.distributed as dist
+
+        for it in range(self.cfg["steps"]):
+            loss, _ = self.train_step(it)
+            self.log(f"probe step {it + 1}: loss {loss:.4f}")
+        memory = self.memory_peaks()
+        if self.rank == 0:
+            self.events().emit("result", probe_steps=self.cfg["steps"], micro_batch_size=self.cfg["micro_batch_size"],
+                               **memory)
         dist.barrier()
         dist.destroy_process_group()
 
