@@ -321,8 +321,11 @@ def overhead_lines(o: dict) -> list[str]:
                    f"{_m(v['bare_worker_s'], '{:.1f}')} | {_m(v['ratio'])} | {_m(v['stage_bookkeeping_s'], '{:.1f}')}"
                    f" | {pct(v['per_step_overhead'])} | {_m(v['median_step_time_baton_s'], '{:.3f}')} / "
                    f"{_m(v['median_step_time_bare_s'], '{:.3f}')} |")
-    missed = [n for n, v in o["verdict"]["stages"].items() if not v["met"]]
-    out += ["", f"Per-step overhead ≤ {o['verdict']['target']:.0%}: "
+    missed = [f"{n} (step time ×{v['step_time_ratio']:.2f}" + (f", per-step overhead {v['per_step_overhead']:+.1%})"
+                                                              if v["overhead_judged"] else ")")
+              for n, v in o["verdict"]["stages"].items() if not v["met"]]
+    out += ["", f"Per-step overhead ≤ {o['verdict']['target']:.0%} (judged on the median step-time ratio of every stage "
+                "and the long run's per-step overhead): "
             + ("met by every stage." if not missed else "missed by " + ", ".join(missed) + ".")]
     if o.get("note"):
         out += ["", f"Note: {o['note']}."]

@@ -85,4 +85,4 @@ def test_overhead_verdict_and_table():
     assert not res["verdict"]["stages"]["pretrain_long"]["met"]
     text = "\n".join(bench.overhead_lines(res))
     assert "| pretrain ×10 (alternating, 2 reps) | 100 |" in text and "+8.0%" in text
-    assert "missed by pretrain_long" in text and "start-up 60 s" in text
+    assert "missed by pretrain_long (step time ×1.00, per-step overhead +8.0%)" in text and "start-up 60 s" in text
