@@ -286,24 +286,54 @@ def targets(conversions: list[dict]) -> str:
             f"; peak RSS ≤ 1.5 × largest tensor + 300 MB — {'met by all' if not fat else 'missed by ' + ', '.join(fat)}.")
 
 
+def _m(v: dict | None, fmt: str = "{:.2f}") -> str:
+    """median (min–max) of a stats dict from overhead_bench.stats; '–' when it was not measured."""
+    if not v:
+        return "–"
+    if v["n"] == 1 or v["min"] == v["max"]:
+        return fmt.format(v["median"])
+    return f"{fmt.format(v['median'])} ({fmt.format(v['min'])}–{fmt.format(v['max'])})"
+
+
 def overhead_lines(o: dict) -> list[str]:
-    s = o["short"]
-    out = [f"Orchestration (`baton run` data → pretrain → rlhf → finetune, short tiny config, one repetition): wall "
-           f"{s['baton_wall_s']:.0f} s, of which Prefect/MLflow start-up and flow bookkeeping "
-           f"{s['startup_and_flow_s']:.0f} s; training stages {s['training_stages_ratio']:.2f}× their bare workers, "
-           f"whole run {s['whole_run_ratio']:.2f}× (it also runs the data stage and two conversions with gates).", "",
-           "| stage | `baton run` step s | bare worker s | ratio | median step time baton / bare s | per-step ratio |",
-           "|---|---|---|---|---|---|"]
-    rows = list(s["stages"].items())
-    if o.get("long_pretrain"):
-        rows.append((f"pretrain ×{o['long_pretrain']['steps'] // 20} steps", o["long_pretrain"]))
-    for name, v in rows:
-        m = v["median_step_time_s"]
-        out.append(f"| {name} | {v['baton_step_s']:.1f} | {v['bare_worker_s']:.1f} | {v['ratio']:.2f} | "
-                   f"{m['baton'] or '–'} / {m['bare'] or '–'} | {v['per_step_ratio'] or '–'} |")
+    """The orchestration table: `baton run` vs the bare workers (benchmarks/overhead_bench.py)."""
+    if "pipeline" not in o:  # a result of the earlier one-repetition layout
+        return [f"Orchestration: an earlier result ({o.get('note', 'no note')}); rerun benchmarks/overhead_bench.py."]
+    p, lp, m = o["pipeline"], o["long_pretrain"], o.get("machine_at_start", {})
+    pct = lambda v: _m(v and {k: (x * 100 if k != "n" else x) for k, x in v.items()}, "{:+.1f}%")  # noqa: E731
+    out = [f"Orchestration (benchmarks/overhead_bench.py, profile {o['profile']}, {m.get('cores', '?')} cores, "
+           f"load {'/'.join(f'{x:.1f}' for x in m.get('load_average', []))} at start): `baton run` data → pretrain "
+           f"→ rlhf → finetune ({p['steps']['pretrain']}/{p['steps']['rlhf']}/{p['steps']['finetune']} steps, "
+           f"{p['reps']} repetition(s)) took {_m(p['baton_wall_s'], '{:.0f}')} s: Prefect/MLflow start-up "
+           f"{_m(p['startup_s'], '{:.0f}')} s, steps {_m(p['steps_total_s'], '{:.0f}')} s (the data stage and "
+           f"two conversions with gates included), flow bookkeeping {_m(p['flow_bookkeeping_s'], '{:.0f}')} s. "
+           f"Training steps {_m(p['training_stages_ratio'])}× their bare workers; whole run "
+           f"{_m(p['whole_run_ratio'])}× the three bare workers. Median (min–max); per-step overhead = (engine wall "
+           f"under baton − bare worker wall) / steps, over the bare median step time; target ≤ "
+           f"{o['verdict']['target']:.0%}.", "",
+           "| stage | steps | `baton run` step s | engine under baton s | bare worker s | step ratio | stage "
+           "bookkeeping s | per-step overhead | median step time baton / bare s |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    rows = [(n, p["steps"][n], v) for n, v in p["stages"].items()]
+    rows.append((f"pretrain ×{_scale(o)} (alternating, {lp['reps']} reps)", lp["steps"], lp))
+    for name, steps, v in rows:
+        out.append(f"| {name} | {steps} | {_m(v['baton_step_s'], '{:.1f}')} | {_m(v['baton_engine_s'], '{:.1f}')} | "
+                   f"{_m(v['bare_worker_s'], '{:.1f}')} | {_m(v['ratio'])} | {_m(v['stage_bookkeeping_s'], '{:.1f}')}"
+                   f" | {pct(v['per_step_overhead'])} | {_m(v['median_step_time_baton_s'], '{:.3f}')} / "
+                   f"{_m(v['median_step_time_bare_s'], '{:.3f}')} |")
+    missed = [f"{n} (step time ×{v['step_time_ratio']:.2f}" + (f", per-step overhead {v['per_step_overhead']:+.1%})"
+                                                              if v["overhead_judged"] else ")")
+              for n, v in o["verdict"]["stages"].items() if not v["met"]]
+    out += ["", f"Per-step overhead ≤ {o['verdict']['target']:.0%} (judged on the median step-time ratio of every stage "
+                "and the long run's per-step overhead): "
+            + ("met by every stage." if not missed else "missed by " + ", ".join(missed) + ".")]
     if o.get("note"):
         out += ["", f"Note: {o['note']}."]
     return out
+
+
+def _scale(o: dict) -> int:
+    return o["long_pretrain"]["steps"] // o["pipeline"]["steps"]["pretrain"]
 
 
 def update_readme(table: str) -> None:
@@ -345,7 +375,7 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--overhead", action=argparse.BooleanOptionalAction, default=True,
-                    help="also `baton run` vs the bare workers (one repetition, ~10 min here)")
+                    help="also `baton run` vs the bare workers (--reps repetitions, alternating; ~60 min here)")
     ap.add_argument("--work", type=Path, default=Path(os.environ.get("BATON_CACHE", Path.home() / ".cache" / "baton"))
                     / "bench")
     ap.add_argument("--overhead-from", type=Path, default=None,
@@ -377,7 +407,7 @@ def main(argv=None) -> int:
     elif args.overhead and not args.report_only:
         import overhead_bench
 
-        res["overhead"] = overhead_bench.run(args.work / "overhead")
+        res["overhead"] = overhead_bench.run(args.work / "overhead", reps=args.reps)
     res["finished"] = time.strftime("%FT%TZ", time.gmtime())
     table = publish(res)
     try:

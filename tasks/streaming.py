@@ -7,6 +7,7 @@ the terminal view shows only the step events.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Protocol
 from tasks import launch, tracking
 
 STEP_LOG = "step.log"
+ENGINE_WALL = "engine wall time:"  # the line step.log gets when an engine exits 0 (benchmarks/overhead_bench.py)
 
 _sinks: dict[str, tracking.MetricSink] = {}
 
@@ -155,9 +157,11 @@ def launch_streaming(ctx, cmd, *, name: str, env: dict, timeout: float | None, c
 
     ctx.work_dir.mkdir(parents=True, exist_ok=True)
     try:
-        return launch.run(cmd, env=env, cwd=cwd, timeout=timeout, name=name, on_event=on_event,
-                          on_line=lambda line: logger.info("[%s] %s", name, line),
-                          log_path=ctx.work_dir / "engine.log")
+        res = launch.run(cmd, env=env, cwd=cwd, timeout=timeout, name=name, on_event=on_event,
+                         on_line=lambda line: logger.info("[%s] %s", name, line),
+                         log_path=ctx.work_dir / "engine.log")
     finally:
         if sink is not None:
             sink.flush()
+    logger.info("%s %s", ENGINE_WALL, json.dumps({"name": name, "seconds": round(res.seconds, 3)}))
+    return res

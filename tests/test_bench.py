@@ -39,3 +39,50 @@ def test_fraction_of_read_bandwidth_compares_needed_bytes(tmp_path):
     assert r["read_warm"]["gb_per_s"] == 4.0 and r["baton_warm"]["gb_per_s"] == 2.0
     assert r["baton_warm"]["fraction_of_read_bandwidth"] == 0.5  # 1 GB at 4 GB/s is 0.25 s; it took 0.5 s
     assert r["baton_warm"]["rss_over_largest_tensor"] == 4.0 and r["baton_warm"]["rss_target_mb"] == 450.0
+
+
+def _stats(x: float) -> dict:
+    return {"median": x, "min": x, "max": x, "n": 1}
+
+
+def test_overhead_reads_the_engine_wall_and_step_times_the_stage_left(tmp_path):
+    import overhead_bench as ob
+    from tasks import events
+    from tasks.streaming import ENGINE_WALL
+
+    log = tmp_path / "step.log"
+    log.write_text(f'10:00:01 INFO    prefect.task_runs: {ENGINE_WALL} {{"name": "rlhf-trl-dpo", "seconds": 12.5}}\n'
+                   f'10:00:09 INFO    prefect.task_runs: {ENGINE_WALL} {{"name": "lm-eval-gate", "seconds": 3.0}}\n')
+    assert ob.engine_wall(log, "rlhf") == 12.5 and ob.engine_wall(log, "lm-eval") == 3.0
+    assert ob.engine_wall(log, "finetune") is None
+    lines = [events.PREFIX + '{"kind": "metric", "step": 1, "perf/step_time_s": 0.5}', "plain log line",
+             events.PREFIX + '{"kind": "metric", "step": 1, "train/loss": 2.0}',
+             events.PREFIX + '{"kind": "progress", "step": 1, "total": 2}']
+    assert ob.step_times(lines) == [0.5]
+    assert ob.stats([3.0, None, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
+    assert ob.stats([None]) is None
+
+
+def test_overhead_verdict_and_table():
+    import overhead_bench as ob
+
+    row = {"baton_step_s": _stats(60.0), "baton_engine_s": _stats(52.0), "bare_worker_s": _stats(50.0),
+           "stage_bookkeeping_s": _stats(8.0), "ratio": _stats(1.2), "engine_ratio": _stats(1.04),
+           "per_step_overhead_s": _stats(0.2), "per_step_overhead": _stats(0.4),
+           "median_step_time_baton_s": _stats(0.5), "median_step_time_bare_s": _stats(0.5), "step_time_ratio": _stats(1.0)}
+    long = {**row, "steps": 100, "reps": 2, "per_step_overhead": _stats(0.02)}
+    res = {"profile": "quick", "machine_at_start": {"cores": 2, "load_average": [3.0, 2.0, 1.0]},
+           "pipeline": {"steps": {"pretrain": 10, "rlhf": 4, "finetune": 10}, "reps": 1, "baton_wall_s": _stats(600.0),
+                        "startup_s": _stats(60.0), "steps_total_s": _stats(500.0), "flow_bookkeeping_s": _stats(40.0),
+                        "training_stages_ratio": _stats(1.1), "whole_run_ratio": _stats(1.5),
+                        "stages": {"pretrain": row, "rlhf": row, "finetune": row}},
+           "long_pretrain": long}
+    res["verdict"] = ob.verdict(res)
+    # a short stage's amortized overhead is start-up jitter over a few steps: reported, judged only in the long run
+    assert all(v["met"] for v in res["verdict"]["stages"].values())
+    res["long_pretrain"] = {**long, "per_step_overhead": _stats(0.08)}
+    res["verdict"] = ob.verdict(res)
+    assert not res["verdict"]["stages"]["pretrain_long"]["met"]
+    text = "\n".join(bench.overhead_lines(res))
+    assert "| pretrain ×10 (alternating, 2 reps) | 100 |" in text and "+8.0%" in text
+    assert "missed by pretrain_long (step time ×1.00, per-step overhead +8.0%)" in text and "start-up 60 s" in text

@@ -209,14 +209,25 @@ def stream_callback():
     from transformers import TrainerCallback
 
     class StreamEvents(TrainerCallback):
+        """perf/step_time_s is timed here (optimizer step begin → end) when TRL's logs lack it (DPO, reward)."""
+
+        started, step_time = 0.0, None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.started = time.perf_counter()
+
         def on_log(self, args, state, control, logs=None, **kwargs):
             if not state.is_world_process_zero or not logs:
                 return
             values = trl_metrics(logs)
+            if values and self.step_time is not None and events.STEP_TIME_S not in values:
+                values[events.STEP_TIME_S] = self.step_time
+            self.step_time = None
             if values:
                 events.metric(state.global_step, values)
 
         def on_step_end(self, args, state, control, **kwargs):
+            self.step_time = time.perf_counter() - self.started
             if state.is_world_process_zero:
                 events.progress(state.global_step, state.max_steps)
 
