@@ -14,7 +14,8 @@ from flows import hub, plan as planning, report, runs
 from flows.config import ConfigError, PipelineConfig
 from flows.stages import STAGE_FLOWS, RunInfo, StageFailed, describe_stop, stopped_from_outside
 from tasks import tracking
-from tasks.secrets import check_run_id, redact
+from tasks.paths import check_run_id
+from tasks.secrets import redact
 
 
 def resolve_input(cfg: PipelineConfig, from_ref: str | None) -> tuple[Path | None, str | None, str | None]:

@@ -404,7 +404,7 @@ def _close_dead_attempt(dead_run_id: str | None, step: Step, run: RunInfo) -> No
     import json
 
     from flows.runs import runs_root, write_summary
-    from tasks.secrets import check_run_id
+    from tasks.paths import check_run_id
 
     if not dead_run_id or dead_run_id == run.run_id:
         return

@@ -19,6 +19,14 @@ def name_problem(value: str) -> str | None:
     return f"{value!r} is not a plain name: letters, digits, '.', '_' and '-' only (it names folders and files)"
 
 
+def check_run_id(run_id: str) -> str:
+    """A run id names a folder under BATON_HOME/runs: one plain name, never a path (`../..`)."""
+    problem = name_problem(run_id)
+    if problem:
+        raise ValueError(f"run_id {problem}")
+    return run_id
+
+
 def plain_name(value: str) -> str:
     """A pydantic field validator body: the value, or ValueError naming the rule."""
     problem = name_problem(value)

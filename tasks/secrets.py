@@ -53,13 +53,3 @@ def command_line_errors(cfg) -> list[str]:
                 errors.append(f"{key}[{i}]: {flag} would put a secret on a command line (visible in `ps`); "
                               "set it in runtimes.<runtime>.env instead")
     return errors
-
-
-def check_run_id(run_id: str) -> str:
-    """A run id names a folder under BATON_HOME/runs: one plain name, never a path (`../..`)."""
-    from tasks.paths import name_problem
-
-    problem = name_problem(run_id)
-    if problem:
-        raise ValueError(f"run_id {problem}")
-    return run_id

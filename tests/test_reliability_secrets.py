@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, TINY, baton
-from tasks import secrets, tracking
+from tasks import paths, secrets, tracking
 from tasks.serve import engines
 from tasks.serve.config import ServeConfig
 
@@ -143,8 +143,8 @@ def test_run_ids_and_serve_host_are_confined(record_property):
     record_property("fault", "run_id ../.. / remote host")
     for bad in ("../..", "..", "a/b", "/etc", ""):
         with pytest.raises(ValueError):
-            secrets.check_run_id(bad)
-    assert secrets.check_run_id("20261201-0101-ab12") == "20261201-0101-ab12"
+            paths.check_run_id(bad)
+    assert paths.check_run_id("20261201-0101-ab12") == "20261201-0101-ab12"
     with pytest.raises(ValueError, match="allow_remote"):
         ServeConfig(host="0.0.0.0")
     assert ServeConfig(host="0.0.0.0", allow_remote=True).host == "0.0.0.0"

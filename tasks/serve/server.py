@@ -14,6 +14,7 @@ from typing import Callable
 
 from tasks import launch
 from tasks.health import Unhealthy, wait_http_ok
+from tasks.serve.records import read_json, same_process
 from tasks.distributed.net import free_port  # noqa: F401 (the repo's one free-port helper)
 
 log = logging.getLogger("baton.serve")
@@ -211,8 +212,6 @@ class Server:
         engine = None if self.managed else self._engine()
         launch.kill_tree(self.proc, grace=15.0 if self.managed else 30.0)  # a supervisor first stops its engine
         if engine and engine.get("engine_pid"):
-            from tasks.serve.supervisor import same_process
-
             if same_process(engine["engine_pid"], engine.get("engine_started_at")):
                 launch.kill_group(int(engine["engine_pid"]), 15.0)
         with launch._active_lock:
@@ -225,8 +224,6 @@ class Server:
 
     def _engine(self) -> dict:
         """The engine a supervisor runs now (pid and start time, from its state file)."""
-        from tasks.serve.supervisor import read_json
-
         state = read_json(self.state_path) or {}
         return {k: state.get(k) for k in ("engine_pid", "engine_started_at", "status")}
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import logging
 import os
 import signal
@@ -27,6 +26,7 @@ if not __package__:  # run as a script by Server.start: make the repository impo
 
 from conversions import durable  # noqa: E402
 from tasks.launch import kill_group  # noqa: E402
+from tasks.serve.records import read_json, running, same_process, started_at  # noqa: E402,F401
 from tasks.serve.server import Server, ServerFailed, redactor  # noqa: E402
 
 log = logging.getLogger("baton.serve")
@@ -65,29 +65,6 @@ def hold(server: Server, restarts: int, health_timeout: float, on_state=None) ->
 
 
 # ---- records of a detached server (read by whoever stops or reconciles it) -----------------------------------------
-def started_at(pid: int | None) -> float | None:
-    import psutil
-
-    try:
-        return psutil.Process(pid).create_time() if pid else None
-    except psutil.Error:
-        return None
-
-
-def same_process(pid: int | None, started: float | None) -> bool:
-    """pid is still the process recorded (same start time): a pid reused since is never signalled."""
-    created = started_at(pid)
-    return created is not None and (started is None or abs(created - float(started)) < 1.0)
-
-
-def read_json(path: Path | str | None) -> dict | None:
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, TypeError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
 def alive(server: dict | None) -> bool:
     """The recorded supervisor still runs (and has not given up)."""
     server = server or {}
@@ -105,16 +82,6 @@ def stop_recorded(server: dict | None, grace: float = 30.0) -> None:
                                  ((state.get("engine_pid"), state.get("engine_started_at")), 15.0)):
         if pid and same_process(pid, started):
             kill_group(int(pid), wait, alive=lambda _g, pid=pid, started=started: running(pid, started))
-
-
-def running(pid: int, started: float | None) -> bool:
-    """Recorded process still running (a zombie, exited but not yet reaped by its parent, is not)."""
-    import psutil
-
-    try:
-        return same_process(pid, started) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def serving_file() -> Path:
