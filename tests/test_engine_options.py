@@ -105,7 +105,7 @@ def test_nvme_offload_and_zero_plus_plus_reach_the_deepspeed_config():
     zero = ds_config.build(cfg)["zero_optimization"]
     assert zero["offload_optimizer"] == {"device": "cpu", "pin_memory": False}
     assert zero["offload_param"] == {"device": "nvme", "nvme_path": "/tmp/swap", "pin_memory": False,
-                                     "max_in_cpu": 1_000_000_000}
+                                     "max_in_cpu": 1_000_000_000, "buffer_count": 5, "buffer_size": 100_000_000}
     assert ds_config.build(cfg)["aio"]["block_size"] == 1 << 20
     assert (zero["zero_quantized_weights"], zero["zero_quantized_gradients"], zero["zero_hpz_partition_size"]) == (
         False, False, 1)

@@ -26,9 +26,10 @@ pytestmark = pytest.mark.slow
 STEPS, EVERY = 6, 2
 
 
-def nvme_config(swap: Path) -> FinetuneConfig:
+def nvme_config(swap: Path, **zero_keys) -> FinetuneConfig:
     return FinetuneConfig(zero={"stage": 3, "offload_optimizer": "cpu", "offload_params": "nvme",
-                                "nvme_path": str(swap), "nvme_max_in_cpu": 0}, steps=STEPS, checkpoint_every=EVERY, warmup_steps=1,
+                                "nvme_path": str(swap), "nvme_max_in_cpu": 0, **zero_keys},
+                          steps=STEPS, checkpoint_every=EVERY, warmup_steps=1,
                           launcher="torchrun", timeout_s=1500)
 
 
@@ -99,26 +100,27 @@ def test_zero3_nvme_offload_resumes_after_sigkill(tmp_path, tiny_config, data_di
           f"{straight.metrics['nvme_swap_bytes']} / {resumed.metrics['nvme_swap_bytes']}")
 
 
-@pytest.mark.xfail(strict=True, raises=LaunchError, reason="DeepSpeed 0.19.8's parameter swapper runs out of swap-in "
-                   "buffers in the UNINTERRUPTED run, step 3 backward after the step-2 checkpoint: "
-                   "partitioned_param_swapper.py:310 'Not enough buffers 0 for swapping 1' (5 buffers held by 5 "
-                   "available params; measured); remove this mark when it trains")
 def test_zero3_nvme_offload_with_real_swap_resumes_after_sigkill(tmp_path, tiny_config, data_dir, wide_checkpoint):
-    """Resume with parameters really on NVMe: the MLP partitions are written to and read from the swap files."""
-    straight, resumed = resume_after_sigkill(tmp_path, tiny_config, data_dir, wide_checkpoint)
+    """Resume with parameters really on NVMe: the MLP partitions are written to and read from the swap files.
+    DeepSpeed's default 5 swap buffers run out here ('Not enough buffers 0 for swapping 1' in step 3's backward,
+    after the step-2 checkpoint; measured), so the run sets nvme_buffer_count, with 2 MiB buffers (the largest
+    partition is 1 MiB)."""
+    straight, resumed = resume_after_sigkill(tmp_path, tiny_config, data_dir, wide_checkpoint,
+                                             nvme_buffer_count=24, nvme_buffer_size=1 << 19)
     swapped = (straight.metrics["nvme_swap_bytes"], resumed.metrics["nvme_swap_bytes"])
     print(f"nvme resume: swap files {swapped} bytes (straight, resumed); loss_last {resumed.metrics['loss_last']}")
     assert min(swapped) >= 2 * 12 * (1 << 20)  # 2 ranks x 4 layers x 3 MLP matrices x 1 MiB at least
 
 
-def resume_after_sigkill(tmp_path, tiny_config, data_dir, checkpoint):
+def resume_after_sigkill(tmp_path, tiny_config, data_dir, checkpoint, **zero_keys):
     """An uninterrupted run, and one SIGKILLed after its first checkpoint then resumed: same weights, same loss."""
     from tasks.finetune.task import prepare, run_finetune
 
-    straight = run_stage(tmp_path / "straight", tiny_config, data_dir, checkpoint, nvme_config(tmp_path / "swap1"))
+    straight = run_stage(tmp_path / "straight", tiny_config, data_dir, checkpoint,
+                         nvme_config(tmp_path / "swap1", **zero_keys))
     work = tmp_path / "killed"
     ctx = make_ctx(work, tiny_config, data_dir, checkpoint)
-    cfg = nvme_config(tmp_path / "swap2")
+    cfg = nvme_config(tmp_path / "swap2", **zero_keys)
     cmd, env, _, port = prepare(ctx, cfg)
     try:
         assert _kill_after_first_checkpoint(cmd, env, tmp_path / "killed.log") == EVERY

@@ -21,6 +21,12 @@ class ZeroConfig(StrictModel):
     nvme_max_in_cpu: int = Field(
         1_000_000_000, ge=0, description="offload_params nvme: parameter elements DeepSpeed keeps in CPU memory "
                                          "before swapping to nvme_path (its max_in_cpu)")
+    nvme_buffer_count: int = Field(
+        5, ge=1, description="offload_params nvme: parameter swap buffers per rank (DeepSpeed's offload_param."
+                             "buffer_count); raise it when DeepSpeed stops on 'Not enough buffers'")
+    nvme_buffer_size: int = Field(
+        100_000_000, ge=1, description="offload_params nvme: elements per swap buffer (offload_param.buffer_size); at "
+                                       "least the largest parameter partition; count x size x dtype bytes are held")
     quantized_weights: bool = Field(False, description="ZeRO++ qwZ: int8 weight all-gather (ZeRO-3, CUDA only)")
     quantized_gradients: bool = Field(False, description="ZeRO++ qgZ: int4 gradient reduce-scatter (ZeRO-3, CUDA only)")
     hpz_partition_size: int = Field(

@@ -19,7 +19,8 @@ def zero_section(cfg: FinetuneConfig) -> dict:
     if z.offload_params != "none":
         out["offload_param"] = offload_target(z.offload_params, z.nvme_path, pin)
         if z.offload_params == "nvme":
-            out["offload_param"]["max_in_cpu"] = z.nvme_max_in_cpu
+            out["offload_param"].update(max_in_cpu=z.nvme_max_in_cpu, buffer_count=z.nvme_buffer_count,
+                                        buffer_size=z.nvme_buffer_size)
     if z.stage == 3:  # ZeRO++ (validated: quantization on CUDA, hpZ over several nodes)
         out.update({"zero_quantized_weights": z.quantized_weights, "zero_quantized_gradients": z.quantized_gradients,
                     "zero_hpz_partition_size": z.hpz_partition_size})
