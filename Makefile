@@ -10,7 +10,7 @@ export DO_NOT_TRACK ?= true
 export MLFLOW_DISABLE_TELEMETRY ?= true
 PYTEST_ARGS ?=
 
-.PHONY: setup system-deps runtimes lock demo test test-fast test-multinode reliability clean up down gpu-wheels gpu-check bench
+.PHONY: setup system-deps runtimes lock demo test test-fast test-long test-multinode reliability clean up down gpu-wheels gpu-check bench
 
 # The main venv: an overlay over the cached runtime built from infra/runtimes/main.txt (see infra/runtimes/build.py).
 setup: $(VENV)/.baton-overlay
@@ -35,8 +35,13 @@ lock:
 demo: setup runtimes
 	$(VENV)/bin/baton run configs/tiny.yaml
 
+# Everything but the multi-node and the longest engine tests (their own targets below), to keep CI in its budget.
 test: setup system-deps runtimes
-	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -m "not multinode and not long" $(PYTEST_ARGS)
+
+# The longest engine tests (marker `long`: the batch finder's real-engine probes, ~10 min).
+test-long: setup system-deps
+	$(VENV)/bin/python -m pytest -m long -p no:cacheprovider $(PYTEST_ARGS)
 
 # The inner loop: config, planning, conversions and checks that start no engine, server or cluster (~1-2 min).
 test-fast: setup
@@ -48,7 +53,7 @@ reliability: setup
 	$(VENV)/bin/python -m pytest -m reliability -p no:cacheprovider $(PYTEST_ARGS)
 
 # Multi-node for real: two network-namespace hosts with a real Slurm and a real Ray cluster (root; installs
-# slurm-wlm + munge with apt-get when missing). Also part of `make test`.
+# slurm-wlm + munge with apt-get when missing). Not part of `make test` (the CI budget).
 test-multinode: setup
 	$(VENV)/bin/python -m pytest -m multinode -p no:cacheprovider $(PYTEST_ARGS)
 
