@@ -12,7 +12,6 @@ again; write the probe logits of the in-memory model. Rank 0 prints @@baton even
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -235,28 +234,16 @@ def write_atomic(path: Path, text: str) -> None:
     durable.write_text(path, text)
 
 
-@contextlib.contextmanager
-def disk_full_fails(tag_dir: Path, rank: int):
-    """ENOSPC during a save (torch's writer reports only "file write failed"): the unsealed tag is removed and the
-    rank stops naming the disk and its free space; the stage fails at once, earlier checkpoints stay valid."""
-    try:
-        with durable.disk_full_names_the_disk(tag_dir):
-            yield
-    except durable.DiskFullError as e:
-        os.write(2, f"rank {rank}: {e}; not retried\n".encode())  # one write: ranks' lines never interleave
-        raise SystemExit(1) from None
-
-
 def save(engine, ckpt_dir: Path, step: int, keep: int, rank: int, facts: dict) -> None:
     tag = f"{TAG_PREFIX}{step}"
     if rank == 0 and (ckpt_dir / tag).exists():
         shutil.rmtree(ckpt_dir / tag)  # an unfinished save of this step from an interrupted attempt
     dist.barrier()
-    with disk_full_fails(ckpt_dir / tag, rank):
+    with durable.disk_full_exits(ckpt_dir / tag, rank):
         engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"baton_step": step}, save_latest=False)
     dist.barrier()  # every rank's partitions are on disk: only now does the tag count
     if rank == 0:
-        with disk_full_fails(ckpt_dir / tag, rank):
+        with durable.disk_full_exits(ckpt_dir / tag, rank):
             durable.sync_tree(ckpt_dir / tag)
             sealed.seal(ckpt_dir / tag, COMPLETE, step=step, **facts)  # last: sizes and sha256 of what is on disk now
         write_atomic(ckpt_dir / "latest", tag)

@@ -3,7 +3,6 @@ data position. Written to `iter_NNNNNNN.partial/` and renamed when every rank ha
 `iter_NNNNNNN` is always complete; the newest one is where a re-run resumes. Part of the pretrain worker program."""
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import queue
@@ -153,19 +152,6 @@ def _in_process_results_queue() -> None:
         filesystem_async._results_queue = queue.Queue()
 
 
-@contextlib.contextmanager
-def disk_full_fails(partial: Path):
-    """ENOSPC inside the save (DCP wraps the writer's OSError in a CheckpointException): the `.partial` folder is
-    removed and the rank stops naming the disk and its free space; the stage fails at once, earlier checkpoints stay
-    valid."""
-    try:
-        with durable.disk_full_names_the_disk(partial):
-            yield
-    except durable.DiskFullError as e:
-        os.write(2, f"rank {dist.get_rank()}: {e}; not retried\n".encode())  # one write: ranks' lines never interleave
-        raise SystemExit(1) from None
-
-
 def save(root: Path, iteration: int, state: dict, info: dict, keep: int) -> Path:
     _in_process_results_queue()
     final = root / f"{PREFIX}{iteration:07d}"
@@ -174,11 +160,11 @@ def save(root: Path, iteration: int, state: dict, info: dict, keep: int) -> Path
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    with disk_full_fails(tmp):
+    with durable.disk_full_exits(tmp, dist.get_rank()):
         dist_checkpointing.save(state, str(tmp))
     dist.barrier()
     if dist.get_rank() == 0:
-        with disk_full_fails(tmp):
+        with durable.disk_full_exits(tmp, dist.get_rank()):
             durable.sync_tree(tmp)
             sealed.seal(tmp, STATE_FILE, iteration=iteration, **info)  # last: the checkpoint exists from here
         if final.exists():
