@@ -244,15 +244,17 @@ CHECKPOINT_BYTES_PER_PARAM = {"pretrain": 14, "finetune": 16, "rlhf": 4}   # wei
 
 def planned_checkpoint_bytes(cfg) -> int:
     """Checkpoints the configured stages keep at once (keep_checkpoints each, optimizer states included), plus the
-    HF copy each conversion writes."""
+    HF copy each conversion writes, plus the one checkpoint in flight: a save writes the new one before it removes
+    the oldest, so the peak holds keep + 1 of the stage saving."""
     params = mp.shape_of_model(cfg.model).params()
-    total = 0
+    kept, largest = 0, 0
     for s in TRAINING:
         if s in cfg.stages:
-            sc = cfg.stage_config(s)
-            total += params * CHECKPOINT_BYTES_PER_PARAM[s] * (sc.keep_checkpoints if s != "rlhf" else 1)
-            total += params * 4  # the HF conversion after it
-    return int(total)
+            one = params * CHECKPOINT_BYTES_PER_PARAM[s]
+            kept += one * (cfg.stage_config(s).keep_checkpoints if s != "rlhf" else 1)
+            kept += params * 4  # the HF conversion after it
+            largest = max(largest, one)
+    return int(kept + largest)
 
 
 def check_disk(cfg, probe: Probe) -> list[Finding]:

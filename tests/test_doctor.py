@@ -91,6 +91,14 @@ def test_too_little_disk_for_checkpoints(small_tmpfs):
     assert f.severity == "error" and "keep_checkpoints" in f.fix
 
 
+def test_disk_plan_counts_the_checkpoint_in_flight():
+    """A save writes the new checkpoint before it removes the oldest: keep 1 still needs room for two."""
+    cfg = load(TINY, ["finetune.keep_checkpoints=1"], ["finetune"], check_stages=False)
+    params = doctor.mp.shape_of_model(cfg.model).params()
+    one = params * doctor.CHECKPOINT_BYTES_PER_PARAM["finetune"]
+    assert doctor.planned_checkpoint_bytes(cfg) == 2 * one + params * 4  # two checkpoints + the HF copy
+
+
 def test_port_taken():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
