@@ -203,3 +203,59 @@ def test_enospc_mid_save_in_a_megatron_pretrain(tmp_path, data_dir, record_prope
     finally:
         stop.set()
         _umount(disk)
+
+
+@pytest.mark.slow
+def test_enospc_mid_save_in_a_trl_dpo(tmp_path, tiny_config, data_dir, hf_checkpoint, record_property):
+    """The same for TRL's checkpoints (the rlhf stage, DPO on one rank): after step 3's checkpoint is sealed another
+    writer leaves half a checkpoint free; step 6's save runs out inside the Trainer's writer. That partial checkpoint
+    is removed, step 3's still verifies (the Trainer's own rotation would have deleted it before ours was sealed), and
+    with the space freed the same work folder resumes from step 3 and its gate passes."""
+    record_property("fault", "ENOSPC mid-save in a TRL rlhf")
+    from conversions import sealed
+    from flows.plan import Step
+    from flows.stages import cause_line, check_free_space, disk_needed, failure_class
+    from tasks.launch import LaunchError
+    from tasks.rlhf.config import RlhfConfig
+    from tasks.rlhf.task import run_rlhf
+    from tasks.stage import StageContext
+
+    cfg = RlhfConfig(algorithm="dpo", steps=6, micro_batch_size=8, lr=5e-4, checkpoint_every=3, keep_checkpoints=1,
+                     timeout_s=900)
+    pipeline = tiny_config.model_copy(update={"rlhf": cfg})
+    step = Step(name="rlhf", label="rlhf", consumes="hf-safetensors", produces="hf-safetensors", fingerprint="r" * 64)
+    disk = tmp_path / "disk"
+    need = disk_needed(pipeline, step)
+    _mount_tmpfs(disk, need + (4 << 20))
+    ctx = StageContext(stage="rlhf", run_id="test", run_dir=disk, work_dir=disk / "work",
+                       model=tiny_config.model.model_dump(), seed=0, data_dir=data_dir, input=hf_checkpoint,
+                       input_format="hf-safetensors")
+    trl = ctx.work_dir / "checkpoint.partial.trl"
+    stop, found = threading.Event(), {}
+    try:
+        check_free_space(pipeline, step, ctx.work_dir)
+        watcher = threading.Thread(target=_fill_after_first_seal, daemon=True,
+                                   args=(trl / "checkpoint-3" / "baton_complete.json", disk / "other-job.bin", found,
+                                         stop))
+        watcher.start()
+        with pytest.raises(LaunchError) as caught:
+            run_rlhf.fn(ctx, cfg)
+        stop.set()
+        watcher.join(5)
+        e = caught.value
+        assert "filled_at" in found, "the first checkpoint was never sealed"
+        assert failure_class(e) == "disk full", "\n".join(e.tail)
+        line = cause_line(e, "disk full")
+        assert "ENOSPC" in line and f"the disk mounted at {disk} (" in line and " MB free of " in line, e.tail
+        assert str(trl / "checkpoint-6") in line and "not retried" in line
+        assert sorted(p.name for p in trl.glob("checkpoint-*")) == ["checkpoint-3"]
+        assert sealed.problem(trl / "checkpoint-3", "baton_complete.json") is None
+
+        (disk / "other-job.bin").unlink()
+        out = run_rlhf.fn(ctx, cfg)
+        assert out.metrics["resumed_from_step"] == 3 and out.gate["passed"], out.gate
+        assert need >= 2 * found["checkpoint_bytes"], (need, found["checkpoint_bytes"])
+        print(f"\n{line}\ncheckpoint {found['checkpoint_bytes'] / 1e6:.2f} MB, stage needs {need / 1e6:.2f} MB")
+    finally:
+        stop.set()
+        _umount(disk)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from conversions import chat, hf, manifest as mf, sealed
+from conversions import chat, durable, hf, manifest as mf, sealed
 from tasks import events
 
 RANK = int(os.environ.get("RANK", "0"))
@@ -255,7 +255,9 @@ COMPLETE = "baton_complete.json"   # written last, atomically: the checkpoint's 
 def checkpoint_args(a: argparse.Namespace) -> dict:
     if a.checkpoint_every <= 0:
         return {"save_strategy": "no"}
-    return {"save_strategy": "steps", "save_steps": a.checkpoint_every, "save_total_limit": a.keep_checkpoints}
+    # no save_total_limit: the Trainer would delete the older checkpoints before ours is sealed (with keep 1, a crash
+    # there leaves nothing to resume from); checkpoint_callback removes them once the new one is sealed
+    return {"save_strategy": "steps", "save_steps": a.checkpoint_every}
 
 
 def mark_complete(ckpt: Path) -> None:
@@ -289,15 +291,38 @@ def newest_complete(work: Path) -> Path | None:
     return complete[-1] if complete else None
 
 
-def checkpoint_callback():
+def checkpoint_callback(keep: int):
     from transformers import TrainerCallback
 
     class MarkComplete(TrainerCallback):
         def on_save(self, args, state, control, **kwargs):
             if state.is_world_process_zero:
-                mark_complete(Path(args.output_dir) / f"checkpoint-{state.global_step}")
+                work = Path(args.output_dir)
+                mark_complete(work / f"checkpoint-{state.global_step}")
+                remove_older_than_kept(work, keep)
 
     return MarkComplete()
+
+
+def remove_older_than_kept(work: Path, keep: int) -> None:
+    """Only the newest `keep` sealed checkpoints stay (an unsealed one is a save in progress or a dead one)."""
+    sealed_ones = sorted((p for p in work.glob("checkpoint-*") if p.name.split("-")[-1].isdigit() and is_complete(p)),
+                         key=_step_of)
+    for old in sealed_ones[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def train_naming_a_full_disk(trainer, work: Path, resume: Path | None) -> None:
+    """trainer.train; when a checkpoint save runs out of disk space, the rank removes that partial checkpoint (the
+    sealed ones stay) and exits 1 naming the disk and its free space, so the stage fails at once (not retried)."""
+    try:
+        trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    except BaseException:
+        saving = work / f"checkpoint-{trainer.state.global_step}"
+        if is_complete(saving):  # not inside a save
+            raise
+        with durable.disk_full_exits(saving, RANK):
+            raise
 
 
 # ---- the three recipes -----------------------------------------------------------------------------------------------
@@ -462,17 +487,18 @@ def main(argv=None) -> None:
     resume = newest_complete(work) if a.checkpoint_every > 0 else None
     trainer = TRAINERS[a.algorithm](a, tok, train_pairs, work)
     trainer.remove_callback(PrinterCallback)  # our callback streams the same logs as events
-    trainer.add_callback(checkpoint_callback())
+    trainer.add_callback(checkpoint_callback(a.keep_checkpoints))
     if RANK == 0:
         events.emit("result", resumed_from=_step_of(resume) if resume else 0)
-    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    train_naming_a_full_disk(trainer, work, resume)
     trainer.accelerator.wait_for_everyone()
 
     if RANK == 0:
         model = trainer.accelerator.unwrap_model(trainer.model)
         a.output.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(str(a.output), safe_serialization=True)
-        hf.copy_tokenizer(a.input, a.output, chat_template=a.chat_template)
+        with durable.disk_full_exits(a.output, RANK):
+            model.save_pretrained(str(a.output), safe_serialization=True)
+            hf.copy_tokenizer(a.input, a.output, chat_template=a.chat_template)
         seconds = round(time.time() - t0, 2)
         facts = {**evaluate(a, tok, held_pairs, before), "train_pairs": len(train_pairs), "seconds": seconds,
                  "peak_mem_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # rank 0's peak RSS
