@@ -154,7 +154,7 @@ class PipelineConfig(StrictModel):
         for name in self.stages:
             errors += STAGES[name].validate(self.stage_config(name), self)
             if host:
-                errors += STAGES[name].validate_host(self.stage_config(name))
+                errors += STAGES[name].validate_host(self.stage_config(name), self)
         return errors
 
 

@@ -63,7 +63,7 @@ class StageSpec:
     produces: Callable[[Any], str | None]       # checkpoint format it writes (None: no checkpoint)
     input_required: bool = True                 # False: runs without an input checkpoint (e.g. pretrain from scratch)
     validate: Callable[[Any, Any], list[str]] = lambda cfg, pipeline: []  # errors found before anything launches
-    validate_host: Callable[[Any], list[str]] = lambda cfg: []  # what this machine lacks to launch it (GPUs, cores)
+    validate_host: Callable[[Any, Any], list[str]] = lambda cfg, pipeline: []  # what this machine lacks to launch it
     cacheable: bool = True                      # False: side effects (serving, promotion) make every run count
     description: str = ""
 

@@ -93,7 +93,7 @@ def validate(cfg: PretrainConfig, pipeline) -> list[str]:
     return e
 
 
-def host_errors(cfg: PretrainConfig) -> list[str]:
+def host_errors(cfg: PretrainConfig, pipeline=None) -> list[str]:
     """What this machine must have to launch the ranks itself (not asked when writing manifests for a cluster)."""
     e = []
     device = resolved_device(cfg)

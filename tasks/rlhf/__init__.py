@@ -1,4 +1,4 @@
-from tasks.rlhf.checks import validate
+from tasks.rlhf.checks import host_errors, validate
 from tasks.rlhf.config import RlhfConfig
 from tasks.stage import StageSpec
 
@@ -9,5 +9,6 @@ STAGE = StageSpec(
     consumes=lambda cfg: "hf-safetensors",
     produces=lambda cfg: "hf-safetensors",
     validate=validate,
+    validate_host=host_errors,
     description="preference optimisation: NeMo-RL on GPU clusters, TRL on CPU",
 )

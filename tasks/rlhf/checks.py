@@ -29,7 +29,8 @@ def resolve_backend(cfg, runtimes: dict | None) -> str:
     return "trl"
 
 
-def nemo_rl_errors(cfg, runtime: dict) -> list[str]:
+def nemo_rl_errors(cfg, runtime: dict, host: bool = True) -> list[str]:
+    """What the config lacks for NeMo-RL; `host`: also the tools this machine needs to launch it."""
     kind = runtime.get("kind", "venv")
     if kind in ("venv", "container") and not has_nvidia_gpu():  # decisive: nothing else matters on this machine
         return ["rlhf: backend nemo_rl needs an NVIDIA GPU on this machine and none was found (no /dev/nvidia*, no GPU "
@@ -46,23 +47,38 @@ def nemo_rl_errors(cfg, runtime: dict) -> list[str]:
                           "https://github.com/NVIDIA-NeMo/RL), or set runtimes.nemo_rl.kind=container with an image")
         elif not (Path(path) / "examples" / "run_dpo.py").exists():
             errors.append(f"runtimes.nemo_rl.path: {path} is not a NeMo-RL checkout (no examples/run_dpo.py)")
-        if not shutil.which("uv"):
-            errors.append("rlhf: backend nemo_rl runs NeMo-RL with `uv run`, and uv is not on PATH")
     elif kind == "container":
         if not runtime.get("image"):
             errors.append("runtimes.nemo_rl.image: the NeMo-RL container image (e.g. nvcr.io/nvidia/nemo-rl:v0.7.0)")
-        if not shutil.which("docker"):
-            errors.append("rlhf: runtimes.nemo_rl.kind=container needs docker on PATH")
     elif kind == "slurm":
         if not runtime.get("path") or not (Path(runtime["path"]) / "ray.sub").exists():
             errors.append("runtimes.nemo_rl.path: a NeMo-RL checkout with ray.sub, on storage the cluster shares")
         if not runtime.get("image"):
             errors.append("runtimes.nemo_rl.image: the container ray.sub starts on each node")
-        if not shutil.which("sbatch"):
-            errors.append("rlhf: runtimes.nemo_rl.kind=slurm needs sbatch on PATH")
     else:
         errors.append(f"runtimes.nemo_rl.kind={kind!r}: supported kinds are venv (a checkout), container, slurm")
-    return errors
+    return errors + (nemo_rl_tool_errors(kind) if host else [])
+
+
+NEMO_RL_TOOLS = {"venv": ("uv", "rlhf: backend nemo_rl runs NeMo-RL with `uv run`, and uv is not on PATH"),
+                 "container": ("docker", "rlhf: runtimes.nemo_rl.kind=container needs docker on PATH"),
+                 "slurm": ("sbatch", "rlhf: runtimes.nemo_rl.kind=slurm needs sbatch on PATH")}
+
+
+def nemo_rl_tool_errors(kind: str) -> list[str]:
+    """The program this machine runs to launch NeMo-RL (not asked when the stage runs elsewhere, e.g. `baton k8s`)."""
+    tool, message = NEMO_RL_TOOLS.get(kind, (None, ""))
+    return [message] if tool and not shutil.which(tool) else []
+
+
+def host_errors(cfg, pipeline) -> list[str]:
+    runtimes = getattr(pipeline, "runtimes", None) or {}
+    if resolve_backend(cfg, runtimes) != "nemo_rl":
+        return []
+    kind = nemo_rl_runtime(runtimes).get("kind", "venv")
+    if kind in ("venv", "container") and not has_nvidia_gpu():
+        return []  # validate's "needs an NVIDIA GPU" is decisive: nothing else matters on this machine
+    return nemo_rl_tool_errors(kind)
 
 
 def validate(cfg, pipeline) -> list[str]:
@@ -93,5 +109,5 @@ def validate(cfg, pipeline) -> list[str]:
         errors.append(f"rlhf.max_seq_length {cfg.max_seq_length} exceeds model.seq_length {seq}")
     runtimes = getattr(pipeline, "runtimes", None) or {}
     if resolve_backend(cfg, runtimes) == "nemo_rl":
-        errors += nemo_rl_errors(cfg, nemo_rl_runtime(runtimes))
+        errors += nemo_rl_errors(cfg, nemo_rl_runtime(runtimes), host=False)  # tools: host_errors
     return errors
