@@ -39,7 +39,8 @@ demo: setup runtimes
 test: setup system-deps runtimes
 	$(VENV)/bin/python -m pytest -m "not multinode and not long" $(PYTEST_ARGS)
 
-# The longest engine tests (marker `long`: the batch finder's real-engine probes, ~10 min).
+# The longest engine tests (marker `long`: the batch finder's real-engine probes, ~10 min; ZeRO-Infinity with
+# parameters on NVMe, ~11 min with DeepSpeed's async_io JIT build).
 test-long: setup system-deps
 	$(VENV)/bin/python -m pytest -m long -p no:cacheprovider $(PYTEST_ARGS)
 
@@ -53,7 +54,7 @@ reliability: setup
 	$(VENV)/bin/python -m pytest -m reliability -p no:cacheprovider $(PYTEST_ARGS)
 
 # Multi-node for real: two network-namespace hosts with a real Slurm and a real Ray cluster (root; installs
-# slurm-wlm + munge with apt-get when missing). Not part of `make test` (the CI budget).
+# slurm-wlm + munge with apt-get when missing), ~11 min. Not part of `make test`; .ci/run runs it after `make test`.
 test-multinode: setup
 	$(VENV)/bin/python -m pytest -m multinode -p no:cacheprovider $(PYTEST_ARGS)
 

@@ -40,6 +40,7 @@ def assert_checkpoint_gate(out) -> None:
     assert set(failed) <= {"eval.heldout_exact_match"}, out.gate
 
 
+@pytest.mark.long  # with DeepSpeed's async_io JIT build (~5 min once): make test-long
 def test_zero3_nvme_offload_trains_and_converts_exactly(tmp_path, tiny_config, data_dir, hf_checkpoint):
     straight = run_stage(tmp_path / "straight", tiny_config, data_dir, hf_checkpoint, nvme_config(tmp_path / "swap1"))
     assert_checkpoint_gate(straight)
@@ -92,6 +93,7 @@ def wide_checkpoint(tmp_path_factory, tiny_config, data_dir) -> Path:
     return dest
 
 
+@pytest.mark.long  # with DeepSpeed's async_io JIT build (~5 min once): make test-long
 def test_zero3_nvme_offload_resumes_after_sigkill(tmp_path, tiny_config, data_dir, hf_checkpoint):
     """No CPU flat buffers (nvme_max_in_cpu 0), the engine DeepSpeed's load_checkpoint fails on; the tiny model's
     partitions are all under 1 MiB, so DeepSpeed keeps them in CPU memory (0 swap bytes)."""
@@ -100,6 +102,7 @@ def test_zero3_nvme_offload_resumes_after_sigkill(tmp_path, tiny_config, data_di
           f"{straight.metrics['nvme_swap_bytes']} / {resumed.metrics['nvme_swap_bytes']}")
 
 
+@pytest.mark.long  # with DeepSpeed's async_io JIT build (~5 min once): make test-long
 def test_zero3_nvme_offload_with_real_swap_resumes_after_sigkill(tmp_path, tiny_config, data_dir, wide_checkpoint):
     """Resume with parameters really on NVMe: the MLP partitions are written to and read from the swap files.
     DeepSpeed's default 5 swap buffers run out here ('Not enough buffers 0 for swapping 1' in step 3's backward,

@@ -7,7 +7,6 @@ record as test_ops_cancel.py checks on one host."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -24,11 +23,7 @@ from multinode import Hosts, Slurm, engine_processes, two_hosts, wait_for
 from ops_stack import REPO
 from test_ops_cancel import _flow_process, _mlflow_runs, _step_record
 
-pytestmark = [pytest.mark.multinode, pytest.mark.ops, pytest.mark.reliability,
-              # it passed alone twice but failed once inside the whole `make test` (2026-12-01), so it stays out of
-              # CI until that is understood: `BATON_TEST_PREFECT_MULTINODE=1 make test-multinode` runs it
-              pytest.mark.skipif(not os.environ.get("BATON_TEST_PREFECT_MULTINODE"),
-                                 reason="opt-in: BATON_TEST_PREFECT_MULTINODE=1")]
+pytestmark = [pytest.mark.multinode, pytest.mark.ops, pytest.mark.reliability]
 
 RUN_ID = "mn-cancel-1"
 FINETUNE = {"steps": 100000, "nnodes": 2, "nproc_per_node": 1, "checkpoint_every": 100000, "warmup_steps": 1,
