@@ -70,6 +70,8 @@ def _job_processes(hosts: Hosts) -> list[str]:
             cmd = " ".join(psutil.Process(pid).cmdline())
         except psutil.Error:
             continue
+        if not cmd.strip():  # a process exiting this instant (a zombie has no command line): already gone
+            continue
         if cmd.replace(":", " ").split()[0].rsplit("/", 1)[-1] not in DAEMONS:  # slurmscriptd is ": slurmscriptd"
             left.append(f"{pid}: {cmd[:160]}")
     return left
