@@ -90,6 +90,30 @@ def _fill_after_first_seal(seal: Path, filler: Path, found: dict, stop: threadin
         time.sleep(0.005)
 
 
+def _fails_on_the_full_disk(run, seal: Path, disk: Path, partial: Path, found: dict, stop: threading.Event) -> str:
+    """Run the stage while another writer fills the disk once `seal` exists; assert the stage failed at once
+    ("disk full", not retried) with one line naming the disk, its free space and the partial checkpoint; return it."""
+    from flows.stages import cause_line, failure_class
+    from tasks.launch import LaunchError
+
+    watcher = threading.Thread(target=_fill_after_first_seal, daemon=True,
+                               args=(seal, disk / "other-job.bin", found, stop))
+    watcher.start()
+    t0 = time.time()
+    with pytest.raises(LaunchError) as caught:
+        run()
+    found["failed_s"] = time.time() - t0
+    stop.set()
+    watcher.join(5)
+    e = caught.value
+    assert "filled_at" in found, "the first checkpoint was never sealed"
+    assert failure_class(e) == "disk full", "\n".join(e.tail)  # fails at once: only "infrastructure" is retried
+    line = cause_line(e, "disk full")
+    assert "ENOSPC" in line and f"the disk mounted at {disk} (" in line and " MB free of " in line, e.tail
+    assert str(partial) in line and "not retried" in line
+    return line
+
+
 @pytest.mark.slow
 def test_enospc_mid_save_in_a_deepspeed_finetune(tmp_path, tiny_config, data_dir, hf_checkpoint, record_property):
     """A real ZeRO-2 finetune on 2 ranks, its work folder on a real tmpfs sized by the stage's free-space check (which
@@ -97,8 +121,7 @@ def test_enospc_mid_save_in_a_deepspeed_finetune(tmp_path, tiny_config, data_dir
     runs out of space inside torch's writer. Then the space is freed and the same work folder resumes from step 3."""
     record_property("fault", "ENOSPC mid-save in a DeepSpeed finetune")
     from conversions import sealed
-    from flows.stages import check_free_space, disk_needed, failure_class, cause_line
-    from tasks.launch import LaunchError
+    from flows.stages import check_free_space, disk_needed
     from tasks.finetune.task import run_finetune
 
     disk = tmp_path / "disk"
@@ -109,22 +132,8 @@ def test_enospc_mid_save_in_a_deepspeed_finetune(tmp_path, tiny_config, data_dir
     ckpt = ctx.work_dir / "checkpoint"
     try:
         check_free_space(pipeline, step, ctx.work_dir)  # the stage would start: the check passes
-        watcher = threading.Thread(target=_fill_after_first_seal, daemon=True,
-                                   args=(ckpt / "global_step3" / "baton_complete.json", disk / "other-job.bin",
-                                         found, stop))
-        watcher.start()
-        t0 = time.time()
-        with pytest.raises(LaunchError) as caught:
-            run_finetune.fn(ctx, cfg)
-        failed_s = time.time() - t0
-        stop.set()
-        watcher.join(5)
-        e = caught.value
-        assert "filled_at" in found, "the first checkpoint was never sealed"
-        assert failure_class(e) == "disk full"  # fails at once: only "infrastructure" is retried
-        line = cause_line(e, "disk full")
-        assert "ENOSPC" in line and f"the disk mounted at {disk} (" in line and " MB free of " in line, e.tail
-        assert str(ckpt / "global_step6") in line and "not retried" in line
+        line = _fails_on_the_full_disk(lambda: run_finetune.fn(ctx, cfg), ckpt / "global_step3" / "baton_complete.json",
+                                       disk, ckpt / "global_step6", found, stop)
         assert not (ckpt / "global_step6").exists()  # the partial checkpoint is gone, its space with it
         assert sealed.problem(ckpt / "global_step3", "baton_complete.json") is None  # the previous one verifies
         assert (ckpt / "latest").read_text().strip() == "global_step3"
@@ -139,7 +148,8 @@ def test_enospc_mid_save_in_a_deepspeed_finetune(tmp_path, tiny_config, data_dir
         # the pre-check's estimate covers the real peak: the kept checkpoint plus the one being written
         assert need >= 2 * found["checkpoint_bytes"], (need, found["checkpoint_bytes"])
         print(f"\n{line}\ncheckpoint {found['checkpoint_bytes'] / 1e6:.2f} MB, stage needs {need / 1e6:.2f} MB "
-              f"(tmpfs {(need + (4 << 20)) / 1e6:.2f} MB); failed run {failed_s:.0f} s, resumed run {resumed_s:.0f} s")
+              f"(tmpfs {(need + (4 << 20)) / 1e6:.2f} MB); failed run {found['failed_s']:.0f} s, "
+              f"resumed run {resumed_s:.0f} s")
     finally:
         stop.set()
         _umount(disk)
@@ -156,8 +166,7 @@ def test_enospc_mid_save_in_a_megatron_pretrain(tmp_path, data_dir, record_prope
     from conversions import sealed
     from flows.config import load
     from flows.plan import Step
-    from flows.stages import cause_line, check_free_space, disk_needed, failure_class
-    from tasks.launch import LaunchError
+    from flows.stages import check_free_space, disk_needed
     from tasks.pretrain.task import run_pretrain
     from tasks.stage import StageContext
 
@@ -172,22 +181,9 @@ def test_enospc_mid_save_in_a_megatron_pretrain(tmp_path, data_dir, record_prope
     root, stop, found = ctx.work_dir / "checkpoints", threading.Event(), {}
     try:
         check_free_space(cfg, step, ctx.work_dir)
-        watcher = threading.Thread(target=_fill_after_first_seal, daemon=True,
-                                   args=(root / "iter_0000003" / "baton_state.json", disk / "other-job.bin", found,
-                                         stop))
-        watcher.start()
-        t0 = time.time()
-        with pytest.raises(LaunchError) as caught:
-            run_pretrain.fn(ctx, cfg.pretrain)
-        failed_s = time.time() - t0
-        stop.set()
-        watcher.join(5)
-        e = caught.value
-        assert "filled_at" in found, "the first checkpoint was never sealed"
-        assert failure_class(e) == "disk full", "\n".join(e.tail)
-        line = cause_line(e, "disk full")
-        assert "ENOSPC" in line and f"the disk mounted at {disk} (" in line and " MB free of " in line, e.tail
-        assert str(root / "iter_0000006.partial") in line and "not retried" in line
+        line = _fails_on_the_full_disk(lambda: run_pretrain.fn(ctx, cfg.pretrain),
+                                       root / "iter_0000003" / "baton_state.json", disk, root / "iter_0000006.partial",
+                                       found, stop)
         assert sorted(p.name for p in root.iterdir()) == ["iter_0000003"]  # no partial left, nothing newer
         assert sealed.problem(root / "iter_0000003", "baton_state.json") is None
 
@@ -199,7 +195,7 @@ def test_enospc_mid_save_in_a_megatron_pretrain(tmp_path, data_dir, record_prope
         assert out.gate["passed"], out.gate
         assert need >= 2 * found["checkpoint_bytes"], (need, found["checkpoint_bytes"])
         print(f"\n{line}\ncheckpoint {found['checkpoint_bytes'] / 1e6:.2f} MB, stage needs {need / 1e6:.2f} MB; "
-              f"failed run {failed_s:.0f} s, resumed run {resumed_s:.0f} s")
+              f"failed run {found['failed_s']:.0f} s, resumed run {resumed_s:.0f} s")
     finally:
         stop.set()
         _umount(disk)
@@ -214,8 +210,7 @@ def test_enospc_mid_save_in_a_trl_dpo(tmp_path, tiny_config, data_dir, hf_checkp
     record_property("fault", "ENOSPC mid-save in a TRL rlhf")
     from conversions import sealed
     from flows.plan import Step
-    from flows.stages import cause_line, check_free_space, disk_needed, failure_class
-    from tasks.launch import LaunchError
+    from flows.stages import check_free_space, disk_needed
     from tasks.rlhf.config import RlhfConfig
     from tasks.rlhf.task import run_rlhf
     from tasks.stage import StageContext
@@ -234,20 +229,8 @@ def test_enospc_mid_save_in_a_trl_dpo(tmp_path, tiny_config, data_dir, hf_checkp
     stop, found = threading.Event(), {}
     try:
         check_free_space(pipeline, step, ctx.work_dir)
-        watcher = threading.Thread(target=_fill_after_first_seal, daemon=True,
-                                   args=(trl / "checkpoint-3" / "baton_complete.json", disk / "other-job.bin", found,
-                                         stop))
-        watcher.start()
-        with pytest.raises(LaunchError) as caught:
-            run_rlhf.fn(ctx, cfg)
-        stop.set()
-        watcher.join(5)
-        e = caught.value
-        assert "filled_at" in found, "the first checkpoint was never sealed"
-        assert failure_class(e) == "disk full", "\n".join(e.tail)
-        line = cause_line(e, "disk full")
-        assert "ENOSPC" in line and f"the disk mounted at {disk} (" in line and " MB free of " in line, e.tail
-        assert str(trl / "checkpoint-6") in line and "not retried" in line
+        line = _fails_on_the_full_disk(lambda: run_rlhf.fn(ctx, cfg), trl / "checkpoint-3" / "baton_complete.json",
+                                       disk, trl / "checkpoint-6", found, stop)
         assert sorted(p.name for p in trl.glob("checkpoint-*")) == ["checkpoint-3"]
         assert sealed.problem(trl / "checkpoint-3", "baton_complete.json") is None
 
