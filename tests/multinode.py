@@ -333,9 +333,17 @@ def two_hosts(with_slurm: bool = False):
     try:
         yield hosts
     finally:
+        hosts.kill_all()
+        left = hosts.pids()  # (read before the namespaces go: a deleted namespace lists no process)
         hosts.down()
-    assert hosts.pids() == [], "processes left in the test's namespaces"
+    assert left == [], "processes left in the test's namespaces"
+    assert not set(hosts.names) & set(namespaces()), "network namespaces left"
     assert shm_entries(hosts.addrs[0]) == [], "shared-memory segments left by the runs"
+
+
+def namespaces() -> list[str]:
+    """The named network namespaces on this machine (`ip netns list`: "NAME (id: N)" a line)."""
+    return [line.split()[0] for line in sh("ip", "netns", "list", check=False).stdout.splitlines() if line.strip()]
 
 
 def timed(label: str, fn, *args, **kw):
