@@ -29,10 +29,15 @@ def resolve_backend(cfg, runtimes: dict | None) -> str:
     return "trl"
 
 
+def runs_here_without_a_gpu(kind: str) -> bool:
+    """NeMo-RL would run on this machine (a checkout or a container here, not a Slurm job) and it has no GPU."""
+    return kind in ("venv", "container") and not has_nvidia_gpu()
+
+
 def nemo_rl_errors(cfg, runtime: dict, host: bool = True) -> list[str]:
     """What the config lacks for NeMo-RL; `host`: also the tools this machine needs to launch it."""
     kind = runtime.get("kind", "venv")
-    if kind in ("venv", "container") and not has_nvidia_gpu():  # decisive: nothing else matters on this machine
+    if runs_here_without_a_gpu(kind):  # decisive: nothing else matters on this machine
         return ["rlhf: backend nemo_rl needs an NVIDIA GPU on this machine and none was found (no /dev/nvidia*, no GPU "
                 "from nvidia-smi); NeMo-RL has no CPU path. Use rlhf.backend=trl (or auto) here, or "
                 "runtimes.nemo_rl.kind=slurm to submit to a GPU cluster"]
@@ -76,7 +81,7 @@ def host_errors(cfg, pipeline) -> list[str]:
     if resolve_backend(cfg, runtimes) != "nemo_rl":
         return []
     kind = nemo_rl_runtime(runtimes).get("kind", "venv")
-    if kind in ("venv", "container") and not has_nvidia_gpu():
+    if runs_here_without_a_gpu(kind):
         return []  # validate's "needs an NVIDIA GPU" is decisive: nothing else matters on this machine
     return nemo_rl_tool_errors(kind)
 

@@ -272,11 +272,16 @@ def _step_of(ckpt: Path) -> int:
     return int(ckpt.name.split("-")[-1])
 
 
+def checkpoints(work: Path) -> list[Path]:
+    """The Trainer's `checkpoint-N` folders in work, sealed or not."""
+    return [p for p in work.glob("checkpoint-*") if p.is_dir() and p.name.split("-")[-1].isdigit()]
+
+
 def newest_complete(work: Path) -> Path | None:
     """The newest complete `checkpoint-N` of an earlier attempt whose contents verify. Every rank checks (no process
     group exists yet; they read the same bytes, so they agree); rank 0 names and deletes the rejected ones — a rank
     that finds one already deleted rejects it too."""
-    found = [p for p in work.glob("checkpoint-*") if p.is_dir() and p.name.split("-")[-1].isdigit()]
+    found = checkpoints(work)
     complete = sorted((p for p in found if is_complete(p)), key=_step_of)
     if RANK == 0:
         for p in found:
@@ -306,8 +311,7 @@ def checkpoint_callback(keep: int):
 
 def remove_older_than_kept(work: Path, keep: int) -> None:
     """Only the newest `keep` sealed checkpoints stay (an unsealed one is a save in progress or a dead one)."""
-    sealed_ones = sorted((p for p in work.glob("checkpoint-*") if p.name.split("-")[-1].isdigit() and is_complete(p)),
-                         key=_step_of)
+    sealed_ones = sorted((p for p in checkpoints(work) if is_complete(p)), key=_step_of)
     for old in sealed_ones[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
 
