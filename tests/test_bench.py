@@ -41,6 +41,23 @@ def test_fraction_of_read_bandwidth_compares_needed_bytes(tmp_path):
     assert r["baton_warm"]["rss_over_largest_tensor"] == 4.0 and r["baton_warm"]["rss_target_mb"] == 450.0
 
 
+def test_the_converters_imports_are_taken_out_of_its_work():
+    samples = {"read_cold": [{"seconds": 2.0}], "read_warm": [{"seconds": 1.0}],
+               "baton_cold": [{"seconds": 1.0, "rss_mb": 400.0}], "baton_warm": [{"seconds": 0.5, "rss_mb": 600.0}],
+               "imports": [{"seconds": 0.25, "rss_mb": 500.0}], "dcp-naive": [{"seconds": 2.0, "rss_mb": 2000.0}],
+               "write": [{"seconds": 0.125}]}
+    r = bench.summarize("megatron-tp1", samples, params=10**8, largest=100 << 20, files_bytes=4 * 10**9,
+                        needed_bytes=10**9, other="dcp-naive")
+    assert r["baton_warm"]["fraction_of_read_bandwidth"] == 0.5
+    assert r["baton_warm"]["work_seconds"] == 0.25 and r["baton_warm"]["work_fraction_of_read_bandwidth"] == 1.0
+    # reading 1 GB at 4 GB/s (0.25 s) and writing it (0.125 s): 0.375 s of I/O in 0.5 s, or in 0.25 s of work
+    assert r["write"]["gb_per_s"] == 8.0
+    assert r["baton_warm"]["fraction_of_io_ceiling"] == 0.75 and r["baton_warm"]["work_fraction_of_io_ceiling"] == 1.5
+    line = bench.targets([{"size": "S", "format": "megatron-tp1", **r}])
+    assert "end to end missed by S megatron-tp1 50%" in line and "after the converter's imports met by all" in line
+    assert "missed by S megatron-tp1 600 > 450 MB" in line and "above the imports' own RSS met by all" in line
+
+
 def _stats(x: float) -> dict:
     return {"median": x, "min": x, "max": x, "n": 1}
 
