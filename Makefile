@@ -84,9 +84,10 @@ gpu-wheels: setup
 gpu-check:
 	$(GPU_PYTHON) benchmarks/gpu_check.py --device $(DEVICE) $(if $(filter cuda,$(DEVICE)),--wheels $(GPU_WHEELS))
 
-# Conversion, hashing and orchestration cost side by side (benchmarks/bench.py; ~80 min on the loaded 2-core machine,
-# of which the orchestration part ~50; not part of `make test`; `--no-overhead` skips that part, and
-# `benchmarks/overhead_bench.py WORK OUT.json --quick` runs it alone in ~35 min):
+# Conversion, hashing and orchestration cost side by side (benchmarks/bench.py; ~22 min on the quiet 2-core machine
+# with its checkpoints kept in ~/.cache/baton/bench, ~30 min on a fresh one; the orchestration part is ~15 of them;
+# not part of `make test`; `--no-overhead` skips that part, and `benchmarks/overhead_bench.py WORK OUT.json --quick`
+# runs it alone):
 # writes benchmarks/results/bench.{json,md}, the README's Performance table and an MLflow run in `baton-benchmarks`.
 BENCH_ARGS ?=
 bench: setup
