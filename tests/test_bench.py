@@ -103,3 +103,22 @@ def test_overhead_verdict_and_table():
     text = "\n".join(bench.overhead_lines(res))
     assert "| pretrain ×10 (alternating, 2 reps) | 100 |" in text and "+8.0%" in text
     assert "missed by pretrain_long (step time ×1.00, per-step overhead +8.0%)" in text and "start-up 60 s" in text
+
+
+def test_work_left_within_the_noise_of_the_imports_is_not_judged():
+    samples = {"read_cold": [{"seconds": 2.0}], "read_warm": [{"seconds": 1.0}],
+               "baton_cold": [{"seconds": 4.0, "rss_mb": 400.0}], "baton_warm": [{"seconds": 3.7, "rss_mb": 400.0}],
+               "imports": [{"seconds": 3.8, "rss_mb": 300.0}], "dcp-naive": [{"seconds": 4.0, "rss_mb": 900.0}],
+               "write": [{"seconds": 0.2}]}
+    r = bench.summarize("megatron-tp1", samples, params=10**7, largest=1 << 20, files_bytes=10**9,
+                        needed_bytes=10**8, other="dcp-naive")
+    assert r["baton_warm"]["work_seconds"] is None and r["baton_warm"]["work_fraction_of_io_ceiling"] is None
+    line = bench.targets([{"size": "S", "format": "megatron-tp1", **r}])
+    assert "after the converter's imports met by all (not judged: S megatron-tp1, whose imports" in line
+
+
+def test_every_metric_the_bench_logs_follows_the_naming_scheme():
+    conv = {"size": "M", "format": "megatron-tp2pp2"}
+    for key in ("read_cold", "read_warm", "write", "baton_cold", "baton_warm", "dcp-naive"):
+        for quantity in ("bytes_per_s", "s", "peak_rss_mib"):
+            bench.perf_name(conv, key, quantity)  # raises on a name outside tasks/events.py's scheme
