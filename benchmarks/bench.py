@@ -405,9 +405,21 @@ def overhead_lines(o: dict) -> list[str]:
     out += ["", f"Per-step overhead ≤ {o['verdict']['target']:.0%} (judged on the median step-time ratio of every stage "
                 "and the long run's per-step overhead): "
             + ("met by every stage." if not missed else "missed by " + ", ".join(missed) + ".")]
+    out += verification_lines(p)
     if o.get("note"):
         out += ["", f"Note: {o['note']}."]
     return out
+
+
+def verification_lines(p: dict) -> list[str]:
+    """What each gate's levels cost inside its step, from the pipeline run's first repetition (conversions carry it)."""
+    facts = (p.get("facts") or [{}])[0]
+    timed = facts.get("verification_s") or {}
+    if not timed:
+        return []
+    parts = [f"{label} {', '.join(f'{k} {v:.1f}' for k, v in levels.items())} s of its {facts['steps_s'][label]:.0f} s"
+             for label, levels in timed.items()]
+    return ["", "Verification inside the pipeline's steps (gate levels, seconds): " + "; ".join(parts) + "."]
 
 
 def _scale(o: dict) -> int:

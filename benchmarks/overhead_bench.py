@@ -206,7 +206,9 @@ def pipeline_rep(work: Path, rep: int, steps: dict) -> tuple[dict, dict]:
            "training_stages_ratio": sum(v["baton_step_s"] for v in stages.values()) / bare_total,
            "whole_run_ratio": r["wall_s"] / bare_total}
     facts = {"exit_code": r["exit_code"], "steps_s": {s["label"]: s.get("seconds") for s in summary["stages"]},
-             "gates": {s["label"]: (s.get("gate") or {}).get("passed") for s in summary["stages"]}}
+             "gates": {s["label"]: (s.get("gate") or {}).get("passed") for s in summary["stages"]},
+             "verification_s": {s["label"]: (s.get("gate") or {}).get("seconds") for s in summary["stages"]
+                                if (s.get("gate") or {}).get("seconds")}}
     return {"run": run, "stages": stages, "facts": facts}, r
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+import time
 from pathlib import Path
 
 from . import hf, manifest as mf, probe
@@ -17,8 +18,9 @@ def check(name: str, passed: bool, detail: str = "") -> dict:
     return {"name": name, "passed": bool(passed), "detail": detail}
 
 
-def report(checks: list[dict]) -> dict:
-    return {"passed": all(c["passed"] for c in checks) and bool(checks), "checks": checks}
+def report(checks: list[dict], seconds: dict | None = None) -> dict:
+    out = {"passed": all(c["passed"] for c in checks) and bool(checks), "checks": checks}
+    return {**out, "seconds": seconds} if seconds is not None else out
 
 
 # ---- L0 ------------------------------------------------------------------------------------------------------------
@@ -281,32 +283,46 @@ def _format_of(root: Path) -> str:
 def verify(root: Path, against: Path | None = None, *, levels: tuple[str, ...] = ("L0", "preflight", "L1", "L2", "L3")) -> dict:
     """The checks that fit the checkpoint's format: L0 for every format; an HF checkpoint also gets the serving
     preflight, the save/load round trip, logits parity (with `against`) and generation; an engine checkpoint
-    (Megatron dist, DeepSpeed ZeRO) gets an exact read-back instead. Later checks stop once the files are known bad."""
+    (Megatron dist, DeepSpeed ZeRO) gets an exact read-back instead. Later checks stop once the files are known bad.
+    The report's `seconds` says what each level cost."""
     root = Path(root)
     checks: list[dict] = []
-    if "L0" in levels:
+    seconds: dict[str, float] = {}
+
+    def run(level, fn, guarded=True):  # guarded: an exception is that level's failed check
+        t0 = time.perf_counter()
         try:
-            checks += integrity(root)
-        except mf.ManifestError as e:
-            checks.append(check("L0.integrity", False, str(e)))
+            return _guarded(level, fn) if guarded else fn()
+        finally:
+            seconds[level] = round(time.perf_counter() - t0, 3)
+
+    if "L0" in levels:
+        checks += run("L0", lambda: _integrity_or_refusal(root), guarded=False)
     if checks and not checks[-1]["passed"]:
-        return report(checks)  # corrupted files: loading them would only add confusing errors
+        return report(checks, seconds)  # corrupted files: loading them would only add confusing errors
     fmt = _format_of(root)
     if fmt in ("megatron-dist", "deepspeed-zero"):
-        return report(checks + (_guarded("L1", lambda: engine_reload(root, fmt)) if "L1" in levels else []))
+        return report(checks + (run("L1", lambda: engine_reload(root, fmt)) if "L1" in levels else []), seconds)
     if fmt == "dataset":
-        return report(checks)
+        return report(checks, seconds)
     if "preflight" in levels:
-        checks += preflight(root)
+        checks += run("preflight", lambda: preflight(root), guarded=False)
     if any(c["name"] in ("preflight.config", "preflight.safetensors") and not c["passed"] for c in checks):
-        return report(checks)
+        return report(checks, seconds)
     steps = [("L1", lambda: roundtrip(root)), ("L3", lambda: generation_smoke(root))]
     if against is not None:
         steps.insert(1, ("L2", lambda: logits_parity(root, against)))
     for level, fn in steps:
         if level in levels:
-            checks += _guarded(level, fn)
-    return report(checks)
+            checks += run(level, fn)
+    return report(checks, seconds)
+
+
+def _integrity_or_refusal(root: Path) -> list[dict]:
+    try:
+        return integrity(root)
+    except mf.ManifestError as e:
+        return [check("L0.integrity", False, str(e))]
 
 
 def _guarded(level: str, fn) -> list[dict]:
@@ -320,5 +336,7 @@ def format_report(rep: dict) -> str:
     lines = []
     for c in rep["checks"]:
         lines.append(f"  [{'ok' if c['passed'] else 'FAIL'}] {c['name']}: {c['detail']}")
+    if rep.get("seconds"):
+        lines.append("  took " + ", ".join(f"{level} {s:.2f} s" for level, s in rep["seconds"].items()))
     lines.append("PASSED" if rep["passed"] else "FAILED")
     return "\n".join(lines)

@@ -319,7 +319,7 @@ def _with_finite_check(out: StageOutput) -> None:
         checks = verify.finite_weights(Path(out.output))
     except Exception as e:  # unreadable weights are not verified weights
         checks = [verify.check("weights.finite", False, f"{type(e).__name__}: {e}")]
-    out.gate = verify.report(out.gate.get("checks", []) + checks)
+    out.gate = verify.report(out.gate.get("checks", []) + checks, out.gate.get("seconds"))
 
 
 def _memory_vs_plan(c, mlflow_run: str, cfg: PipelineConfig, step: Step, entry: dict) -> None:

@@ -122,3 +122,9 @@ def test_every_metric_the_bench_logs_follows_the_naming_scheme():
     for key in ("read_cold", "read_warm", "write", "baton_cold", "baton_warm", "dcp-naive"):
         for quantity in ("bytes_per_s", "s", "peak_rss_mib"):
             bench.perf_name(conv, key, quantity)  # raises on a name outside tasks/events.py's scheme
+
+
+def test_the_gates_levels_are_reported_against_their_step():
+    p = {"facts": [{"steps_s": {"convert": 12.3}, "verification_s": {"convert": {"L0": 0.1, "L1": 2.0}}}]}
+    assert bench.verification_lines(p)[-1].endswith("convert L0 0.1, L1 2.0 s of its 12 s.")
+    assert bench.verification_lines({"facts": [{}]}) == []

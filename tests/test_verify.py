@@ -27,8 +27,10 @@ def test_good_checkpoint_passes(outside_checkpoint, baton_home):
     assert m["tokenizer"]["chat_template"] is True
     r = baton("verify", str(outside_checkpoint), "--json", home=baton_home, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    names = {c["name"] for c in json.loads(r.stdout)["checks"]}
+    rep = json.loads(r.stdout)
+    names = {c["name"] for c in rep["checks"]}
     assert {"L0.integrity", "preflight.chat_template", "preflight.tied_embeddings", "L1.roundtrip", "L3.generation"} <= names
+    assert set(rep["seconds"]) == {"L0", "preflight", "L1", "L3"} and all(s >= 0 for s in rep["seconds"].values())
 
 
 def test_flipped_byte_in_tensor_data_is_caught(outside_checkpoint, baton_home):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 from prefect import task
@@ -17,15 +18,20 @@ WORKER = Path(__file__).with_name("worker.py")
 def gate(out: Path, src: Path, to_format: str) -> dict:
     """L0 + finite weights, then for HF: preflight + L1 + L2 (against the engine's probe logits when the source has
     them) + L3."""
+    t0 = time.perf_counter()
     checks = verify.integrity(out)
+    seconds = {"L0": round(time.perf_counter() - t0, 3)}
     if not checks[-1]["passed"]:
-        return verify.report(checks)
+        return verify.report(checks, seconds)
+    t0 = time.perf_counter()
     finite = verify.finite_weights(out)
+    seconds["finite"] = round(time.perf_counter() - t0, 3)
     if to_format != "hf-safetensors" or not finite[0]["passed"]:
-        return verify.report(checks + finite)
+        return verify.report(checks + finite, seconds)
     ref = src / probe.PROBE_FILE
-    rep = verify.verify(out, against=ref if ref.exists() else None)
-    return verify.report(rep["checks"] + finite)
+    rep = verify.verify(out, against=ref if ref.exists() else None)  # its L0 reuses the digests just computed
+    later = {k: round(v + seconds.pop(k, 0), 3) for k, v in rep["seconds"].items()}
+    return verify.report(rep["checks"] + finite, {**seconds, **later})
 
 
 @task(name="convert", cache_policy=NO_CACHE)
