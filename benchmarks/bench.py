@@ -154,13 +154,13 @@ IMPORT_FLOORS = {
     "baton-megatron": ("import torch.distributed.checkpoint; from transformers import AutoTokenizer, GenerationConfig, "
                        "LlamaConfig; from conversions import megatron"),
 }
+CONTENDERS = {**CONVERTERS, **{f"imports-{name}": code for name, code in IMPORT_FLOORS.items()}}
 
 
 def run_converter(which: str, src: Path, dst: Path) -> dict:
     shutil.rmtree(dst, ignore_errors=True)
-    body = IMPORT_FLOORS[which.removeprefix("imports-")] if which.startswith("imports-") else CONVERTERS[which]
     code = ("import json, resource, sys, time; from pathlib import Path; SRC, DST = Path(sys.argv[1]), Path(sys.argv[2]);"
-            " import torch; t0 = time.perf_counter(); " + body + "; print('@@bench ' + json.dumps({'seconds': "
+            " import torch; t0 = time.perf_counter(); " + CONTENDERS[which] + "; print('@@bench ' + json.dumps({'seconds': "
             "time.perf_counter() - t0, 'rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))")
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     p = subprocess.run([sys.executable, "-c", code, str(src), str(dst)], env=env, capture_output=True, text=True)

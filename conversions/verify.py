@@ -290,11 +290,7 @@ def verify(root: Path, against: Path | None = None, *, levels: tuple[str, ...] =
     seconds: dict[str, float] = {}
 
     def run(level, fn, guarded=True):  # guarded: an exception is that level's failed check
-        t0 = time.perf_counter()
-        try:
-            return _guarded(level, fn) if guarded else fn()
-        finally:
-            seconds[level] = round(time.perf_counter() - t0, 3)
+        return timed(seconds, level, (lambda: _guarded(level, fn)) if guarded else fn)
 
     if "L0" in levels:
         checks += run("L0", lambda: _integrity_or_refusal(root), guarded=False)
@@ -316,6 +312,15 @@ def verify(root: Path, against: Path | None = None, *, levels: tuple[str, ...] =
         if level in levels:
             checks += run(level, fn)
     return report(checks, seconds)
+
+
+def timed(seconds: dict, level: str, fn):
+    """fn(), its time added to seconds[level] (a gate that runs a level twice reports the sum)."""
+    t0 = time.perf_counter()
+    try:
+        return fn()
+    finally:
+        seconds[level] = round(seconds.get(level, 0) + time.perf_counter() - t0, 3)
 
 
 def _integrity_or_refusal(root: Path) -> list[dict]:

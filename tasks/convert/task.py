@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import shutil
-import time
 from pathlib import Path
 
 from prefect import task
@@ -18,20 +17,18 @@ WORKER = Path(__file__).with_name("worker.py")
 def gate(out: Path, src: Path, to_format: str) -> dict:
     """L0 + finite weights, then for HF: preflight + L1 + L2 (against the engine's probe logits when the source has
     them) + L3."""
-    t0 = time.perf_counter()
-    checks = verify.integrity(out)
-    seconds = {"L0": round(time.perf_counter() - t0, 3)}
+    seconds: dict[str, float] = {}
+    checks = verify.timed(seconds, "L0", lambda: verify.integrity(out))
     if not checks[-1]["passed"]:
         return verify.report(checks, seconds)
-    t0 = time.perf_counter()
-    finite = verify.finite_weights(out)
-    seconds["finite"] = round(time.perf_counter() - t0, 3)
+    finite = verify.timed(seconds, "finite", lambda: verify.finite_weights(out))
     if to_format != "hf-safetensors" or not finite[0]["passed"]:
         return verify.report(checks + finite, seconds)
     ref = src / probe.PROBE_FILE
     rep = verify.verify(out, against=ref if ref.exists() else None)  # its L0 reuses the digests just computed
-    later = {k: round(v + seconds.pop(k, 0), 3) for k, v in rep["seconds"].items()}
-    return verify.report(rep["checks"] + finite, {**seconds, **later})
+    for level, s in rep["seconds"].items():
+        seconds[level] = round(seconds.get(level, 0) + s, 3)
+    return verify.report(rep["checks"] + finite, seconds)
 
 
 @task(name="convert", cache_policy=NO_CACHE)
