@@ -1,18 +1,21 @@
 """The nemo_rl backend without a GPU: the YAML baton writes (loads with OmegaConf, inherits NeMo-RL's recipe through
-`defaults:`, defines every key NeMo-RL's DPO reads), the exact launch commands, and the clear refusal on a CPU machine.
+`defaults:`, sets only keys NeMo-RL has, with types it accepts), the exact launch commands, and the clear refusal on a
+CPU machine.
 
-NeMo-RL itself cannot run here (GPU only). Its recipe is stood in by a YAML of the same shape built from the key list;
-set BATON_NEMO_RL_PATH to a NeMo-RL checkout to check against its real examples/configs/dpo.yaml too.
+NeMo-RL itself cannot run here (GPU only). Its recipes are stood in by YAMLs rebuilt from fixtures/nemo_rl_recipes.json:
+facts read from a pinned NVIDIA-NeMo/RL commit (every recipe key path and its type, the upstream values these tests
+need, the keys its config types declare beyond the recipe, the scripts baton runs). Re-read them when moving the pin.
 """
 from __future__ import annotations
 
-import os
+import json
 import shlex
 import time
 from pathlib import Path
 
 import pytest
 import yaml
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
 from conftest import TINY, baton
@@ -21,44 +24,132 @@ from tasks.rlhf import checks, nemo_rl
 from tasks.rlhf.config import RlhfConfig
 
 INPUT, DATA, OUT = Path("/ckpt/policy"), Path("/runs/data"), Path("/runs/r1/01-rlhf/nemo_rl")
+FACTS = json.loads((Path(__file__).parent / "fixtures" / "nemo_rl_recipes.json").read_text())
+RECIPE_FACTS = FACTS["recipes"]
 no_gpu = pytest.mark.skipif(checks.has_nvidia_gpu(), reason="this machine has a GPU")
 
 
-def nest(dotted: dict) -> dict:
-    out: dict = {}
-    for key, value in dotted.items():
-        node = out
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return out
+def set_dotted(tree: dict, key: str, value) -> None:
+    *parents, leaf = key.split(".")
+    for p in parents:
+        tree = tree.setdefault(p, {})
+    tree[leaf] = value
+
+
+def placeholder(key: str, type_name: str):
+    """A value of the recorded type; a string names its key so that an inherited value is recognisable."""
+    if type_name == "str":
+        return f"recipe:{key}"
+    return {"int": 3, "float": 0.5, "bool": False, "null": None, "list": [], "dict": {}}[type_name]
+
+
+def recipe_from_facts(facts: dict) -> dict:
+    """The recipe's shape with placeholders of each key's type, and the upstream value where one is recorded
+    (interpolations among them, so they resolve as upstream's do)."""
+    recipe = {"defaults": facts["defaults"]} if facts["defaults"] else {}
+    for key, type_name in facts["keys"].items():  # parents come before their children
+        set_dotted(recipe, key, facts["values"][key] if key in facts["values"] else placeholder(key, type_name))
+    return recipe
 
 
 def stand_in_checkout(root: Path) -> Path:
-    """A directory shaped like a NeMo-RL checkout whose dpo.yaml defines every key DPO reads, with the upstream
-    defaults that matter here (HelpSteer3 `validation` split, MLflow off, an interpolated sequence length)."""
-    recipe = {k: f"recipe:{k}" for k in nemo_rl.DPO_KEYS}
-    recipe.update({"data.validation.split": "validation", "data.train.split": "train", "logger.mlflow_enabled": False,
-                   "policy.max_total_sequence_length": 1024,
-                   "data.max_input_seq_length": "${policy.max_total_sequence_length}",
-                   "dpo.preference_loss_weight": 1, "dpo.sft_loss_weight": 0, "cluster.gpus_per_node": 1,
-                   "cluster.num_nodes": 1, "policy.dtensor_cfg.tensor_parallel_size": 1})
-    base = root / "examples" / "configs" / "dpo.yaml"
-    base.parent.mkdir(parents=True)
-    base.write_text(yaml.safe_dump(nest(recipe)))
-    (root / "examples" / "run_dpo.py").write_text("")
-    (root / "ray.sub").write_text("")
+    """A directory shaped like the pinned NeMo-RL checkout: its recipes rebuilt from the facts, its scripts empty."""
+    for facts in RECIPE_FACTS.values():
+        recipe = root / facts["file"]
+        recipe.parent.mkdir(parents=True, exist_ok=True)
+        recipe.write_text(yaml.safe_dump(recipe_from_facts(facts), sort_keys=False))
+    for script in FACTS["scripts"]:
+        (root / script).parent.mkdir(parents=True, exist_ok=True)
+        (root / script).write_text("")
     return root
 
 
 def our_config(runtime: dict, cfg: RlhfConfig | None = None, algorithm: str = "dpo") -> dict:
     return nemo_rl.build_config(algorithm=algorithm, runtime=runtime, input_dir=INPUT, data_dir=DATA, out_dir=OUT,
-                                cfg=cfg or RlhfConfig(), seed=7, max_length=128, tracking_uri="http://mlflow:5000",
-                                experiment="baton", mlflow_run_id="stage-run-id")
+                                cfg=cfg or RlhfConfig(algorithm=algorithm), seed=7, max_length=128,
+                                tracking_uri="http://mlflow:5000", experiment="baton", mlflow_run_id="stage-run-id")
 
 
-def test_yaml_loads_inherits_and_defines_every_dpo_key(tmp_path):
+def leaves(tree: dict, prefix: str = ""):
+    """(dotted key, value) for every value that is not a non-empty dict."""
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            yield from leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def type_name(value) -> str:
+    for python_type, name in ((bool, "bool"), (int, "int"), (float, "float"), (str, "str"), (list, "list"),
+                              (dict, "dict")):
+        if isinstance(value, python_type):
+            return name
+    return "null"
+
+
+def type_problem(facts: dict, key: str, value) -> str | None:
+    """Why NeMo-RL would not take `value` at `key`, or None. A type its code declares wins over the recipe's value."""
+    expected = facts["declared"][key]["type"] if key in facts["declared"] else facts["keys"].get(key)
+    if expected is None:
+        return f"{key}: not in {facts['file']}, nor declared by NeMo-RL's config types"
+    allowed, actual = expected.split("|"), type_name(value)
+    if actual in allowed or (actual == "int" and "float" in allowed):  # pydantic takes an int for a float
+        return None
+    return f"{key}: {actual} {value!r}, where NeMo-RL has {expected}"
+
+
+def command_line_overrides(cfg: RlhfConfig, runtime: dict) -> dict:
+    parsed = OverridesParser.create().parse_overrides(nemo_rl.overrides(cfg, runtime))
+    return {o.key_or_group: o.value() for o in parsed}
+
+
+def test_the_facts_cover_every_algorithm_and_script_baton_runs():
+    assert FACTS["source"]["repository"] == "https://github.com/NVIDIA-NeMo/RL" and len(FACTS["source"]["commit"]) == 40
+    for algorithm, (base, script, section) in nemo_rl.RECIPES.items():
+        facts = RECIPE_FACTS[algorithm]
+        assert (facts["file"], facts["entry"], facts["keys"][section]) == (base, script, "dict")
+        assert "--config" in FACTS["scripts"][script]
+    assert {"--config", "--dcp-ckpt-path", "--hf-ckpt-path"} <= set(FACTS["scripts"][nemo_rl.CONVERTER])
+    assert "ray.sub" in FACTS["scripts"]
+
+
+@pytest.mark.parametrize("algorithm", sorted(nemo_rl.RECIPES))
+def test_every_key_baton_sets_is_one_nemo_rl_has_with_a_type_it_takes(algorithm):
+    """Each key our YAML writes or the command line overrides is in the recipe or declared by NeMo-RL's config types
+    (the fixture says where: CheckpointingConfig, TokenizerConfig, DTensorConfig, MLflowConfig,
+    PreferenceDatasetConfig, DPOConfig), with a type that NeMo-RL's validation accepts."""
+    runtime = {"kind": "venv", "path": "/opt/RL", "nodes": 2}
+    written = {k: v for k, v in leaves(our_config(runtime, algorithm=algorithm)) if k != "defaults"}
+    overridden = command_line_overrides(RlhfConfig(algorithm=algorithm), runtime)
+    facts = RECIPE_FACTS[algorithm]
+    problems = [p for key, value in [*written.items(), *overridden.items()] if (p := type_problem(facts, key, value))]
+    assert problems == []
+
+
+def test_every_key_dpo_needs_is_a_real_nemo_rl_key():
+    facts = RECIPE_FACTS["dpo"]
+    unknown = [key for key in nemo_rl.DPO_KEYS if key not in facts["keys"] and key not in facts["declared"]]
+    assert unknown == []
+
+
+@pytest.mark.parametrize("algorithm", sorted(nemo_rl.RECIPES))
+def test_the_resolved_config_misses_no_key(algorithm, tmp_path):
+    """Merged over the recipe and resolved: every recipe key is still there (and every key DPO reads), and the
+    recipe's interpolations resolve to the types upstream's do."""
+    checkout = stand_in_checkout(tmp_path / "RL")
+    runtime = {"kind": "venv", "path": str(checkout)}
+    path = nemo_rl.write_config(tmp_path / f"nemo_rl_{algorithm}.yaml", our_config(runtime, algorithm=algorithm))
+    cfg = nemo_rl.resolve(path, nemo_rl.overrides(RlhfConfig(algorithm=algorithm), runtime))
+    facts = RECIPE_FACTS[algorithm]
+    assert nemo_rl.missing_keys(cfg, keys=tuple(facts["keys"])) == []
+    assert algorithm != "dpo" or nemo_rl.missing_keys(cfg) == []
+    resolved = OmegaConf.create(cfg)
+    interpolated = [key for key, value in facts["values"].items() if "${" in str(value)]
+    problems = [p for key in interpolated if (p := type_problem(facts, key, OmegaConf.select(resolved, key)))]
+    assert problems == []
+
+
+def test_yaml_loads_inherits_and_our_choices_win(tmp_path):
     checkout = stand_in_checkout(tmp_path / "RL")
     runtime = {"kind": "venv", "path": str(checkout), "nodes": 2}
     path = nemo_rl.write_config(tmp_path / "nemo_rl_dpo.yaml", our_config(runtime))
@@ -66,22 +157,26 @@ def test_yaml_loads_inherits_and_defines_every_dpo_key(tmp_path):
     raw = OmegaConf.load(path)  # plain OmegaConf: the file itself is valid and names its parent
     assert raw.defaults == str(checkout / "examples" / "configs" / "dpo.yaml")
     cfg = nemo_rl.resolve(path, nemo_rl.overrides(RlhfConfig(), runtime))
-    assert nemo_rl.missing_keys(cfg) == []
-    assert cfg["dpo"]["preference_average_log_probs"] == "recipe:dpo.preference_average_log_probs"  # inherited
+    upstream = RECIPE_FACTS["dpo"]["values"]
+    assert cfg["dpo"]["preference_average_log_probs"] is upstream["dpo.preference_average_log_probs"]  # inherited
+    assert cfg["dpo"]["sft_average_log_probs"] is upstream["dpo.preference_average_log_probs"]  # ${.…}, resolved
+    assert upstream["dpo.reference_policy_kl_penalty"] != 0.1 and upstream["dpo.sft_loss_weight"] != 1.0
     assert cfg["dpo"]["reference_policy_kl_penalty"] == 0.1 and cfg["dpo"]["sft_loss_weight"] == 1.0  # ours win
     assert cfg["dpo"]["max_num_steps"] == RlhfConfig().steps
     assert cfg["policy"]["model_name"] == str(INPUT) and cfg["policy"]["tokenizer"]["name"] == str(INPUT)
     assert cfg["data"]["max_input_seq_length"] == 128  # the recipe's interpolation, resolved against our value
+    assert upstream["data.validation.split"] == "validation"  # HelpSteer3's; a local jsonl has only `train`
     for split, name in (("train", "train"), ("validation", "heldout")):
         d = cfg["data"][split]
-        assert d["split"] is None and d["dataset_name"] == "BinaryPreferenceDataset"
+        assert d["split"] == "train" and d["dataset_name"] == "BinaryPreferenceDataset"
         assert d["data_path"] == str(OUT / "data" / f"{name}.jsonl")
         assert (d["prompt_key"], d["chosen_key"], d["rejected_key"]) == ("prompt", "chosen", "rejected")
     assert cfg["checkpointing"]["model_save_format"] == "safetensors" and cfg["checkpointing"]["save_consolidated"]
     assert cfg["checkpointing"]["checkpoint_dir"] == str(OUT / "results")
+    assert upstream["logger.mlflow_enabled"] is False
     assert cfg["logger"]["mlflow_enabled"] and cfg["logger"]["mlflow"] == {
         "experiment_name": "baton", "run_name": "rlhf", "tracking_uri": "http://mlflow:5000", "run_id": "stage-run-id"}
-    assert cfg["cluster"] == {"gpus_per_node": 8, "num_nodes": 2}
+    assert cfg["cluster"] == {"gpus_per_node": 8, "num_nodes": 2, "segment_size": None}
 
 
 def test_overrides_follow_nemo_rl_rules(tmp_path):
@@ -91,17 +186,6 @@ def test_overrides_follow_nemo_rl_rules(tmp_path):
     assert cfg["dpo"]["sft_loss_weight"] == 0.1 and cfg["policy"]["hf_config_overrides"]["rope_theta"] == 5e5
     with pytest.raises(KeyError, match=r"\+policy.no_such_key"):
         nemo_rl.resolve(path, ["policy.no_such_key=1"])
-
-
-@pytest.mark.skipif(not os.environ.get("BATON_NEMO_RL_PATH"), reason="BATON_NEMO_RL_PATH (a NeMo-RL checkout) not set")
-def test_against_the_real_recipe(tmp_path):
-    runtime = {"kind": "venv", "path": os.environ["BATON_NEMO_RL_PATH"]}
-    for algorithm in ("dpo", "rm"):
-        path = nemo_rl.write_config(tmp_path / f"{algorithm}.yaml", our_config(runtime, algorithm=algorithm))
-        cfg = nemo_rl.resolve(path, nemo_rl.overrides(RlhfConfig(), runtime))
-        assert cfg["data"]["validation"]["split"] is None and cfg["policy"]["model_name"] == str(INPUT)
-        if algorithm == "dpo":
-            assert nemo_rl.missing_keys(cfg) == []
 
 
 def test_launch_from_a_checkout():

@@ -85,9 +85,10 @@ def preference_files(data_dir: Path, out_dir: Path) -> dict[str, Path]:
 
 
 def _preference_file(path: Path) -> dict:
-    # split: null, because a local jsonl has only a `train` split (the base recipe asks for `validation`)
+    # split: train, because a local jsonl loads as one `train` split (the base recipe asks for `validation`); not
+    # null, which NeMo-RL's config validation refuses (PreferenceDatasetConfig.split is a str)
     return {"dataset_name": "BinaryPreferenceDataset", "data_path": str(path), "prompt_key": "prompt",
-            "chosen_key": "chosen", "rejected_key": "rejected", "split": None}
+            "chosen_key": "chosen", "rejected_key": "rejected", "split": "train"}
 
 
 def build_config(*, algorithm: str, runtime: dict, input_dir: Path, data_dir: Path, out_dir: Path, cfg, seed: int,
