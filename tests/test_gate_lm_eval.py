@@ -99,6 +99,7 @@ def test_the_lm_eval_check_needs_a_rise_of_the_configured_score():
           "reported": ["acc,none"]}
     ok = gates.lm_eval_check(ev, 0.0)
     assert ok["passed"] and ok["name"] == "eval.lm_eval_mine" and "lm-eval mine acc,none 0.2500 → 0.5000" in ok["detail"]
+    assert gates.lm_eval_check(ev, 0.24)["passed"]
     assert not gates.lm_eval_check(ev, 0.25)["passed"]  # by more than min_improvement
     assert not gates.lm_eval_check(dict(ev, after=0.25), 0.0)["passed"]
     missing = gates.lm_eval_check(dict(ev, score="f1,none", after=None), 0.0)
@@ -109,7 +110,6 @@ def test_the_lm_eval_check_needs_a_rise_of_the_configured_score():
 def test_finetune_gate_runs_lm_eval_on_both_checkpoints(tmp_path, tiny_config, data_dir, hf_checkpoint):
     """Held-out task written by the data stage; before = the random-init input, after = the DeepSpeed checkpoint
     (converted to HF inside the worker)."""
-    from tasks import gates
     from tasks.finetune.config import FinetuneConfig
     from tasks.finetune.task import run_finetune
     from tasks.stage import StageContext
@@ -124,10 +124,9 @@ def test_finetune_gate_runs_lm_eval_on_both_checkpoints(tmp_path, tiny_config, d
     assert ev["metric"] == "lm_eval_baton_sft_heldout" and ev["score"] == "exact_match,strip", ev
     assert ev["task"] == "baton_sft_heldout" and ev["lm_eval_version"], ev
     assert ev["samples"]["baton_sft_heldout"]["effective"] == 16, ev
-    assert 0 <= ev["before"] < ev["after"] <= 1, ev  # the random init answers nothing right
+    assert ev["before"] == 0.0 and 0 < ev["after"] <= 1, ev  # the random init answers nothing right
     check = {c["name"]: c for c in out.gate["checks"]}["eval.lm_eval_baton_sft_heldout"]
     assert check["passed"] and out.gate["passed"], out.gate
-    assert not gates.lm_eval_check(ev, ev["after"] - ev["before"])["passed"]  # the same numbers, a higher bar
     assert out.metrics["lm_eval_baton_sft_heldout_after"] == ev["after"] and out.metrics["heldout_loss_after"]
     log = (tmp_path / "engine.log").read_text()
     assert "[lm-eval-gate]" in log or "lm-eval-gate" in log or "baton_sft_heldout" in log
@@ -136,8 +135,9 @@ def test_finetune_gate_runs_lm_eval_on_both_checkpoints(tmp_path, tiny_config, d
 
 @pytest.mark.slow
 def test_rlhf_gate_runs_the_configured_lm_eval_task(tmp_path, tiny_config, data_dir, hf_checkpoint):
-    """rlhf has no default task: here baton's held-out SFT task, named with its include_path and score. A few DPO
-    steps may or may not raise it; the gate's verdict follows the recorded numbers either way."""
+    """rlhf has no default task: here baton's held-out SFT task, named with its include_path and score. The task wants
+    the JSON answer ({"category": ...}); the random-init input gives none, and five DPO steps on "The answer is ..."
+    replies teach none: 0.0 → 0.0, no rise, so the gate refuses the policy."""
     from tasks.data import lm_eval_task
     from tasks.rlhf.config import RlhfConfig
     from tasks.rlhf.task import run_rlhf
@@ -153,7 +153,8 @@ def test_rlhf_gate_runs_the_configured_lm_eval_task(tmp_path, tiny_config, data_
     out = run_rlhf.fn(ctx, cfg)
     ev = out.eval
     assert ev["metric"] == "lm_eval_baton_sft_heldout" and ev["lm_eval_version"], ev
-    assert isinstance(ev["before"], float) and isinstance(ev["after"], float), ev
+    assert (ev["before"], ev["after"]) == (0.0, 0.0), ev
     check = {c["name"]: c for c in out.gate["checks"]}["eval.lm_eval_baton_sft_heldout"]
-    assert check["passed"] == (ev["after"] > ev["before"]), (check, ev)
+    assert not check["passed"] and check["detail"].endswith("not better than the input checkpoint"), check
+    assert not out.gate["passed"], out.gate
     assert out.metrics["lm_eval_wall_s"] > 0

@@ -3,16 +3,19 @@ lost peer is retried; an OOM kill (a real memory cgroup), a full disk (/dev/full
 exception fail at once, with their cause in the message."""
 from __future__ import annotations
 
+import math
 import os
+import re
 import sys
 from pathlib import Path
 
 import pytest
 
 from flows import stages
-from tasks import launch
+from tasks import events, launch
 
-pytestmark = [pytest.mark.fast, pytest.mark.reliability]
+# fast per test: a module-wide fast mark would put the slow engine tests into `make test-fast` too
+pytestmark = pytest.mark.reliability
 
 
 def _fail(code: str, env: dict | None = None) -> launch.LaunchError:
@@ -21,6 +24,7 @@ def _fail(code: str, env: dict | None = None) -> launch.LaunchError:
     return info.value
 
 
+@pytest.mark.fast
 def test_rank_killed_by_a_signal_is_infrastructure(record_property):
     record_property("fault", "rank SIGKILLed")
     e = _fail("import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
@@ -55,25 +59,65 @@ def launch_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.fast
 def test_disk_full_is_not_retried(record_property):
     record_property("fault", "ENOSPC in a rank")
     e = _fail("open('/dev/full', 'w').write('x' * 100000)")
     assert stages.failure_class(e, stages.oom_kills()) == "disk full"
 
 
+@pytest.mark.fast
 def test_ordinary_exception_is_not_retried(record_property):
     record_property("fault", "ordinary exception")
     e = _fail("raise ValueError('a bug')")
     assert stages.failure_class(e, stages.oom_kills()) == "error"
 
 
-def test_non_finite_loss_beats_the_peers_lost_connection(record_property):
-    """A rank that stops on a NaN loss takes its peers down with 'Connection closed by peer': still not retried."""
+@pytest.mark.slow
+def test_a_diverging_finetune_stops_at_its_first_non_finite_loss(record_property, tmp_path, monkeypatch, tiny_config,
+                                                                 data_dir, hf_checkpoint):
+    """The real DeepSpeed worker, one rank, lr 1e12: past the warm-up's first step (lr 0) one update blows the weights
+    up and a later step's loss is NaN. The stage stops there, once, naming that step, before any checkpoint."""
     record_property("fault", "non-finite loss")
-    e = _fail("import sys; print('[rank1] Connection closed by peer', flush=True); "
-              "sys.exit('rank 0: non-finite loss nan at step 7 (micro-batch 0)')")
-    assert stages.failure_class(e, stages.oom_kills()) == "non-finite loss"
-    assert "step 7" in "\n".join(e.tail)
+    monkeypatch.setenv("BATON_INFRA_RETRY_DELAY_S", "0")  # were it retried, the retry would start at once
+    message = str(_run_finetune_into_divergence(tmp_path, tiny_config, data_dir, hf_checkpoint)).splitlines()[0]
+    assert "(non-finite loss; not retried)" in message, message
+    named = re.search(r"non-finite loss nan at step (\d+) \(micro-batch 0\)", message)
+    assert named, message
+    finite_steps = _reported_finite_losses(tmp_path / "engine.log")
+    assert len(finite_steps) >= 2, finite_steps  # past the step that blew the weights up
+    assert int(named.group(1)) == max(finite_steps) + 1, (message, finite_steps)  # the first step without a loss
+    assert _worker_starts(tmp_path / "engine.log") == 1
+    assert not (tmp_path / "checkpoint" / "latest").exists()
+
+
+def _run_finetune_into_divergence(work: Path, tiny_config, data_dir: Path, hf_checkpoint: Path) -> launch.LaunchError:
+    from flows.plan import Step
+    from tasks.finetune.config import FinetuneConfig
+    from tasks.stage import StageContext
+
+    cfg = FinetuneConfig(nproc_per_node=1, steps=6, micro_batch_size=4, max_seq_length=64, lr=1e12, warmup_steps=1,
+                         checkpoint_every=6, gate={"metric": "heldout_loss"}, timeout_s=300)
+    ctx = StageContext(stage="finetune", run_id="test", run_dir=work, work_dir=work,
+                       model=tiny_config.model.model_dump(), seed=0, data_dir=data_dir, input=hf_checkpoint,
+                       input_format="hf-safetensors")
+    step = Step(name="finetune", label="finetune", consumes="hf-safetensors", produces="deepspeed-zero")
+    with pytest.raises(launch.LaunchError) as info:
+        stages._run_with_retries(step, ctx, cfg)
+    return info.value
+
+
+def _reported_finite_losses(engine_log: Path) -> dict[int, float]:
+    """The training loss the worker reported for each step, from its metric events."""
+    found = (events.parse(line) for line in engine_log.read_text().splitlines())
+    losses = {e["step"]: e[events.TRAIN_LOSS] for e in found if e and e["kind"] == "metric" and events.TRAIN_LOSS in e}
+    assert all(math.isfinite(v) for v in losses.values()), losses
+    return losses
+
+
+def _worker_starts(engine_log: Path) -> int:
+    """How many times the worker reached training (its rank 0 announces where it starts, once per launch)."""
+    return engine_log.read_text().count("training examples")
 
 
 def _child_memory_cgroup(limit: int) -> Path | None:
@@ -90,6 +134,7 @@ def _child_memory_cgroup(limit: int) -> Path | None:
     return child
 
 
+@pytest.mark.fast
 def test_oom_kill_is_not_retried(record_property):
     """A rank in a 64 MB memory cgroup allocates 400 MB: the kernel's OOM killer SIGKILLs it. Without the cgroup's
     oom_kill counter this would look exactly like a preempted rank."""
@@ -107,6 +152,7 @@ def test_oom_kill_is_not_retried(record_property):
         cg.rmdir()
 
 
+@pytest.mark.fast
 def test_timeout_is_not_retried(record_property):
     record_property("fault", "hung rank (timeout)")
     with pytest.raises(launch.LaunchError) as info:

@@ -11,6 +11,8 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
+
 from conftest import TINY, baton
 from conversions import hf, manifest as mf
 from tasks.rlhf.config import RlhfConfig
@@ -87,6 +89,9 @@ def test_reward_model_beside_the_chain(tmp_path, tiny_config, data_dir, hf_check
 
 
 def test_grpo_runs_a_few_steps_with_the_preference_reward(tmp_path, tiny_config, data_dir, hf_checkpoint):
+    """The random-init input scores every held-out pair's chosen reply ("The answer is plum.") below its one-word
+    rejected one, its extra tokens each costing about log(vocab): accuracy starts at 0.0, so it cannot fall, and the
+    gate, which only refuses a fall, must pass whatever three GRPO steps did."""
     cfg = RlhfConfig(algorithm="grpo", steps=3, micro_batch_size=8, num_generations=4, max_completion_length=6,
                      lr=1e-4, beta=0.04, timeout_s=900)
     out = run_stage(tmp_path, tiny_config, data_dir, hf_checkpoint, cfg)
@@ -97,10 +102,25 @@ def test_grpo_runs_a_few_steps_with_the_preference_reward(tmp_path, tiny_config,
     rewards = [e for e in steps if e["kind"] == "metric" and "train/reward" in e]
     assert len(rewards) == 3 and all("train/kl" in e and "perf/step_time_s" in e for e in rewards)
     assert out.metrics["heldout_kl_to_reference"] >= 0.0
+    assert out.eval["metric"] == "heldout_pref_accuracy" and out.eval["before"] == 0.0, out.eval
+    assert 0.0 <= out.eval["after"] <= 1.0, out.eval
     acc = next(c for c in out.gate["checks"] if c["name"] == "eval.heldout_pref_accuracy")
-    assert acc["passed"] == (out.eval["after"] >= out.eval["before"])
-    assert out.gate["passed"] == all(c["passed"] for c in out.gate["checks"])
-    assert all(c["passed"] for c in out.gate["checks"] if c["name"] != "eval.heldout_pref_accuracy"), out.gate
+    assert acc["passed"] and acc["detail"].startswith("held-out preference_accuracy 0.0000 → "), acc
+    assert out.gate["passed"], out.gate
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("before, after, min_improvement, passed", [
+    (0.0, 0.0, 0.0, True),  # level passes (heldout_loss and exact_match need a strict rise: test_data_formats)
+    (0.5, 0.45, 0.0, False),
+    (0.25, 0.5, 0.25, True),  # a rise of exactly min_improvement is enough
+    (0.25, 0.5, 0.3, False),
+    (None, 0.5, 0.0, False),  # not measured
+])
+def test_the_preference_gate_needs_at_least_its_minimum_rise(before, after, min_improvement, passed):
+    from tasks import gates
+
+    assert gates.check("preference_accuracy", before, after, min_improvement)["passed"] is passed
 
 
 RESUME_TOLERANCE = 1e-6  # max |Δweight| vs the uninterrupted run; measured 0.0 (TRL restores model, optimizer, RNG, data order)
