@@ -2,7 +2,10 @@
 random-init HF checkpoint with the data stage's tokenizer, for stages that start from HF weights."""
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -22,10 +25,28 @@ for _k, _v in QUIET_ENV.items():
     os.environ.setdefault(_k, _v)
 
 
+_MLFLOW_STORE: Path | None = None
+
+
+def migrated_mlflow_store() -> Path:
+    """An empty MLflow SQLite store, migrated once per session (a fresh one costs every new BATON_HOME seconds of
+    schema migrations); each BATON_HOME gets a copy, which MLflow then opens as it would its own."""
+    global _MLFLOW_STORE
+    if _MLFLOW_STORE is None:
+        folder = Path(tempfile.mkdtemp(prefix="baton-test-mlflow-"))
+        code = ("from mlflow import MlflowClient; import sys; "
+                "MlflowClient(tracking_uri=f'sqlite:///{sys.argv[1]}/mlflow.db').search_experiments()")
+        subprocess.run([sys.executable, "-c", code, str(folder)], check=True, capture_output=True, timeout=300,
+                       env=dict(os.environ, MLFLOW_DISABLE_TELEMETRY="true"))
+        _MLFLOW_STORE = folder / "mlflow.db"
+    return _MLFLOW_STORE
+
+
 @pytest.fixture
 def baton_home(tmp_path, monkeypatch):
     home = tmp_path / "baton-home"
     home.mkdir()
+    shutil.copy(migrated_mlflow_store(), home / "mlflow.db")
     monkeypatch.setenv("BATON_HOME", str(home))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     return home
@@ -33,10 +54,59 @@ def baton_home(tmp_path, monkeypatch):
 
 def baton(*args: str, home: Path, timeout: float = 1800, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run the real CLI in a subprocess, as a user would."""
-    full = dict(os.environ, BATON_HOME=str(home), **(env or {}))
-    full.pop("MLFLOW_TRACKING_URI", None)
+    full = dict(os.environ)
+    if not env or "MLFLOW_TRACKING_URI" not in env:
+        full.pop("MLFLOW_TRACKING_URI", None)
+    full.update(env or {}, BATON_HOME=str(home))
     return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=full, capture_output=True,
                           text=True, timeout=timeout)
+
+
+def cli(*args: str, home: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The real CLI in this process, for commands where no process boundary is under test (no interpreter start, no
+    imports paid again). The environment is put back afterwards: the CLI reads BATON_HOME and a stack's settings
+    from it."""
+    from flows.cli import main
+
+    import signal
+
+    saved, sigterm = dict(os.environ), signal.getsignal(signal.SIGTERM)  # `run` installs its own SIGTERM handler
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        os.environ.update(env or {})
+        os.environ["BATON_HOME"] = str(home)
+        if not env or "MLFLOW_TRACKING_URI" not in env:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                rc = main(list(args))
+            except SystemExit as e:
+                rc = e.code if isinstance(e.code, int) else 1
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        signal.signal(signal.SIGTERM, sigterm)
+    return subprocess.CompletedProcess(["baton", *args], rc, out.getvalue(), err.getvalue())
+
+
+@pytest.fixture(scope="session", autouse=True)
+def prefect_api(request):
+    """One Prefect server for every CLI run of the session (Prefect's own temporary server, started once instead of
+    by each `baton run`); tests about starting Prefect leave PREFECT_API_URL out of their run's environment. Not
+    started when only fast tests (no engine, server or stack) were selected."""
+    if all(item.get_closest_marker("fast") for item in request.session.items):
+        yield None
+        return
+    from prefect.server.api.server import SubprocessASGIServer
+
+    server = SubprocessASGIServer()
+    server.start()
+    os.environ["PREFECT_API_URL"] = server.api_url
+    try:
+        yield server.api_url
+    finally:
+        os.environ.pop("PREFECT_API_URL", None)
+        server.stop()
 
 
 @pytest.fixture(scope="session")
@@ -94,6 +164,13 @@ def hf_checkpoint(tmp_path_factory, tiny_config, data_dir) -> Path:
 
 # the real local stack (make up) and what runs on it, shared by test_ops* and test_browser*
 from ops_stack import initial_champion, ops_stack, retrain_outcomes  # noqa: E402,F401
+# the README's default chain, run once per session against that stack
+from default_run import default_run  # noqa: E402,F401
+
+# The time a session fixture may take, added to the per-test limit (pyproject's `timeout`) of every test that uses
+# it: whichever of them runs first pays for the fixture.
+FIXTURE_SECONDS = {"ops_stack": 600, "default_run": 1800, "retrain_outcomes": 1800, "initial_champion": 120,
+                   "hf_checkpoint": 120, "data_dir": 120}
 
 
 # Markers by module, so `make test-fast` (-m fast) is the inner loop and the heavy families can be picked out:
@@ -107,13 +184,21 @@ KINDS = ("fast", "slow", "serve", "ops", "gpu")
 
 def pytest_configure(config):
     import reliability_table
+    import skip_policy
 
-    if not config.pluginmanager.is_registered(reliability_table):
-        config.pluginmanager.register(reliability_table, "reliability_table")
+    for plugin, name in ((reliability_table, "reliability_table"), (skip_policy, "skip_policy")):
+        if not config.pluginmanager.is_registered(plugin):
+            config.pluginmanager.register(plugin, name)
 
 
 def pytest_collection_modifyitems(config, items):
+    base = float(config.getini("timeout") or 0)
     for item in items:
+        extra = sum(FIXTURE_SECONDS.get(name, 0) for name in getattr(item, "fixturenames", ()))
+        mark = item.get_closest_marker("timeout")
+        if extra and base:
+            own = float(mark.args[0]) if mark and mark.args else base
+            item.add_marker(pytest.mark.timeout(own + extra), append=False)  # before its own: the closest wins
         module = item.module.__name__.rsplit(".", 1)[-1]
         if module in FAMILIES:
             item.add_marker(FAMILIES[module])

@@ -1,6 +1,6 @@
 """The UIs, rendered by headless Chromium (Debian's package).
 
-- A tiny `baton run configs/tiny.yaml --stages data,pretrain,convert` against the stack (run once for the module): the
+- The session's `baton run configs/tiny.yaml` against the stack (tests/default_run.py): the
   Prefect flow-run page is named `tiny-<run id>` and lists the stage subflows; the run summary artifact carries the
   lineage diagram; the MLflow model version page shows its gate report. These tests save the screenshots in docs/ that
   the README shows.
@@ -9,10 +9,7 @@
 """
 from __future__ import annotations
 
-import json
 import re
-import subprocess
-import sys
 import os
 import tempfile
 import time
@@ -33,17 +30,11 @@ SHOT_MAX_BYTES = 400_000
 
 
 @pytest.fixture(scope="module")
-def tiny_run(ops_stack) -> dict:
-    """One real run against the stack, as a user types it after `make up`; its summary.json and flow run."""
-    t0 = time.time()
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", "--stages",
-                           "data,pretrain,convert"], cwd=REPO, env=ops_stack.env, capture_output=True, text=True,
-                          timeout=1800)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    summary = json.loads((Path(proc.stdout.strip().splitlines()[-1]) / "summary.json").read_text())
-    print(f"tiny data,pretrain,convert on the stack: {time.time() - t0:.0f}s")
-    return {"summary": summary, "flow_run": ops_stack.flow_run(summary["prefect_flow_run_id"]),
-            "stages": {s["label"]: s for s in summary["stages"]}}
+def tiny_run(ops_stack, default_run) -> dict:
+    """The session's `baton run configs/tiny.yaml` against the stack (tests/default_run.py); its flow run."""
+    assert default_run.rc == 0, default_run.failure()
+    return {"summary": default_run.summary, "stages": default_run.stages,
+            "flow_run": ops_stack.flow_run(default_run.summary["prefect_flow_run_id"])}
 
 
 def test_prefect_flow_run_page_is_named_after_the_run_and_lists_the_stages(ops_stack, tiny_run):

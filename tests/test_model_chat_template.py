@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY, baton
+from conftest import TINY, baton, cli
 from flows.config import ConfigError, load
 
 ZEPHYR = ("{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + m['content'] + eos_token + '\n' }}{% endfor %}"
@@ -110,7 +110,7 @@ def test_the_key_takes_a_template_less_model_through_data_and_a_chat_stage(tmp_p
     files = write_files(tmp_path / "data")
     texts = [json.dumps(json.loads(line)) for line in files["sft"].read_text().splitlines()]
     ckpt = strip_template(own_model(tmp_path / "llama", "llama", texts))
-    assert baton("manifest", str(ckpt), home=baton_home, timeout=300).returncode == 0
+    assert cli("manifest", str(ckpt), home=baton_home).returncode == 0
     template = tmp_path / "zephyr.jinja"
     template.write_text(ZEPHYR)
     cfg = tmp_path / "own.yaml"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import baton
+from conftest import baton, cli
 
 pytestmark = pytest.mark.slow  # the data stage through the CLI and Prefect, three times (no engine)
 
@@ -60,7 +60,7 @@ def data_run(cfg: Path, model: Path, home: Path) -> dict:
 
 def planned(cfg: Path, model: Path, home: Path) -> dict[str, tuple[str, str]]:
     """`baton config` (a dry run): label → (fingerprint prefix, 'cached' | 'to run')."""
-    r = baton("config", str(cfg), "--from", str(model), home=home, timeout=300)
+    r = cli("config", str(cfg), "--from", str(model), home=home)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = {}
     for line in r.stdout.split("# planned steps:")[1].splitlines():

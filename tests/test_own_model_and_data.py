@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import baton
+from conftest import baton, cli
 
 # Zephyr-style turns closed by </s>: not baton's ChatML, so nothing can lean on baton's own template
 TEMPLATE = ("{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + m['content'] + eos_token + '\n' }}{% endfor %}"
@@ -111,7 +111,7 @@ def workspace(tmp_path, baton_home):
 def test_own_model_and_files_through_rlhf_finetune_convert(workspace, baton_home, family):
     tmp_path, files, texts = workspace
     ckpt = own_model(tmp_path / family, family, texts)
-    r = baton("manifest", str(ckpt), home=baton_home, timeout=300)
+    r = cli("manifest", str(ckpt), home=baton_home)
     assert r.returncode == 0, r.stderr[-2000:]
     cfg = write_config(tmp_path / "own.yaml", files)
     r = baton("run", str(cfg), "--from", str(ckpt), home=baton_home, timeout=3000)
@@ -153,7 +153,7 @@ def test_bad_rows_fail_the_data_stage_before_any_engine(workspace, baton_home):
     lines[4] = json.dumps(bad)
     files["sft"].write_text("\n".join(lines) + "\n")
     ckpt = own_model(tmp_path / "llama", "llama", texts)
-    assert baton("manifest", str(ckpt), home=baton_home, timeout=300).returncode == 0
+    assert cli("manifest", str(ckpt), home=baton_home).returncode == 0
     r = baton("run", str(write_config(tmp_path / "own.yaml", files)), "--from", str(ckpt), home=baton_home,
               timeout=600)
     assert r.returncode != 0
@@ -170,7 +170,7 @@ def test_continue_pretraining_an_own_model_with_its_own_tokenizer(workspace, bat
     """data (the model's tokenizer, no new BPE) → HF → Megatron → pretrain → HF."""
     tmp_path, files, texts = workspace
     ckpt = own_model(tmp_path / "llama", "llama", texts)
-    assert baton("manifest", str(ckpt), home=baton_home, timeout=300).returncode == 0
+    assert cli("manifest", str(ckpt), home=baton_home).returncode == 0
     cfg = tmp_path / "cont.yaml"
     cfg.write_text(f"""
 name: cont
@@ -204,7 +204,7 @@ tracking: {{experiment: cont, registered_model: cont-model}}
 def test_own_model_served_by_vllm_after_the_chain(workspace, baton_home):
     tmp_path, files, texts = workspace
     ckpt = own_model(tmp_path / "qwen2", "qwen2", texts, hidden=128)  # head_dim 32: vLLM's CPU attention has no 16
-    assert baton("manifest", str(ckpt), home=baton_home, timeout=300).returncode == 0
+    assert cli("manifest", str(ckpt), home=baton_home).returncode == 0
     r = baton("run", str(write_config(tmp_path / "own.yaml", files)), "--from", str(ckpt),
               "--stages", "data,rlhf,finetune,serve", "--set", "serve.engine=vllm",
               "--set", "serve.smoke.json_requests=4", home=baton_home, timeout=3000)

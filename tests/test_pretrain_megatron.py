@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import baton, TINY
+from conftest import TINY, cli
 
 SHORT = ["pretrain.steps=12", "pretrain.checkpoint_every=2", "pretrain.eval_interval=6", "pretrain.warmup_steps=2",
          "pretrain.keep_checkpoints=3"]
@@ -148,7 +148,7 @@ def test_world_size_1_trains_checkpoints_and_packages(world1):
 def test_baton_verify_fits_a_megatron_checkpoint(world1, baton_home):
     """Integrity and an exact read-back, not the HF serving checks that a dist checkpoint cannot pass."""
     _, out = world1
-    r = baton("verify", str(out.output), home=baton_home, timeout=300)
+    r = cli("verify", str(out.output), home=baton_home)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "L1.reload" in r.stdout and "preflight" not in r.stdout and "config.json" not in r.stdout
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TINY, baton
+from conftest import REPO, TINY, baton, cli
 from tasks import paths, secrets, tracking
 from tasks.serve import engines
 from tasks.serve.config import ServeConfig
@@ -157,7 +157,7 @@ def test_baton_home_and_its_files_are_private(tmp_path, record_property):
     home = tmp_path / "home"
     folder = tmp_path / "configs"  # a copy: the manifest is written into the folder, never into the checkout
     shutil.copytree(REPO / "configs", folder)
-    r = baton("manifest", str(folder), "--format", "dataset", home=home, timeout=120)
+    r = cli("manifest", str(folder), "--format", "dataset", home=home)
     assert r.returncode == 0, r.stderr
     d = tmp_path / "ck"
     d.mkdir()

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import baton, make_hf_checkpoint
+from conftest import cli, make_hf_checkpoint
 from conversions import hf
 
 
@@ -17,15 +17,15 @@ def outside_checkpoint(tmp_path, tiny_config, data_dir):
 
 
 def test_good_checkpoint_passes(outside_checkpoint, baton_home):
-    r = baton("verify", str(outside_checkpoint), home=baton_home, timeout=300)
+    r = cli("verify", str(outside_checkpoint), home=baton_home)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "integrity NOT checked" in r.stdout  # no manifest yet: said, not silently skipped
-    r = baton("manifest", str(outside_checkpoint), home=baton_home, timeout=120)
+    r = cli("manifest", str(outside_checkpoint), home=baton_home)
     assert r.returncode == 0, r.stderr
     m = json.loads((outside_checkpoint / "baton_manifest.json").read_text())
     assert m["format"] == "hf-safetensors" and m["parameter_count"] == hf.parameter_count(outside_checkpoint)
     assert m["tokenizer"]["chat_template"] is True
-    r = baton("verify", str(outside_checkpoint), "--json", home=baton_home, timeout=300)
+    r = cli("verify", str(outside_checkpoint), "--json", home=baton_home)
     assert r.returncode == 0, r.stdout + r.stderr
     rep = json.loads(r.stdout)
     names = {c["name"] for c in rep["checks"]}
@@ -34,12 +34,12 @@ def test_good_checkpoint_passes(outside_checkpoint, baton_home):
 
 
 def test_flipped_byte_in_tensor_data_is_caught(outside_checkpoint, baton_home):
-    assert baton("manifest", str(outside_checkpoint), home=baton_home, timeout=120).returncode == 0
+    assert cli("manifest", str(outside_checkpoint), home=baton_home).returncode == 0
     f = outside_checkpoint / "model.safetensors"
     data = bytearray(f.read_bytes())
     data[-100] ^= 0x01  # inside the tensor data, past the header
     f.write_bytes(bytes(data))
-    r = baton("verify", str(outside_checkpoint), home=baton_home, timeout=300)
+    r = cli("verify", str(outside_checkpoint), home=baton_home)
     assert r.returncode == 1
     assert "model.safetensors: sha256 mismatch" in r.stdout
 
@@ -50,7 +50,7 @@ def test_missing_chat_template_is_caught(outside_checkpoint, baton_home):
     tc = json.loads(cfg.read_text())
     tc.pop("chat_template", None)
     cfg.write_text(json.dumps(tc))
-    r = baton("verify", str(outside_checkpoint), home=baton_home, timeout=300)
+    r = cli("verify", str(outside_checkpoint), home=baton_home)
     assert r.returncode == 1
     assert "[FAIL] preflight.chat_template" in r.stdout
 
@@ -60,7 +60,7 @@ def test_config_tied_but_lm_head_differs(outside_checkpoint, baton_home):
     c = json.loads(cfg.read_text())
     c["tie_word_embeddings"] = True
     cfg.write_text(json.dumps(c))
-    r = baton("verify", str(outside_checkpoint), home=baton_home, timeout=300)
+    r = cli("verify", str(outside_checkpoint), home=baton_home)
     assert r.returncode == 1
     assert "[FAIL] preflight.tied_embeddings" in r.stdout and "differs" in r.stdout
 
@@ -70,7 +70,7 @@ def test_config_untied_but_no_lm_head(outside_checkpoint, baton_home):
     tensors = load_file(str(f))
     del tensors["lm_head.weight"]
     save_file(tensors, str(f), metadata={"format": "pt"})
-    r = baton("verify", str(outside_checkpoint), home=baton_home, timeout=300)
+    r = cli("verify", str(outside_checkpoint), home=baton_home)
     assert r.returncode == 1
     assert "[FAIL] preflight.tied_embeddings" in r.stdout and "no lm_head.weight" in r.stdout
 
@@ -78,17 +78,17 @@ def test_config_untied_but_no_lm_head(outside_checkpoint, baton_home):
 def test_logits_parity_against_another_checkpoint(outside_checkpoint, tmp_path, baton_home):
     twin = tmp_path / "twin"
     shutil.copytree(outside_checkpoint, twin)
-    r = baton("verify", str(outside_checkpoint), "--against", str(twin), home=baton_home, timeout=300)
+    r = cli("verify", str(outside_checkpoint), "--against", str(twin), home=baton_home)
     assert r.returncode == 0 and "L2.logits_parity" in r.stdout
     t = load_file(str(twin / "model.safetensors"))
     t["model.norm.weight"] = t["model.norm.weight"] * 1.5
     save_file(t, str(twin / "model.safetensors"), metadata={"format": "pt"})
-    r = baton("verify", str(outside_checkpoint), "--against", str(twin), home=baton_home, timeout=300)
+    r = cli("verify", str(outside_checkpoint), "--against", str(twin), home=baton_home)
     assert r.returncode == 1 and "[FAIL] L2.logits_parity" in r.stdout
 
 
 def test_missing_format_metadata_is_caught(outside_checkpoint, baton_home):
     f = outside_checkpoint / "model.safetensors"
     save_file(load_file(str(f)), str(f))  # no metadata, as some converters write it
-    r = baton("verify", str(outside_checkpoint), home=baton_home, timeout=300)
+    r = cli("verify", str(outside_checkpoint), home=baton_home)
     assert r.returncode == 1 and "[FAIL] preflight.safetensors_metadata" in r.stdout

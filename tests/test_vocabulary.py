@@ -7,7 +7,7 @@ import shlex
 
 import pytest
 
-from conftest import REPO, TINY, baton
+from conftest import REPO, TINY, cli
 
 pytestmark = pytest.mark.fast
 
@@ -101,14 +101,14 @@ def test_every_readme_run_command_resolves(baton_home):
         if "--from" in args:  # a folder or a registered model of the reader's; everything else must resolve
             i = args.index("--from")
             args = args[:i] + args[i + 2:]
-        r = baton("config", *args, home=baton_home, timeout=120)
+        r = cli("config", *args, home=baton_home)
         assert r.returncode == 0, f"baton config {' '.join(args)}:\n{r.stderr}"
         assert "# planned steps:" in r.stdout
 
 
 def test_baton_config_prints_the_plan_and_launches_nothing(baton_home):
-    r = baton("config", str(TINY), "--stages", "data,pretrain,convert", "--set", "pretrain.steps=50",
-              home=baton_home, timeout=120)
+    r = cli("config", str(TINY), "--stages", "data,pretrain,convert", "--set", "pretrain.steps=50",
+              home=baton_home)
     assert r.returncode == 0, r.stderr
     assert "steps: 50" in r.stdout
     assert re.search(r"convert-megatron-to-hf\s+megatron-dist -> hf-safetensors\s+[0-9a-f]{12}\s+to run", r.stdout)
