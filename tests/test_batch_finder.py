@@ -29,6 +29,7 @@ def _assert_boundary(prober, budget: float, m: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.long  # ~10 min together: every probe starts the engine
+@pytest.mark.timeout(900)
 def test_finetune_probes_run_deepspeed_under_a_cpu_budget(tiny_config, data_dir, hf_checkpoint, tmp_path):
     """The finetune stage's DeepSpeed ZeRO-2 launch on its 2 ranks per probe; the largest micro-batch under a budget.
     (Two budgets are tested on pretrain, whose probes start faster and grow ~10 MiB a sequence, well above the
@@ -46,6 +47,7 @@ def test_finetune_probes_run_deepspeed_under_a_cpu_budget(tiny_config, data_dir,
 
 @pytest.mark.slow
 @pytest.mark.long  # ~10 min together: every probe starts the engine
+@pytest.mark.timeout(900)
 def test_pretrain_probes_run_megatron_under_two_cpu_budgets(tiny_config, data_dir, tmp_path):
     """The pretrain stage's Megatron-Core launch (torchrun, the worker's training steps only) per probe; two budgets,
     the largest micro-batch under each."""

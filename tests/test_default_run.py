@@ -154,3 +154,32 @@ def test_an_unchanged_data_step_is_reused(run):
     again = json.loads((Path(r.stdout.strip().splitlines()[-1]) / "summary.json").read_text())
     (data,) = again["stages"]
     assert data["status"] == "cached" and data["output"] == run.stages["data"]["output"]
+
+
+def test_dpo_raised_the_margin_and_held_out_accuracy(run, ops_stack):
+    from conversions import manifest as mf
+
+    stage = run.stages["rlhf"]
+    assert {c["name"] for c in stage["gate"]["checks"]} >= {
+        "L0.integrity", "preflight.safetensors_metadata", "preflight.chat_template", "L1.roundtrip", "L3.generation",
+        "eval.heldout_pref_accuracy"}
+    ev = stage["eval"]
+    assert ev["metric"] == "heldout_pref_accuracy" and ev["after"] > ev["before"], ev
+    assert stage["metrics"]["margin_last"] > stage["metrics"]["margin_first"] + 0.1, stage["metrics"]
+    assert stage["backend"] == "trl" and stage["registered"]["alias"] == "candidate"
+    out, parent = Path(stage["output"]), Path(run.stages["convert-megatron-to-hf"]["output"])
+    m = mf.read(out)
+    assert m["format"] == "hf-safetensors" and m["engine"]["name"] == "trl" and m["engine"]["trl"]
+    assert m["extra"]["backend"] == "trl" and m["extra"]["algorithm"] == "dpo"
+    assert m["parent"]["digest"] == mf.digest_of(mf.read(parent))
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    assert (out / "chat_template.jinja").read_text() == (parent / "chat_template.jinja").read_text()
+    assert (out / "generation_config.json").exists()
+    c = ops_stack.mlflow()
+    mlrun = c.get_run(stage["mlflow_run_id"])
+    assert mlrun.data.tags["baton.backend"] == "trl" and mlrun.data.tags["baton.algorithm"] == "dpo"
+    for name in ("train/loss", "train/lr", "train/rewards_margins", "train/rewards_accuracies", "train/logps_chosen",
+                 "train/logps_rejected", "eval/heldout_pref_accuracy", "eval/heldout_kl_to_reference"):
+        assert c.get_metric_history(mlrun.info.run_id, name), f"no MLflow history for {name}"
+    held = sorted(c.get_metric_history(mlrun.info.run_id, "eval/heldout_pref_accuracy"), key=lambda x: x.step)
+    assert [x.value for x in held] == [ev["before"], ev["after"]]

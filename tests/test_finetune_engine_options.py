@@ -40,22 +40,6 @@ def assert_checkpoint_gate(out) -> None:
     assert set(failed) <= {"eval.heldout_exact_match"}, out.gate
 
 
-@pytest.mark.long  # with DeepSpeed's async_io JIT build (~5 min once): make test-long
-def test_zero3_nvme_offload_trains_and_converts_exactly(tmp_path, tiny_config, data_dir, hf_checkpoint):
-    straight = run_stage(tmp_path / "straight", tiny_config, data_dir, hf_checkpoint, nvme_config(tmp_path / "swap1"))
-    assert_checkpoint_gate(straight)
-    assert straight.metrics["loss_last"] < straight.metrics["loss_first"]
-    zero_cfg = straight.extra["zero"]
-    assert (zero_cfg["offload_param"]["device"], zero_cfg["offload_optimizer"]["device"]) == ("nvme", "cpu")
-    swapped = straight.metrics["nvme_swap_bytes"]
-    print(f"nvme offload: {swapped} bytes of swap files, {straight.metrics['wall_s']} s")
-    assert not (tmp_path / "swap1" / "zero_stage_3").exists()  # cleared after the run
-
-    conv = convert_and_gate(straight.output, tmp_path / "convert", tiny_config, data_dir)
-    assert conv.gate["passed"], conv.gate
-    assert_same_tensors(hf.load_state_dict(conv.output), deepspeed_reference(straight.output, tmp_path / "ds"))
-
-
 def test_worker_s_zero3_loader_equals_deepspeed_s_own_resume(tmp_path):
     """The loader the worker uses for parameters on NVMe, on ZeRO-3 with CPU offload (where DeepSpeed's own
     load_checkpoint works too, and no async I/O op is needed): resumed losses, fp32 masters, lr and step counters
@@ -94,15 +78,27 @@ def wide_checkpoint(tmp_path_factory, tiny_config, data_dir) -> Path:
 
 
 @pytest.mark.long  # with DeepSpeed's async_io JIT build (~5 min once): make test-long
-def test_zero3_nvme_offload_resumes_after_sigkill(tmp_path, tiny_config, data_dir, hf_checkpoint):
+@pytest.mark.timeout(1500)
+def test_zero3_nvme_offload_trains_resumes_after_sigkill_and_converts_exactly(tmp_path, tiny_config, data_dir,
+                                                                             hf_checkpoint):
     """No CPU flat buffers (nvme_max_in_cpu 0), the engine DeepSpeed's load_checkpoint fails on; the tiny model's
-    partitions are all under 1 MiB, so DeepSpeed keeps them in CPU memory (0 swap bytes)."""
+    partitions are all under 1 MiB, so DeepSpeed keeps them in CPU memory (0 swap bytes). The uninterrupted run also
+    converts to HF exactly (equal to DeepSpeed's own consolidation)."""
     straight, resumed = resume_after_sigkill(tmp_path, tiny_config, data_dir, hf_checkpoint)
     print(f"nvme resume (tiny): loss_last {resumed.metrics['loss_last']}, swap bytes "
-          f"{straight.metrics['nvme_swap_bytes']} / {resumed.metrics['nvme_swap_bytes']}")
+          f"{straight.metrics['nvme_swap_bytes']} / {resumed.metrics['nvme_swap_bytes']}, {straight.metrics['wall_s']} s")
+    assert_checkpoint_gate(straight)
+    assert straight.metrics["loss_last"] < straight.metrics["loss_first"]
+    zero_cfg = straight.extra["zero"]
+    assert (zero_cfg["offload_param"]["device"], zero_cfg["offload_optimizer"]["device"]) == ("nvme", "cpu")
+    assert not (tmp_path / "swap1" / "zero_stage_3").exists()  # cleared after the run
+    conv = convert_and_gate(straight.output, tmp_path / "convert", tiny_config, data_dir)
+    assert conv.gate["passed"], conv.gate
+    assert_same_tensors(hf.load_state_dict(conv.output), deepspeed_reference(straight.output, tmp_path / "ds"))
 
 
 @pytest.mark.long  # with DeepSpeed's async_io JIT build (~5 min once): make test-long
+@pytest.mark.timeout(1500)
 def test_zero3_nvme_offload_with_real_swap_resumes_after_sigkill(tmp_path, tiny_config, data_dir, wide_checkpoint):
     """Resume with parameters really on NVMe: the MLP partitions are written to and read from the swap files.
     DeepSpeed's default 5 swap buffers run out here ('Not enough buffers 0 for swapping 1' in step 3's backward,

@@ -44,17 +44,20 @@ def test_profiles_are_valid_pipeline_configs(profile):
 
 @pytest.mark.slow
 def test_gpu_check_dry_run_on_cpu(tmp_path):
-    """`make gpu-check DEVICE=cpu`: every part runs through the stages' own task bodies and reports its figures."""
+    """`make gpu-check DEVICE=cpu`, reduced to what only it covers: the check's own parts (versions, unmet
+    requirements, per-part results, on-device parity of each conversion, the JSON it writes) around Megatron pretraining
+    and ZeRO-3 with the optimizer offloaded to CPU, the one engine layout no other test of `make test` runs. (ZeRO-2
+    and DPO, its other parts, run in the session's default chain.)"""
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--out",
-                           str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=1500)
+                           str(tmp_path), "--parts", "zero3_offload"], cwd=REPO, capture_output=True, text=True,
+                          timeout=1500)
     result = json.loads((tmp_path / "gpu-check-cpu.json").read_text())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert result["passed"] and result["tokens_per_s"] > 0 and 0 < result["mfu"]
     assert result["versions"]["megatron-core"] and result["versions"]["deepspeed"] and result["versions"]["trl"]
-    for name in ("zero2", "zero3_offload"):
-        z = result[name]
-        assert z["step_time_s"] > 0 and z["peak_allocated_mb"] > 0, z
-        assert result[f"convert_{name}"]["parity_on_device"]["passed"]
-    assert result["zero3_offload"]["zero"]["offload_optimizer"]["device"] == "cpu"
+    z = result["zero3_offload"]
+    assert z["step_time_s"] > 0 and z["peak_allocated_mb"] > 0, z
+    assert result["convert_zero3_offload"]["parity_on_device"]["passed"]
+    assert z["zero"]["offload_optimizer"]["device"] == "cpu"
     assert result["convert_pretrain"]["parity_on_device"]["max_abs_diff"] <= 1e-4
-    assert result["dpo"]["gate"]["passed"], result["dpo"]
+    assert "zero2" not in result and "dpo" not in result  # the parts not asked for are not run

@@ -1,6 +1,7 @@
 """`model.chat_template`: a template for an HF checkpoint that has none. Checked when the config loads (it must parse
 as Jinja and render a conversation), named as the fix when a template-less model is refused, and written into the
-tokenizer of the data stage and of the checkpoints the chat stages write."""
+tokenizer of the data stage and of the checkpoints the chat stages write (through data → rlhf → finetune → convert
+for a template-less model: tests/test_own_model_and_data.py, its Llama case)."""
 from __future__ import annotations
 
 import json
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY, baton, cli
+from conftest import TINY
 from flows.config import ConfigError, load
 
 ZEPHYR = ("{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + m['content'] + eos_token + '\n' }}{% endfor %}"
@@ -97,49 +98,3 @@ def test_the_template_is_written_only_where_none_is(tmp_path):
     assert (tmp_path / "b" / "chat_template.jinja").read_text() == "{{ 'own' }}"
     assert chat_template.write_if_missing(ZEPHYR, own) is None
     assert chat_template.resolved({"chat_template": str(template)})["chat_template"] == ZEPHYR
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("stage, output_label", [("finetune", "convert-zero-to-hf"), ("rlhf", "rlhf")])
-def test_the_key_takes_a_template_less_model_through_data_and_a_chat_stage(tmp_path, baton_home, stage,
-                                                                             output_label):
-    """data (the model's tokenizer + the configured template) → finetune (DeepSpeed) → HF, or → rlhf (TRL DPO): the
-    stage renders the conversations with the template, and every tokenizer on the way carries it."""
-    from test_own_model_and_data import own_model, write_files
-
-    files = write_files(tmp_path / "data")
-    texts = [json.dumps(json.loads(line)) for line in files["sft"].read_text().splitlines()]
-    ckpt = strip_template(own_model(tmp_path / "llama", "llama", texts))
-    assert cli("manifest", str(ckpt), home=baton_home).returncode == 0
-    template = tmp_path / "zephyr.jinja"
-    template.write_text(ZEPHYR)
-    cfg = tmp_path / "own.yaml"
-    cfg.write_text(f"""
-name: own-template
-stages: [data, {stage}]
-model: {{chat_template: "{template}"}}
-data:
-  pretrain: {{kind: files, train: "{files['corpus']}"}}
-  sft: {{kind: files, train: "{files['sft']}"}}
-  preference: {{kind: files, train: "{files['pref']}"}}
-rlhf: {{steps: 12, micro_batch_size: 8, lr: 1.0e-3}}
-finetune: {{nproc_per_node: 1, steps: 12, micro_batch_size: 8, lr: 3.0e-3, checkpoint_every: 12}}
-tracking: {{experiment: own, registered_model: own-template}}
-""")
-    r = baton("run", str(cfg), "--from", str(ckpt), home=baton_home, timeout=1800)
-    run_dir = baton_home / "runs" / r.stdout.strip().splitlines()[-1].rsplit("/", 1)[-1] if r.stdout.strip() else None
-    summary = json.loads((run_dir / "summary.json").read_text()) if run_dir else {}
-    assert r.returncode == 0, (r.stderr[-3000:], json.dumps(summary, indent=1)[-3000:])
-    stages = {s["label"]: s for s in summary["stages"]}
-    assert list(stages)[0] == "data" and output_label in stages
-    data_tok = Path(stages["data"]["output"]) / "tokenizer"
-    assert (data_tok / "chat_template.jinja").read_text() == ZEPHYR
-    assert stages[stage]["gate"]["passed"], stages[stage]["gate"]
-    out = Path(stages[output_label]["output"])
-    assert (out / "chat_template.jinja").read_text() == ZEPHYR
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(out))
-    rendered = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
-    assert rendered == "<|user|>\nhi</s>\n<|assistant|>\n"
-    assert not (ckpt / "chat_template.jinja").exists()  # the input checkpoint is never written to

@@ -23,7 +23,8 @@ from multinode import Hosts, Slurm, engine_processes, two_hosts, wait_for
 from ops_stack import REPO
 from test_ops_cancel import _flow_process, _mlflow_runs, _step_record
 
-pytestmark = [pytest.mark.multinode, pytest.mark.ops, pytest.mark.reliability]
+# a two-host Slurm cluster (apt-installed on a fresh machine) and the stack come up first
+pytestmark = [pytest.mark.multinode, pytest.mark.ops, pytest.mark.reliability, pytest.mark.timeout(1500)]
 
 RUN_ID = "mn-cancel-1"
 FINETUNE = {"steps": 100000, "nnodes": 2, "nproc_per_node": 1, "checkpoint_every": 100000, "warmup_steps": 1,

@@ -13,7 +13,8 @@ import pytest
 from multinode import (Ray, cancel_while_training, hf_weights, max_abs_diff, reference_run, run_stage,
                        stage_spec, timed, two_hosts, zero_weights)
 
-pytestmark = [pytest.mark.slow, pytest.mark.multinode]
+# a two-host Ray cluster comes up first
+pytestmark = [pytest.mark.slow, pytest.mark.multinode, pytest.mark.timeout(1200)]
 
 # same world size, same data order: only the all-reduce transport differs (gloo over the veth pair vs one host)
 TOLERANCE = 1e-5

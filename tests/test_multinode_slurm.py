@@ -14,7 +14,8 @@ import pytest
 from multinode import (Slurm, cancel_while_training, dist_weights, max_abs_diff, reference_run, run_stage,
                        stage_spec, timed, two_hosts, zero_weights)
 
-pytestmark = [pytest.mark.slow, pytest.mark.multinode]
+# a two-host Slurm cluster (apt-installed on a fresh machine) comes up first
+pytestmark = [pytest.mark.slow, pytest.mark.multinode, pytest.mark.timeout(1500)]
 
 TOLERANCE = 1e-5  # same world size and data order; only the all-reduce transport differs
 PRETRAIN = ("pretrain.steps=12", "pretrain.checkpoint_every=12", "pretrain.eval_interval=6", "pretrain.warmup_steps=2",

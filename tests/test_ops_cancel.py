@@ -1,6 +1,6 @@
-"""Cancelling a pipeline run the way users do: `prefect flow-run cancel ID` (what the UI's Cancel button sends) against
-the real local stack while the fine-tuning engine (DeepSpeed launcher + 2 ranks) trains. Afterwards nothing of the
-engine is left, the step is free, every record says cancelled, and the next run of the same config takes the step over
+"""A rank killed mid-run, then the run cancelled the way users do: `prefect flow-run cancel ID` (what the UI's Cancel
+button sends) against the real local stack while the fine-tuning engine (DeepSpeed launcher + 2 ranks) trains. The
+killed rank is retried from its checkpoint; after the cancel nothing of the engine is left, the step is free, every record says cancelled, and the next run of the same config takes the step over
 and resumes from the cancelled run's last checkpoint."""
 from __future__ import annotations
 
@@ -77,13 +77,33 @@ def _mlflow_runs(stack, run_id: str) -> dict[str, object]:
     return {r.data.tags.get("baton.stage", "pipeline"): r for r in found}
 
 
-def test_prefect_cancel_stops_the_engine_and_closes_every_record(ops_stack, initial_champion, record_property):
-    record_property("fault", "prefect flow-run cancel mid-training")
+def _kill_a_rank_and_see_it_retried(ops_stack, fr_id: str, engine_log: Path) -> None:
+    """A rank SIGKILLed mid-run (what the OOM killer or a preemption does) is retried from the last checkpoint."""
+    rank1 = [p for p in _engine_processes(ops_stack.home) if "--local_rank=1" in " ".join(p.cmdline())]
+    assert len(rank1) == 1, [p.cmdline() for p in _engine_processes(ops_stack.home)]
+    rank1[0].kill()
+    deadline = time.time() + 420
+    while len(starts := re.findall(r"starting at step (\d+)", engine_log.read_text())) < 2:
+        assert time.time() < deadline, f"no retry in {engine_log}"
+        time.sleep(1)
+    assert int(starts[-1]) >= FINETUNE["checkpoint_every"], starts  # resumed from the checkpoint, not from step 0
+    assert "infrastructure failure" in ops_stack.logs_all(fr_id, min_level=30)
+    deadline = time.time() + 120
+    while len(_engine_processes(ops_stack.home)) < 3:  # the launcher and both ranks of the retry
+        assert time.time() < deadline, "the retry's engine did not start"
+        time.sleep(1)
+
+
+def test_killed_rank_is_retried_then_prefect_cancel_stops_the_engine_and_closes_every_record(
+        ops_stack, initial_champion, record_property):
+    record_property("fault", "rank SIGKILLed, then prefect flow-run cancel mid-training")
     home, cfg = ops_stack.home, _pipeline_config()
     fr_id = ops_stack.run_deployment("baton-pipeline/tiny", {"config": cfg, "from_ref": initial_champion["path"],
-                                                             "run_id": "cancel-1"}, watch=False)
+                                                             "run_id": "cancel-1"}, watch=False,
+                                     job_variables={"env": {"BATON_INFRA_RETRY_DELAY_S": "1"}})
     engine_log = home / "runs" / "cancel-1" / "01-finetune" / "engine.log"
     _wait_for(r'"kind": "checkpoint"', engine_log, timeout=600)
+    _kill_a_rank_and_see_it_retried(ops_stack, fr_id, engine_log)
     flow_proc = _flow_process(fr_id)
     tree = [flow_proc] + flow_proc.children(recursive=True)
     engine = _engine_processes(home)
@@ -121,7 +141,7 @@ def test_prefect_cancel_stops_the_engine_and_closes_every_record(ops_stack, init
                                                            "run_id": "cancel-2"}, timeout=900)
     assert ops_stack.flow_run(fr2)["state_type"] == "COMPLETED", ops_stack.last_output[-3000:]
     starts = [int(s) for s in re.findall(r"starting at step (\d+)", engine_log.read_text())]
-    assert starts[0] == 0 and starts[-1] == stopped_at, starts
+    assert starts[0] == 0 and len(starts) == 3 and starts[-1] == stopped_at, starts  # first try, retry, this run
     summary2 = json.loads((home / "runs" / "cancel-2" / "summary.json").read_text())
     assert summary2["status"] == "completed" and summary2["stages"][-1]["status"] == "completed"
     assert _step_record(home, "cancel-2", "finetune")["status"] == "completed"

@@ -1,7 +1,7 @@
 """Your own model and your own data, as a new user would bring them: an HF causal LM that baton did not make (Qwen2
 with q/k/v biases, GQA and tied embeddings, or Llama untied; random weights, its own locally trained tokenizer and a
 chat template unlike baton's) and files in the field's formats → data → rlhf (TRL DPO) → finetune (DeepSpeed) →
-convert, every gate on held-out loss. Bad input fails in the data stage, before any engine, naming file, line, field."""
+convert (Qwen2 on to vLLM), every gate on held-out loss. Bad input fails in the data stage, before any engine, naming file, line, field."""
 from __future__ import annotations
 
 import json
@@ -78,12 +78,13 @@ def write_files(root: Path) -> dict[str, Path]:
     return {"corpus": root / "corpus", "sft": root / "sft.jsonl", "pref": root / "pref.jsonl"}
 
 
-def write_config(path: Path, files: dict[str, Path]) -> Path:
+def write_config(path: Path, files: dict[str, Path], chat_template: Path | None = None) -> Path:
+    template = f", chat_template: \"{chat_template}\"" if chat_template else ""
     path.write_text(f"""
 name: own
 stages: [data, rlhf, finetune]
 model: {{num_layers: 2, hidden_size: 64, num_attention_heads: 4, num_query_groups: 2, ffn_hidden_size: 128,
-        seq_length: 256, vocab_size: 512}}
+        seq_length: 256, vocab_size: 512{template}}}
 data:
   pretrain: {{kind: files, train: "{files['corpus']}"}}
   sft: {{kind: files, train: "{files['sft']}"}}
@@ -106,19 +107,36 @@ def workspace(tmp_path, baton_home):
     return tmp_path, files, texts
 
 
+# Qwen2 goes on to vLLM (head_dim 32: vLLM's CPU attention has no 16); Llama stops at the HF checkpoint
+SERVED = {"qwen2": ["--stages", "data,rlhf,finetune,serve", "--set", "serve.engine=vllm",
+                    "--set", "serve.smoke.json_requests=4"], "llama": []}
+# Llama comes as a base model ships, without a chat template: the config's `model.chat_template` supplies it
+TEMPLATE_FROM_CONFIG = {"llama"}
+
+
 @pytest.mark.slow
+@pytest.mark.serve
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
 def test_own_model_and_files_through_rlhf_finetune_convert(workspace, baton_home, family):
     tmp_path, files, texts = workspace
-    ckpt = own_model(tmp_path / family, family, texts)
+    ckpt = own_model(tmp_path / family, family, texts, hidden=128 if SERVED[family] else 64)
+    template = None
+    if family in TEMPLATE_FROM_CONFIG:
+        from test_model_chat_template import strip_template
+
+        strip_template(ckpt)
+        template = tmp_path / "zephyr.jinja"
+        template.write_text(TEMPLATE)
     r = cli("manifest", str(ckpt), home=baton_home)
     assert r.returncode == 0, r.stderr[-2000:]
-    cfg = write_config(tmp_path / "own.yaml", files)
-    r = baton("run", str(cfg), "--from", str(ckpt), home=baton_home, timeout=3000)
+    cfg = write_config(tmp_path / "own.yaml", files, chat_template=template)
+    r = baton("run", str(cfg), "--from", str(ckpt), *SERVED[family], home=baton_home, timeout=3000)
     summary = summary_of(baton_home, r.stdout)
     assert r.returncode == 0, (r.stderr[-3000:], json.dumps(summary, indent=1)[-4000:])
     stages = {s["label"]: s for s in summary["stages"]}
-    assert list(stages) == ["data", "rlhf", "finetune", "convert-zero-to-hf"]
+    assert list(stages) == ["data", "rlhf", "finetune", "convert-zero-to-hf"] + (["serve"] if SERVED[family] else [])
+    if SERVED[family]:
+        assert stages["serve"]["status"] == "completed" and stages["serve"]["gate"]["passed"], stages["serve"]["gate"]
     data = stages["data"]
     assert data["formats"] == {"pretrain": "text", "preference": "implicit_preference", "sft": "messages"}
     assert data["tokenizer"].startswith("model:")  # the checkpoint's own tokenizer, no new BPE
@@ -142,6 +160,24 @@ def test_own_model_and_files_through_rlhf_finetune_convert(workspace, baton_home
         assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"] is False
         assert "lm_head.weight" in names and not any(n.endswith(".bias") for n in names)
     assert (out / "tokenizer_config.json").exists() or (out / "tokenizer" / "tokenizer_config.json").exists()
+    if template is not None:
+        assert_the_configured_template_went_everywhere(stages, ckpt)
+
+
+def assert_the_configured_template_went_everywhere(stages: dict, ckpt: Path) -> None:
+    """The data stage's tokenizer and every checkpoint a chat stage wrote carry the config's template, and render
+    with it; the input checkpoint is never written to."""
+    from transformers import AutoTokenizer
+
+    assert (Path(stages["data"]["output"]) / "tokenizer" / "chat_template.jinja").read_text() == TEMPLATE
+    for label in ("rlhf", "convert-zero-to-hf"):
+        out = Path(stages[label]["output"])
+        assert (out / "chat_template.jinja").read_text() == TEMPLATE, label
+        tok = AutoTokenizer.from_pretrained(str(out))
+        rendered = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                           tokenize=False)
+        assert rendered == "<|user|>\nhi</s>\n<|assistant|>\n", label
+    assert not (ckpt / "chat_template.jinja").exists()
 
 
 @pytest.mark.slow
@@ -197,18 +233,3 @@ tracking: {{experiment: cont, registered_model: cont-model}}
     assert mf.sha256_file(out / "tokenizer.json") == mf.sha256_file(ckpt / "tokenizer.json")
     assert json.loads((out / "config.json").read_text())["vocab_size"] == json.loads(
         (ckpt / "config.json").read_text())["vocab_size"]
-
-
-@pytest.mark.slow
-@pytest.mark.serve
-def test_own_model_served_by_vllm_after_the_chain(workspace, baton_home):
-    tmp_path, files, texts = workspace
-    ckpt = own_model(tmp_path / "qwen2", "qwen2", texts, hidden=128)  # head_dim 32: vLLM's CPU attention has no 16
-    assert cli("manifest", str(ckpt), home=baton_home).returncode == 0
-    r = baton("run", str(write_config(tmp_path / "own.yaml", files)), "--from", str(ckpt),
-              "--stages", "data,rlhf,finetune,serve", "--set", "serve.engine=vllm",
-              "--set", "serve.smoke.json_requests=4", home=baton_home, timeout=3000)
-    summary = summary_of(baton_home, r.stdout)
-    assert r.returncode == 0, (r.stderr[-3000:], json.dumps(summary, indent=1)[-4000:])
-    serve = next(s for s in summary["stages"] if s["name"] == "serve")
-    assert serve["status"] == "completed" and serve["gate"]["passed"], serve["gate"]

@@ -49,8 +49,10 @@ def test_sigterm_to_baton_run_is_recorded_as_cancelled(baton_home, hf_checkpoint
     cmd = [sys.executable, "-m", "flows.cli", "run", str(TINY), "--stages", "data,finetune", "--from",
            str(hf_checkpoint), "--no-doctor", "--set", "finetune.steps=3000", "--set", "finetune.nproc_per_node=1",
            "--set", "finetune.checkpoint_every=10"]
+    # its own temporary Prefect server (not the session's): it too must go with baton
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     with open(tmp_path / "baton.out", "w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, BATON_HOME=str(home)), stdout=out,
+        proc = subprocess.Popen(cmd, cwd=REPO, env=dict(env, BATON_HOME=str(home)), stdout=out,
                                 stderr=subprocess.STDOUT)
     try:
         run_dir = _wait_for_checkpoint(home, proc, timeout=600)
