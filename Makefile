@@ -35,13 +35,16 @@ lock:
 demo: setup runtimes
 	$(VENV)/bin/baton run configs/tiny.yaml
 
-# Everything but the multi-node and the longest engine tests (their own targets below), to keep CI in its budget.
+# Everything but the multi-node and the longest engine tests (their own targets below), in ~25 min on 2 cores: one run
+# of the README's default chain feeds every test that only reads a finished run (tests/default_run.py). Every test
+# has a time limit; under CI=true a skip for a reason not on tests/skip_policy.py's allowlist fails the session.
 test: setup system-deps runtimes
 	$(VENV)/bin/python -m pytest -m "not multinode and not long" $(PYTEST_ARGS)
 
-# The longest engine tests (marker `long`: the batch finder's real-engine probes, ~10 min; ZeRO-Infinity with
-# parameters on NVMe, ~11 min with DeepSpeed's async_io JIT build).
-test-long: setup system-deps
+# The longest engine tests (marker `long`): ZeRO-Infinity with parameters on NVMe (with DeepSpeed's async_io JIT build
+# the first time), the batch finder's real-engine probes, the whole chain at --smoke size, the supervised vLLM server,
+# the GPU check's CPU dry run, LoRA on ZeRO-3. CI runs them after `make test`.
+test-long: setup system-deps runtimes
 	$(VENV)/bin/python -m pytest -m long -p no:cacheprovider $(PYTEST_ARGS)
 
 # The inner loop: config, planning, conversions and checks that start no engine, server or cluster (~1-2 min).

@@ -1,6 +1,6 @@
-"""The finetune stage for real: DeepSpeed ZeRO-2 (deepspeed launcher) and ZeRO-3 (torchrun) on 2 CPU ranks (gloo),
-converted to HF through the convert step and its gate, matched bit for bit against DeepSpeed's own converter, and
-resumed after a SIGKILL."""
+"""The finetune stage for real: DeepSpeed ZeRO-2 (deepspeed launcher, the session's default run: its finetune and
+convert steps) and ZeRO-3 (torchrun, here) on 2 CPU ranks (gloo), converted to HF through the convert step and its
+gate, matched bit for bit against DeepSpeed's own converter, and resumed after a SIGKILL."""
 from __future__ import annotations
 
 import json
@@ -63,47 +63,54 @@ def convert_and_gate(src: Path, work: Path, tiny_config, data_dir):
 
 
 @pytest.fixture(scope="module")
-def zero2(tmp_path_factory, tiny_config, data_dir, hf_checkpoint):
-    work = tmp_path_factory.mktemp("zero2")
-    return work, run_stage(work, tiny_config, data_dir, hf_checkpoint, finetune_config(2))
-
-
-@pytest.fixture(scope="module")
 def zero3(tmp_path_factory, tiny_config, data_dir, hf_checkpoint):
     work = tmp_path_factory.mktemp("zero3")
     return work, run_stage(work, tiny_config, data_dir, hf_checkpoint, finetune_config(3, launcher="torchrun"))
 
 
-@pytest.mark.parametrize("run", ["zero2", "zero3"])
-def test_trains_converts_and_passes_the_gates(run, request, tmp_path, tiny_config, data_dir):
-    work, out = request.getfixturevalue(run)
-    stage = int(run[-1])
-    assert out.gate["passed"], out.gate
-    assert out.metrics["loss_last"] < 0.5 * out.metrics["loss_first"]
-    assert out.eval["metric"] == "heldout_exact_match" and out.eval["after"] > out.eval["before"]
+def assert_trained_checkpoint(work: Path, out_metrics: dict, out_eval: dict, ckpt: Path, stage: int, steps: int):
+    assert out_metrics["loss_last"] < 0.5 * out_metrics["loss_first"]
+    assert out_eval["metric"] == "heldout_exact_match" and out_eval["after"] > out_eval["before"]
     for key in ("last_tokens_per_s", "last_step_time_s", "peak_mem_mib"):
-        assert out.metrics[key] > 0
-    assert out.extra["zero"]["stage"] == stage
+        assert out_metrics[key] > 0
     ds_config = json.loads((work / "ds_config.json").read_text())  # the generated DeepSpeed config is kept
     assert ds_config["zero_optimization"]["stage"] == stage and ds_config["optimizer"]["params"]["torch_adam"]
-
-    ckpt = out.output
     m = mf.read(ckpt)
     assert m["format"] == "deepspeed-zero" and m["parent"]["format"] == "hf-safetensors"
     assert m["extra"]["zero_stage"] == stage and m["extra"]["world_size"] == 2
-    assert m["extra"]["tag"] == f"global_step{STEPS}" and (ckpt / "latest").read_text() == m["extra"]["tag"]
+    assert m["extra"]["tag"] == f"global_step{steps}" and (ckpt / "latest").read_text() == m["extra"]["tag"]
     assert [d.name for d in ckpt.glob("global_step*")] == [m["extra"]["tag"]]  # older tags served resumption only
     assert (ckpt / "tokenizer" / "chat_template.jinja").exists() and (ckpt / "probe_logits.safetensors").exists()
 
-    conv = convert_and_gate(ckpt, tmp_path / "convert", tiny_config, data_dir)
-    checks = {c["name"]: c for c in conv.gate["checks"]}
-    assert conv.gate["passed"], conv.gate
+
+def assert_converted_exactly(ckpt: Path, conv_gate: dict, conv_output: Path, tmp_path: Path) -> None:
+    checks = {c["name"]: c for c in conv_gate["checks"]}
+    assert conv_gate["passed"], conv_gate
     assert {"L0.integrity", "L1.roundtrip", "L2.logits_parity", "L3.generation"} <= set(checks)
     assert "max |Δlogit| 0 " in checks["L2.logits_parity"]["detail"]  # exact in fp32 vs the engine's own logits
-
-    ours = hf.load_state_dict(conv.output)
+    ours = hf.load_state_dict(conv_output)
     assert_same_tensors(ours, deepspeed_reference(ckpt, tmp_path / "deepspeed"))
-    assert sum(t.numel() for t in ours.values()) == hf.parameter_count(conv.output) == m["parameter_count"]
+    assert sum(t.numel() for t in ours.values()) == hf.parameter_count(conv_output) == mf.read(ckpt)["parameter_count"]
+
+
+def test_zero3_trains_converts_and_passes_the_gates(zero3, tmp_path, tiny_config, data_dir):
+    work, out = zero3
+    assert out.gate["passed"], out.gate
+    assert out.extra["zero"]["stage"] == 3
+    assert_trained_checkpoint(work, out.metrics, out.eval, out.output, stage=3, steps=STEPS)
+    conv = convert_and_gate(out.output, tmp_path / "convert", tiny_config, data_dir)
+    assert_converted_exactly(out.output, conv.gate, conv.output, tmp_path)
+
+
+def test_zero2_of_the_default_run_trained_and_converted_exactly(default_run, tiny_config, tmp_path):
+    """The default chain's finetune (ZeRO-2, deepspeed launcher, 2 ranks) and its convert step."""
+    assert default_run.rc == 0, default_run.failure()
+    fine, conv = default_run.stages["finetune"], default_run.stages["convert-zero-to-hf"]
+    ckpt = Path(fine["output"])
+    assert fine["zero"]["stage"] == 2
+    assert_trained_checkpoint(ckpt.parent, fine["metrics"], fine["eval"], ckpt, stage=2,
+                              steps=tiny_config.finetune.steps)
+    assert_converted_exactly(ckpt, conv["gate"], Path(conv["output"]), tmp_path)
 
 
 def _kill_after_first_checkpoint(cmd: list[str], env: dict, log: Path) -> int:
@@ -129,12 +136,12 @@ def _kill_after_first_checkpoint(cmd: list[str], env: dict, log: Path) -> int:
     return step
 
 
-def test_resume_after_sigkill_matches_an_uninterrupted_run(zero2, tmp_path, tiny_config, data_dir, hf_checkpoint):
+def test_resume_after_sigkill_matches_an_uninterrupted_run(zero3, tmp_path, tiny_config, data_dir, hf_checkpoint):
     from tasks.finetune.task import prepare, run_finetune
 
     work = tmp_path / "interrupted"
     ctx = make_ctx(work, tiny_config, data_dir, hf_checkpoint)
-    cfg = finetune_config(2)
+    cfg = finetune_config(3, launcher="torchrun")
     cmd, env, ckpt, port = prepare(ctx, cfg)
     try:
         killed_at = _kill_after_first_checkpoint(cmd, env, tmp_path / "killed.log")
@@ -153,9 +160,9 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(zero2, tmp_path, tiny
 
     from conversions import zero
 
-    reference = zero2[1].output
+    reference = zero3[1].output
     with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
         zero.to_hf(out.output, Path(a), max_shard_bytes=1 << 30)
         zero.to_hf(reference, Path(b), max_shard_bytes=1 << 30)
         assert_same_tensors(hf.load_state_dict(Path(a)), hf.load_state_dict(Path(b)))
-    assert out.metrics["loss_last"] == zero2[1].metrics["loss_last"]
+    assert out.metrics["loss_last"] == zero3[1].metrics["loss_last"]

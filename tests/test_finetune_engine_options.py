@@ -136,6 +136,7 @@ def resume_after_sigkill(tmp_path, tiny_config, data_dir, checkpoint, **zero_key
     return straight, resumed
 
 
+@pytest.mark.long  # ZeRO-3 with LoRA on 2 ranks and peft's merge (~30 s): make test-long
 def test_lora_on_zero3_converts_to_peft_s_own_merge(tmp_path, tiny_config, data_dir, hf_checkpoint):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM

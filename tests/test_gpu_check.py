@@ -43,6 +43,7 @@ def test_profiles_are_valid_pipeline_configs(profile):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # Megatron, ZeRO-3 with CPU offload and both conversions (~1 min): make test-long
 def test_gpu_check_dry_run_on_cpu(tmp_path):
     """`make gpu-check DEVICE=cpu`, reduced to what only it covers: the check's own parts (versions, unmet
     requirements, per-part results, on-device parity of each conversion, the JSON it writes) around Megatron pretraining

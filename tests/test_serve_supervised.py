@@ -22,7 +22,8 @@ from tasks import tracking
 from tasks.serve import supervisor
 from tasks.serve.server import LEFTOVER_PATTERNS, _in_use, _mapped_shm, shm_entries
 
-pytestmark = [pytest.mark.serve, pytest.mark.reliability]
+# three vLLM starts (~2 min): make test-long
+pytestmark = [pytest.mark.serve, pytest.mark.reliability, pytest.mark.long, pytest.mark.timeout(900)]
 NAME = "supervised-vllm"
 
 

@@ -62,3 +62,28 @@ def test_require_smoke_refuses_a_full_run_without_a_passing_smoke(tmp_path):
         assert smoke.passing_smoke(load(TINY, ["require_smoke=true", "pretrain.steps=5"], ["data"])) is None
     finally:
         os.environ.pop("BATON_HOME") if old is None else os.environ.__setitem__("BATON_HOME", old)
+
+
+@pytest.mark.slow
+@pytest.mark.long  # the whole chain at smoke size, vLLM included (~4 min): make test-long
+@pytest.mark.timeout(1500)
+def test_the_readme_smoke_run_passes_every_stage_promotes_nothing_and_unlocks_require_smoke(baton_home):
+    import json
+
+    from conftest import baton
+    from tasks import tracking
+
+    r = baton("run", str(TINY), "--smoke", home=baton_home, timeout=1500)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-3000:]
+    assert "smoke passed; recorded" in r.stdout, r.stdout[-3000:]
+    run_dir = Path(r.stdout.strip().splitlines()[-1])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    stages = {s["label"]: s for s in summary["stages"]}
+    assert list(stages) == ["data", "pretrain", "convert-megatron-to-hf", "rlhf", "finetune", "convert-zero-to-hf",
+                            "serve"]
+    assert all(s["status"] == "completed" for s in stages.values()), {k: s["status"] for k, s in stages.items()}
+    assert stages["serve"]["engine"] == "vllm"  # one engine at smoke size
+    aliases = {a for rm in tracking.client().search_registered_models() for a in (rm.aliases or {})}
+    assert "champion" not in aliases, aliases  # a smoke never promotes
+    recorded = smoke.passing_smoke(load(TINY, ["require_smoke=true"]))
+    assert recorded is not None and recorded["run_id"] == run_dir.name
