@@ -99,6 +99,15 @@ class RuntimeConfig(StrictModel):
         parameter, a log or a tracking call)."""
         return {**self.model_dump(), "env": {k: v.get_secret_value() for k, v in self.env.items()}}
 
+    @field_validator("srun_args", "sbatch_args")
+    @classmethod
+    def _one_line_each(cls, args: list[str]) -> list[str]:
+        """Each becomes an srun argument or a whole `#SBATCH` line: a newline would start a script line of its own."""
+        for a in args:
+            if any(ord(ch) < 32 or ord(ch) == 127 for ch in a):
+                raise ValueError(f"{a!r} holds a control character (a newline would inject a line into the job script)")
+        return args
+
     @model_validator(mode="after")
     def _ray_needs_address(self):
         if self.kind == "ray" and not self.address:

@@ -77,3 +77,20 @@ def test_the_cli_refuses_before_writing_anything(tmp_path, record_property):
     not_a_folder.write_bytes(b"x")
     r = baton("run", str(TINY), "--stages", "finetune", "--from", str(not_a_folder), home=home, timeout=120)
     assert r.returncode == 2 and f"--from {not_a_folder}: not a folder" in r.stderr
+
+
+@pytest.mark.parametrize("flags", ['["--host", "0.0.0.0"]', '["--port", "9", "--host=0.0.0.0"]'])
+def test_engine_args_cannot_reopen_the_server_to_other_machines(flags, record_property):
+    """Extra engine flags come last on the command line: a --host there would override serve.host past allow_remote."""
+    record_property("fault", "--host in serve.engine_args")
+    msg = refused([f"serve.engine_args.vllm={flags}"])
+    assert "serve.engine_args.vllm: --host is set by serve.host" in msg, msg
+
+
+@pytest.mark.parametrize("key", ["sbatch_args", "srun_args"])
+def test_a_newline_cannot_inject_a_line_into_the_job_script(key, record_property):
+    record_property("fault", "newline in a Slurm argument")
+    msg = refused([f'runtimes.pretrain.{key}=["--partition=cpu\\nrm -rf /"]'])
+    assert f"runtimes.pretrain.{key}" in msg and "control character" in msg, msg
+    cfg = load(TINY, [f'runtimes.pretrain.{key}=["--partition=cpu"]'])  # an ordinary flag still loads
+    assert cfg.runtimes["pretrain"].model_dump()[key] == ["--partition=cpu"]

@@ -84,6 +84,10 @@ class ServeConfig(StrictModel):
         if not self.allow_remote and not _loopback(self.host):
             raise ValueError(f"serve.host {self.host!r} is reachable from other machines; set serve.allow_remote: "
                              "true to mean it (the API key is then the only protection)")
+        for engine, args in self.engine_args.items():  # appended last, a --host there would win over serve.host
+            if any(a == "--host" or a.startswith("--host=") for a in args):
+                raise ValueError(f"serve.engine_args.{engine}: --host is set by serve.host (and serve.allow_remote), "
+                                 "not by extra flags")
         return self
 
     def engine_dtype(self) -> str:
