@@ -200,6 +200,8 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             parsed = _parse_value(value)
         except yaml.YAMLError as e:
             raise ConfigError(f"--set {key}: not a YAML value: {str(e).splitlines()[0]}") from None
+        except RecursionError:
+            raise ConfigError(f"--set {key}: nested too deeply to be a config value") from None
         if isinstance(node, list):
             node[_list_index(node, parts[-1], key)] = parsed
         else:
@@ -237,6 +239,8 @@ def load(path: str | Path | None, overrides: list[str] | None = None, stages: li
             raw = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{p}: invalid YAML: {e}") from e
+        except RecursionError:  # a crafted file nests lists thousands deep
+            raise ConfigError(f"{p}: nested too deeply to be a config") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{p}: expected a mapping at the top level")
     raw = apply_overrides(raw, overrides or [])

@@ -94,3 +94,13 @@ def test_a_newline_cannot_inject_a_line_into_the_job_script(key, record_property
     assert f"runtimes.pretrain.{key}" in msg and "control character" in msg, msg
     cfg = load(TINY, [f'runtimes.pretrain.{key}=["--partition=cpu"]'])  # an ordinary flag still loads
     assert cfg.runtimes["pretrain"].model_dump()[key] == ["--partition=cpu"]
+
+
+def test_a_config_nested_thousands_deep_is_one_clear_refusal(tmp_path, record_property):
+    record_property("fault", "YAML nested 20,000 deep")
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("name: tiny\nserve:\n  engine_args:\n    vllm: " + "[" * 20000 + "]" * 20000 + "\n")
+    with pytest.raises(ConfigError, match=r"deep\.yaml: nested too deeply to be a config"):
+        load(deep)
+    with pytest.raises(ConfigError, match=r"--set data\.revision: nested too deeply"):
+        load(TINY, ["data.revision=" + "[" * 20000 + "]" * 20000])
