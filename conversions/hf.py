@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 from pathlib import Path
@@ -44,11 +45,25 @@ def safetensors_files(root: Path) -> list[Path]:
     return sorted(Path(root).glob("*.safetensors"))
 
 
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit on a header
+
+
 def read_header(path: Path) -> dict:
-    """The safetensors JSON header (tensor names, dtypes, shapes, offsets; `__metadata__`) without reading tensors."""
+    """The safetensors JSON header (tensor names, dtypes, shapes, offsets; `__metadata__`) without reading tensors.
+    ValueError when the file cannot hold the header it announces (a crafted length would ask for exabytes)."""
     with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(n))
+        size = os.fstat(f.fileno()).st_size
+        first = f.read(8)
+        if len(first) < 8:
+            raise ValueError(f"{path}: {size} bytes, too short for a safetensors header")
+        (n,) = struct.unpack("<Q", first)
+        if n > min(MAX_HEADER_BYTES, size - 8):
+            raise ValueError(f"{path}: its header claims {n} bytes (the file has {size}, the limit is "
+                             f"{MAX_HEADER_BYTES})")
+        header = json.loads(f.read(n))
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: its header is not a JSON object")
+    return header
 
 
 def tensor_shapes(root: Path) -> dict[str, tuple[str, list[int]]]:

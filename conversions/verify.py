@@ -151,7 +151,12 @@ def preflight(root: Path) -> list[dict]:
     if not files:
         checks.append(check("preflight.safetensors", False, f"no *.safetensors in {root}"))
         return checks
-    bad = [f.name for f in files if (hf.read_header(f).get("__metadata__") or {}).get("format") != "pt"]
+    try:
+        headers = {f.name: hf.read_header(f) for f in files}
+    except ValueError as e:  # a header that cannot be read is no safetensors file to load
+        checks.append(check("preflight.safetensors", False, str(e)))
+        return checks
+    bad = [name for name, header in headers.items() if (header.get("__metadata__") or {}).get("format") != "pt"]
     checks.append(check("preflight.safetensors_metadata", not bad,
                         f"{', '.join(bad)}: lacks metadata format=pt" if bad else f"{len(files)} file(s) with format=pt"))
     tok = mf.tokenizer_info(root)

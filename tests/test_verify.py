@@ -92,3 +92,16 @@ def test_missing_format_metadata_is_caught(outside_checkpoint, baton_home):
     save_file(load_file(str(f)), str(f))  # no metadata, as some converters write it
     r = cli("verify", str(outside_checkpoint), home=baton_home)
     assert r.returncode == 1 and "[FAIL] preflight.safetensors_metadata" in r.stdout
+
+
+@pytest.mark.parametrize("length", [1 << 62, 1 << 20])
+def test_a_header_length_the_file_cannot_hold_is_one_failed_check(outside_checkpoint, baton_home, length):
+    """A crafted safetensors length (2^62, or just more than the file) fails preflight; nothing tries to read it."""
+    import struct
+
+    f = outside_checkpoint / "model.safetensors"
+    f.write_bytes(struct.pack("<Q", length) + f.read_bytes()[8:][:4096])
+    r = cli("verify", str(outside_checkpoint), "--json", home=baton_home)
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    (check,) = [c for c in json.loads(r.stdout)["checks"] if c["name"] == "preflight.safetensors"]
+    assert not check["passed"] and f"its header claims {length} bytes" in check["detail"], check
