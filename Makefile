@@ -43,7 +43,8 @@ test: setup system-deps runtimes
 
 # The longest engine tests (marker `long`): ZeRO-Infinity with parameters on NVMe (with DeepSpeed's async_io JIT build
 # the first time), the batch finder's real-engine probes, the whole chain at --smoke size, the supervised vLLM server,
-# the GPU check's CPU dry run, LoRA on ZeRO-3. CI runs them after `make test`.
+# the GPU check's CPU dry run, LoRA on ZeRO-3, lm-eval as a gate, a flipped byte in a DeepSpeed checkpoint. CI runs them
+# after `make test`.
 test-long: setup system-deps runtimes
 	$(VENV)/bin/python -m pytest -m long -p no:cacheprovider $(PYTEST_ARGS)
 

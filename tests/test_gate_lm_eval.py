@@ -107,6 +107,7 @@ def test_the_lm_eval_check_needs_a_rise_of_the_configured_score():
 
 
 @pytest.mark.slow
+@pytest.mark.long  # lm-eval's harness over both checkpoints (~30 s, ~15 s): make test-long
 def test_finetune_gate_runs_lm_eval_on_both_checkpoints(tmp_path, tiny_config, data_dir, hf_checkpoint):
     """Held-out task written by the data stage; before = the random-init input, after = the DeepSpeed checkpoint
     (converted to HF inside the worker)."""
@@ -134,6 +135,7 @@ def test_finetune_gate_runs_lm_eval_on_both_checkpoints(tmp_path, tiny_config, d
 
 
 @pytest.mark.slow
+@pytest.mark.long  # lm-eval's harness over both checkpoints (~30 s, ~15 s): make test-long
 def test_rlhf_gate_runs_the_configured_lm_eval_task(tmp_path, tiny_config, data_dir, hf_checkpoint):
     """rlhf has no default task: here baton's held-out SFT task, named with its include_path and score. The task wants
     the JSON answer ({"category": ...}); the random-init input gives none, and five DPO steps on "The answer is ..."

@@ -178,6 +178,7 @@ def _kill_after_checkpoint(cmd: list[str], env: dict, log: Path, at_step: int) -
 
 
 @pytest.mark.slow
+@pytest.mark.long  # three DeepSpeed launches (~35 s): make test-long
 def test_flipped_byte_in_a_deepspeed_checkpoint_is_not_resumed(tmp_path, tiny_config, data_dir, hf_checkpoint,
                                                                 record_property):
     """A real ZeRO-2 finetune is killed after its step-4 checkpoint; one byte of that checkpoint's model states flips

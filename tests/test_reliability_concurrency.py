@@ -40,6 +40,12 @@ def _owners(home):
     return [json.loads(p.read_text()) for p in (home / "locks").glob("*.owner.json")] if (home / "locks").exists() else []
 
 
+def _said_it_waits(home, owner_pid: int) -> bool:
+    """A run's log says it waits for the step's owner (it is not running the step beside it)."""
+    return any(f"being run by pid {owner_pid}" in log.read_text(errors="replace") and "waiting" in
+               log.read_text(errors="replace") for log in (home / "runs").rglob("*.log"))
+
+
 @pytest.mark.slow
 def test_second_run_waits_refuses_and_takes_over_only_a_dead_owner(baton_home, record_property):
     """The first run is frozen (SIGSTOP) as soon as it holds the data step's lock: alive, so its lock and folder are
@@ -54,7 +60,7 @@ def test_second_run_waits_refuses_and_takes_over_only_a_dead_owner(baton_home, r
         assert f"being run by pid {first.pid}" in refused.stderr + refused.stdout
         assert len(list((baton_home / "runs").iterdir())) == 1  # refused before it wrote anything
         second = _start(baton_home)
-        time.sleep(20)  # the second run is waiting on the lock, not running the step beside the first
+        _wait_for(lambda: _said_it_waits(baton_home, first.pid), 120, "the second run to wait on the lock")
         assert second.poll() is None and all(o["pid"] == first.pid for o in _owners(baton_home))
         os.killpg(first.pid, signal.SIGKILL)  # the owner dies mid-step: its lock goes with it
         first.wait(60)
