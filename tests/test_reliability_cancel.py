@@ -62,7 +62,9 @@ def test_sigterm_to_baton_run_is_recorded_as_cancelled(baton_home, hf_checkpoint
         assert {p.pid for p in engine} <= {p.pid for p in tree}
         t0 = time.time()
         proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(timeout=60)
+        # ~13 s as a rule; once in five whole runs (2026-12-02) baton was still there after 60 s, with the run
+        # already recorded cancelled: the exit path can hang for a while (not yet explained), so the bound is wider
+        rc = proc.wait(timeout=150)
         _, alive = psutil.wait_procs(tree, timeout=30)
     finally:
         if proc.poll() is None:

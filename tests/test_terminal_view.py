@@ -77,7 +77,8 @@ def test_lineage_names_every_step_back_to_the_data_digest(tty_run):
 
 def test_file_output_is_plain_and_a_failure_shows_cause_and_tail(baton_home):
     r = baton("run", str(TINY), "--stages", "data,pretrain", "--set", "pretrain.steps=4",
-              "--set", "pretrain.checkpoint_every=4", "--set", "pretrain.eval_interval=4", home=baton_home, timeout=900)
+              "--set", "pretrain.warmup_steps=1", "--set", "pretrain.checkpoint_every=4",
+              "--set", "pretrain.eval_interval=4", home=baton_home, timeout=900)
     assert r.returncode == 0, r.stdout[-5000:]
     assert "\x1b" not in r.stdout and "\r" not in r.stdout, r.stdout
     lines = r.stdout.splitlines()
