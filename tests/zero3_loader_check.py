@@ -2,7 +2,7 @@
 NVMe (load_with_params_on_nvme), exercised on ZeRO-3 with CPU offload (no async I/O op needed). Trains 2 steps, saves,
 trains 3 more; a fresh engine loaded by the worker's loader and one loaded by engine.load_checkpoint train the same 3;
 each rank prints one JSON line: the losses, whether the fp32 master partitions are bit-equal, lr and step counters."""
-import sys, tempfile, json
+import json, os, sys, tempfile
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch, deepspeed, torch.distributed as dist
@@ -50,7 +50,9 @@ got = train(e2, 2, 5); got_w = snap(e2)
 e3 = make(); _, c3 = e3.load_checkpoint(str(d), tag="t2"); std = train(e3, 2, 5); std_w = snap(e3)
 same = all(torch.equal(a, b) for a, b in zip(ref_w, got_w))
 same_std = all(torch.equal(a, b) for a, b in zip(ref_w, std_w))
-print(json.dumps({"rank": rank, "flat_none": W.params_off_flat_buffers(e2), "client": client.get("baton_step"),
-                  "ref": ref, "ours": got, "deepspeed": std, "weights_equal_ours": same,
-                  "weights_equal_deepspeed": same_std, "lr": [e1.get_lr(), e2.get_lr()],
-                  "steps": [e1.global_steps, e2.global_steps]}), flush=True)
+line = json.dumps({"rank": rank, "flat_none": W.params_off_flat_buffers(e2), "client": client.get("baton_step"),
+                   "ref": ref, "ours": got, "deepspeed": std, "weights_equal_ours": same,
+                   "weights_equal_deepspeed": same_std, "lr": [e1.get_lr(), e2.get_lr()],
+                   "steps": [e1.global_steps, e2.global_steps]})
+sys.stdout.flush()
+os.write(1, (line + "\n").encode())  # one write (under PIPE_BUF): the two ranks' lines never interleave
