@@ -147,13 +147,20 @@ def _run_pipeline(cfg, args, run_id: str, findings: list, server=None) -> Except
     return None
 
 
+def _terminal_width(out) -> int | None:
+    try:
+        return os.get_terminal_size(out.fileno()).columns if out.isatty() else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def _report_run(out, run_dir: Path, error: Exception | None) -> int:
     """The summary table, each failed step's cause and log tail, and the run folder (always the last line)."""
     from flows import view as views
 
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {"stages": []}
-    lines = views.summary_lines(summary)
+    lines = views.summary_lines(summary, _terminal_width(out))
     failed = [s for s in summary["stages"] if s.get("status") == "failed"]
     for entry in failed:
         lines += [""] + views.failure_report(entry)

@@ -135,6 +135,59 @@ class PlainView(View):
         self._line(describe(st))
 
 
+_GAP = 1
+_BAR_MIN, _BAR_MAX = 8, 24
+_LABEL_MIN = 8
+_STYLES = {"running": "cyan", "completed": "green", "cached": "blue", "failed": "bold red", "cancelled": "yellow"}
+
+
+def _row_fields(st: StepState) -> dict:
+    """The words of a step's live row."""
+    eta = st.eta() if st.status == "running" else None
+    return {"label": f"{_MARKS.get(st.status, '?')} {st.label}", "status": st.status,
+            "elapsed": fmt_seconds(st.elapsed()) if st.started else "",
+            "counts": f"{st.step}/{st.total}" if st.total else "",
+            "eta": f"eta {fmt_seconds(eta)}" if eta is not None else "",
+            "loss": f"loss {st.loss:.4g}" if st.loss is not None else ""}
+
+
+def _field_widths(rows: list[dict], terminal_width: int) -> dict:
+    """Column widths of the live rows, in display order. Status, elapsed, step/total, ETA and loss are always whole;
+    the progress bar takes what is left (up to its usual width) and goes when too little is; the label is cut last."""
+    whole = {name: max(len(r[name]) for r in rows) for name in ("status", "elapsed", "counts", "eta", "loss")}
+
+    def used(columns: dict) -> int:
+        shown = [w for w in columns.values() if w]
+        return sum(shown) + _GAP * (len(shown) - 1)
+
+    label = max(len(r["label"]) for r in rows)
+    bar = min(_BAR_MAX, terminal_width - used({"label": label, **whole}) - _GAP)
+    if bar < _BAR_MIN or not whole["counts"]:
+        bar = 0
+    label = max(_LABEL_MIN, min(label, terminal_width - used({**whole, "bar": bar}) - _GAP))
+    widths = {"label": label, "status": whole["status"], "elapsed": whole["elapsed"], "bar": bar,
+              "counts": whole["counts"], "eta": whole["eta"], "loss": whole["loss"]}
+    return {name: w for name, w in widths.items() if w}
+
+
+def _live_row(st: StepState, fields: dict, widths: dict):
+    from rich.progress_bar import ProgressBar
+    from rich.table import Table
+    from rich.text import Text
+
+    style = _STYLES.get(st.status, "dim")
+    line = Table.grid(padding=(0, _GAP))
+    cells = []
+    for name, width in widths.items():
+        line.add_column(width=width, no_wrap=True, overflow="ellipsis", justify="right" if name == "elapsed" else "left")
+        if name == "bar":
+            cells.append(ProgressBar(total=st.total, completed=st.step, width=width) if st.total else Text(""))
+        else:
+            cells.append(Text(fields[name], style=style if name in ("label", "status") else ""))
+    line.add_row(*cells)
+    return line
+
+
 class LiveView(View):
     """A rich live table redrawn a few times a second; the last frame stays on screen."""
 
@@ -147,31 +200,16 @@ class LiveView(View):
         self.live = Live(get_renderable=self._render, console=self.console, refresh_per_second=4,
                          redirect_stdout=False, redirect_stderr=False)
 
-    def _row(self, st: StepState):
-        from rich.progress_bar import ProgressBar
-        from rich.text import Text
-
-        style = {"running": "cyan", "completed": "green", "cached": "blue", "failed": "bold red",
-                 "cancelled": "yellow"}.get(st.status, "dim")
-        bar = ProgressBar(total=st.total, completed=st.step, width=24) if st.total else Text("")
-        counts = f"{st.step}/{st.total}" if st.total else ""
-        eta = f"eta {fmt_seconds(st.eta())}" if st.status == "running" and st.eta() is not None else ""
-        loss = f"loss {st.loss:.4g}" if st.loss is not None else ""
-        return (Text(f"{_MARKS.get(st.status, '?')} {st.label}", style=style), Text(st.status, style=style),
-                Text(fmt_seconds(st.elapsed()) if st.started else ""), bar, Text(counts), Text(eta), Text(loss))
-
     def _render(self):
         from rich.console import Group
-        from rich.table import Table
         from rich.text import Text
 
-        table = Table.grid(padding=(0, 2))
-        for _ in range(7):
-            table.add_column(no_wrap=True)
-        for st in self.steps.values():
-            table.add_row(*self._row(st))
-        parts = [Text(self.title, style="bold", no_wrap=True, overflow="ellipsis"), table]
-        if all(st.status == "pending" for st in self.steps.values()):
+        steps = list(self.steps.values())
+        rows = [_row_fields(st) for st in steps]
+        widths = _field_widths(rows, self.console.width)
+        parts = [Text(self.title, style="bold", no_wrap=True, overflow="ellipsis")]
+        parts += [_live_row(st, fields, widths) for st, fields in zip(steps, rows)]
+        if all(st.status == "pending" for st in steps):
             parts.append(Text("starting Prefect and MLflow …", style="dim"))
         return Group(*parts)
 
@@ -251,18 +289,30 @@ def failure_report(entry: dict) -> list[str]:
     return lines
 
 
-def summary_lines(summary: dict) -> list[str]:
-    """The end-of-run table: step, status, time, gate, key numbers."""
+def summary_lines(summary: dict, width: int | None = None) -> list[str]:
+    """The end-of-run table: step, status, time, gate, key numbers. Where a row would be wider than the terminal, its
+    key numbers go on the next line, indented, instead of wrapping."""
+    stages = summary.get("stages", [])
+    label_width = max([len(s["label"]) for s in stages] + [5])
     rows = []
-    for s in summary.get("stages", []):
+    for s in stages:
         gate = s.get("gate") or {}
         checks = gate.get("checks") or []
         g = f"gate {sum(c['passed'] for c in checks)}/{len(checks)}" if checks else ""
-        m = s.get("metrics") or {}
-        key = (f"loss {m['loss_first']:.3g} → {m['loss_last']:.3g}" if "loss_first" in m and "loss_last" in m else "")
-        ev = s.get("eval") or {}
-        if isinstance(ev.get("before"), (int, float)) and isinstance(ev.get("after"), (int, float)):
-            key = (key + "  " if key else "") + f"{ev.get('metric')} {ev['before']:.3g} → {ev['after']:.3g}"
         secs = fmt_seconds(s["seconds"]) if isinstance(s.get("seconds"), (int, float)) else ""
-        rows.append(f"  {s['label']:<26} {s['status']:<9} {secs:>6}  {g:<10} {key}".rstrip())
+        row = f"  {s['label']:<{label_width}} {s['status']:<9} {secs:>6}  {g:<10}".rstrip()
+        key = _key_numbers(s)
+        if key and width and len(row) + 2 + len(key) > width:
+            rows += [row, f"{'':<{label_width + 4}}{key}"]
+        else:
+            rows.append(f"{row:<{label_width + 31}} {key}".rstrip() if key else row)
     return rows
+
+
+def _key_numbers(s: dict) -> str:
+    m = s.get("metrics") or {}
+    key = f"loss {m['loss_first']:.3g} → {m['loss_last']:.3g}" if "loss_first" in m and "loss_last" in m else ""
+    ev = s.get("eval") or {}
+    if isinstance(ev.get("before"), (int, float)) and isinstance(ev.get("after"), (int, float)):
+        key = (key + "  " if key else "") + f"{ev.get('metric')} {ev['before']:.3g} → {ev['after']:.3g}"
+    return key

@@ -56,9 +56,9 @@ def screen(raw: str) -> list[str]:
 
 
 def run_in_pty(args: list[str], env: dict, timeout: float) -> tuple[int, str]:
-    """The real CLI on a pseudo-terminal (120 columns), as a person at a terminal runs it."""
+    """The real CLI on a pseudo-terminal of an ordinary size (80×24), as a person at a terminal runs it."""
     master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
     env = dict(env, TERM="xterm-256color")
     proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=env, stdin=slave, stdout=slave,
                             stderr=slave, start_new_session=True)

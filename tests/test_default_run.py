@@ -40,6 +40,16 @@ def test_every_stage_and_gate_passes_and_the_view_ends_with_the_table(run):
         assert re.search(rf"^\s+{re.escape(label)}\s+completed\s+\S+\s+gate \d+/\d+", text, re.M), (label, text)
 
 
+def test_no_live_row_was_cut_on_an_80_column_terminal(run):
+    from default_run import _CSI
+
+    text = _CSI.sub(lambda m: "" if m.group(3) == "m" else "\n", run.raw)  # colours go, cursor moves end a row
+    frames = re.split(r"[\r\n]+", text)
+    rows = [line.rstrip() for line in frames if line[:2] in {f"{m} " for m in "·▶✓✗■"}]
+    assert any("running" in r and "/" in r and "loss" in r for r in rows), rows[-20:]
+    assert not [r for r in rows if "…" in r or len(r) > 80], [r for r in rows if "…" in r or len(r) > 80][:5]
+
+
 def test_losses_fall_and_evaluations_improve(run):
     for label in ("pretrain", "rlhf", "finetune"):
         m, ev = run.stages[label]["metrics"], run.stages[label]["eval"]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -135,3 +136,49 @@ def test_runs_table_marks_the_champion(baton_home):
     assert row.startswith(summary["run_id"] + "*") and "pretrain:ok" in row and "tiny" in row
     assert note.startswith("*")
     assert json.loads((baton_home / "runs" / summary["run_id"] / "summary.json").read_text())["config"] == "tiny"
+
+
+def _live_frame(width: int) -> list[str]:
+    """One frame of the live view of the default chain at `width` columns: two steps done, one mid-way."""
+    import time
+
+    from rich.console import Console
+
+    labels = ["data", "pretrain", "convert-megatron-to-hf", "rlhf", "finetune", "convert-zero-to-hf", "serve"]
+    out = io.StringIO()
+    live = view.LiveView(labels, out, "baton run 20261202-101010-abcd · configs/tiny.yaml")
+    live.console = Console(file=out, width=width, color_system=None)
+    now = time.time()
+    for label in ("data", "pretrain"):
+        live.step_started(label, None)
+        live.step_progress(label, 60, 60)
+        live.step_metric(label, 60, {"train/loss": 1.234567})
+        live.step_finished(label, {"status": "completed"}, None)
+        live.steps[label].started = now - 754
+    live.step_started("rlhf", None)
+    live.step_progress("rlhf", 34, 300)
+    live.step_metric("rlhf", 34, {"train/loss": 0.6931472})
+    live.steps["rlhf"].started, live.steps["rlhf"].progress_started = now - 100, now - 90
+    live.console.print(live._render())
+    return [line.rstrip() for line in out.getvalue().splitlines()[1:]]
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_live_rows_keep_status_time_progress_eta_and_loss_whole(width):
+    rows = _live_frame(width)
+    assert len(rows) == 7 and all(len(r) <= width for r in rows), rows
+    assert not any("…" in r for r in rows), "\n".join(rows)
+    rlhf = next(r for r in rows if "rlhf" in r)
+    assert re.search(r"running\s+1m40s .*34/300 eta \d+m\d\ds loss 0\.6931$", rlhf), rlhf
+    assert re.search(r"completed\s+12m34s .*60/60\s+loss 1\.235$", rows[1]), rows[1]
+    assert "━" in rows[1]  # at 80 columns the bar still fits (narrowed), at 120 at its usual width
+
+
+def test_summary_rows_do_not_wrap_on_a_narrow_terminal():
+    stages = [{"label": "convert-megatron-to-hf", "status": "completed", "seconds": 35,
+               "gate": {"checks": [{"passed": True}] * 5}, "metrics": {"loss_first": 10.4, "loss_last": 6.13},
+               "eval": {"metric": "heldout_ppl", "before": 31000.0, "after": 2500.2}}]
+    lines = view.summary_lines({"stages": stages}, 80)
+    assert all(len(line) <= 80 for line in lines) and len(lines) == 2, lines
+    assert re.search(r"^\s+convert-megatron-to-hf\s+completed\s+35s\s+gate 5/5$", lines[0]), lines
+    assert lines[1].strip() == "loss 10.4 → 6.13  heldout_ppl 3.1e+04 → 2.5e+03", lines
