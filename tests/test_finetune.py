@@ -28,8 +28,11 @@ def make_ctx(work: Path, tiny_config, data_dir: Path, input_dir: Path, stage: st
                         seed=0, data_dir=data_dir, input=input_dir, input_format="hf-safetensors", **kw)
 
 
-def finetune_config(stage: int, launcher: str = "deepspeed") -> FinetuneConfig:
-    return FinetuneConfig(zero={"stage": stage}, steps=STEPS, checkpoint_every=EVERY, launcher=launcher, timeout_s=900)
+def finetune_config(stage: int, launcher: str = "deepspeed", packing: bool = False) -> FinetuneConfig:
+    # packed: 4 windows of up to 128 tokens per micro batch, about the tokens of 16 padded rows
+    size = {"packing": True, "micro_batch_size": 4} if packing else {}
+    return FinetuneConfig(zero={"stage": stage}, steps=STEPS, checkpoint_every=EVERY, launcher=launcher, timeout_s=900,
+                          **size)
 
 
 def run_stage(work: Path, tiny_config, data_dir, hf_checkpoint, cfg: FinetuneConfig):
@@ -65,7 +68,7 @@ def convert_and_gate(src: Path, work: Path, tiny_config, data_dir):
 @pytest.fixture(scope="module")
 def zero3(tmp_path_factory, tiny_config, data_dir, hf_checkpoint):
     work = tmp_path_factory.mktemp("zero3")
-    return work, run_stage(work, tiny_config, data_dir, hf_checkpoint, finetune_config(3, launcher="torchrun"))
+    return work, run_stage(work, tiny_config, data_dir, hf_checkpoint, finetune_config(3, launcher="torchrun", packing=True))
 
 
 def assert_trained_checkpoint(work: Path, out_metrics: dict, out_eval: dict, ckpt: Path, stage: int, steps: int):
@@ -97,6 +100,7 @@ def test_zero3_trains_converts_and_passes_the_gates(zero3, tmp_path, tiny_config
     work, out = zero3
     assert out.gate["passed"], out.gate
     assert out.extra["zero"]["stage"] == 3
+    assert out.metrics["packed_windows"] > 0 and 0.5 < out.metrics["packed_fill"] <= 1.0, out.metrics
     assert_trained_checkpoint(work, out.metrics, out.eval, out.output, stage=3, steps=STEPS)
     conv = convert_and_gate(out.output, tmp_path / "convert", tiny_config, data_dir)
     assert_converted_exactly(out.output, conv.gate, conv.output, tmp_path)
@@ -141,7 +145,7 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(zero3, tmp_path, tiny
 
     work = tmp_path / "interrupted"
     ctx = make_ctx(work, tiny_config, data_dir, hf_checkpoint)
-    cfg = finetune_config(3, launcher="torchrun")
+    cfg = finetune_config(3, launcher="torchrun", packing=True)
     cmd, env, ckpt, port = prepare(ctx, cfg)
     try:
         killed_at = _kill_after_first_checkpoint(cmd, env, tmp_path / "killed.log")

@@ -79,6 +79,9 @@ class FinetuneConfig(TrainingConfig):
     eval_max_new_tokens: int = Field(16, ge=1)
     gate: GateConfig = GateConfig()
     overlong: Literal["drop", "truncate"] = Field("drop", description="examples longer than max_seq_length")
+    packing: bool = Field(False, description="pack examples into max_seq_length windows (no attention across "
+                                             "examples; position ids restart per example): each micro batch row is "
+                                             "then a window, so steps cover more examples and no padding is trained")
     log_every: int = Field(1, ge=1)
     master_port: int = Field(0, ge=0, le=65535, description="0: pick a free port")
 

@@ -71,7 +71,7 @@ def worker_spec(ctx: StageContext, cfg: FinetuneConfig, out: Path, ds_config_pat
         "eval_max_new_tokens": cfg.eval_max_new_tokens, "zero_init": cfg.zero.init,
         "activation_checkpointing": cfg.activation_checkpointing, "log_every": cfg.log_every,
         "lora": cfg.lora.model_dump(), "gate_metric": gates.resolve_metric(cfg.gate, ctx.data_dir, "sft", "exact_match"),
-        "overlong": cfg.overlong, "eval_batch_size": cfg.micro_batch_size,
+        "overlong": cfg.overlong, "packing": cfg.packing, "eval_batch_size": cfg.micro_batch_size,
         "chat_template": str(template) if template else None,  # model.chat_template, for an input without one
         "probe": probe,
     }
@@ -196,6 +196,8 @@ def run_finetune(ctx: StageContext, cfg: FinetuneConfig) -> StageOutput:
                  "loss_last": last.get(events.TRAIN_LOSS),
                  **heldout_metrics(before, after), **gates.lm_eval_metrics(ev),
                  "overlong_dropped": r.get("overlong_dropped"), "overlong_truncated": r.get("overlong_truncated"),
+                 **({"packed_windows": r.get("packed_windows"), "packed_fill": r.get("packed_fill")}
+                    if cfg.packing else {}),
                  "peak_mem_mib": last.get(events.PEAK_MEM_MIB, r.get("peak_mem_mib")),
                  "peak_reserved_mib": r.get("peak_reserved_mib"),
                  "resumed_from_step": r.get("resumed_from"),

@@ -65,7 +65,8 @@ def sample_ids(n: int, seed: int, position: int, count: int, cache: dict) -> lis
     return out
 
 
-def collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> dict:
+def collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[dict, int]:
+    """One padded row per example: (the model's inputs, the number of real tokens)."""
     width = max(len(ids) for ids, _ in examples)
     ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
     labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)
@@ -74,7 +75,41 @@ def collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> dict:
         ids[i, :len(x)] = torch.tensor(x)
         labels[i, :len(y)] = torch.tensor(y)
         mask[i, :len(x)] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}, int(mask.sum())
+
+
+def pack(examples: list[tuple[list[int], list[int]]], max_len: int) -> list[list[tuple[list[int], list[int]]]]:
+    """Examples in order into windows of at most max_len tokens (first fit: a window closes when the next example
+    does not fit). Every example already fits alone (encode_rows dropped or truncated the longer ones)."""
+    windows, current, used = [], [], 0
+    for ex in examples:
+        if current and used + len(ex[0]) > max_len:
+            windows.append(current)
+            current, used = [], 0
+        current.append(ex)
+        used += len(ex[0])
+    return windows + ([current] if current else [])
+
+
+def collate_packed(windows: list[list[tuple[list[int], list[int]]]], pad_id: int, max_len: int) -> tuple[dict, int]:
+    """One row per window, no attention across its examples: position ids restart at each example and no 2-D mask is
+    passed, which transformers reads as packed sequences (a block-diagonal causal mask; exact on CPU's eager and sdpa
+    attention, varlen kernels with flash attention). Each example's first label is ignored, as the shift of an
+    unpacked row drops it, so the loss is over the same tokens as unpacked; the tail padding is its own sequence."""
+    ids = torch.full((len(windows), max_len), pad_id, dtype=torch.long)
+    labels = torch.full((len(windows), max_len), IGNORE, dtype=torch.long)
+    positions = torch.zeros((len(windows), max_len), dtype=torch.long)
+    tokens = 0
+    for row, window in enumerate(windows):
+        at = 0
+        for x, y in window:
+            ids[row, at:at + len(x)] = torch.tensor(x)
+            labels[row, at + 1:at + len(y)] = torch.tensor(y[1:])
+            positions[row, at:at + len(x)] = torch.arange(len(x))
+            at += len(x)
+        positions[row, at:] = torch.arange(max_len - at)
+        tokens += at
+    return {"input_ids": ids, "labels": labels, "position_ids": positions, "use_cache": False}, tokens
 
 
 # ---- model ---------------------------------------------------------------------------------------------------------
@@ -181,7 +216,7 @@ def heldout_loss(model, examples: list, pad_id: int, batch: int, device) -> floa
     model.eval()
     total, count = 0.0, 0
     for k in range(0, len(examples), batch):
-        b = {key: v.to(device) for key, v in collate(examples[k:k + batch], pad_id).items()}
+        b = {key: v.to(device) for key, v in collate(examples[k:k + batch], pad_id)[0].items()}
         logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, :-1].float()
         labels = b["labels"][:, 1:]
         total += torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
@@ -393,6 +428,11 @@ def load_data(spec: dict):
     if not train:
         raise SystemExit(f"no training example fits in max_seq_length {spec['max_seq_length']} "
                          f"({length_counts['overlong_dropped']} dropped as over-long)")
+    if spec.get("packing"):  # a training sample is then a window of examples
+        windows = pack(train, spec["max_seq_length"])
+        length_counts.update(packed_windows=len(windows), packed_fill=round(
+            sum(len(x) for x, _ in train) / (len(windows) * spec["max_seq_length"]), 4))
+        train = windows
     return tok, train, heldout, held_ids, length_counts
 
 
@@ -420,10 +460,13 @@ def train_steps(engine, tok, train: list, spec: dict, ds_config: dict, start: in
         loss_sum, tokens = 0.0, 0
         for micro in range(ga):
             position = ((step * ga + micro) * world + rank) * mb
-            batch = collate([train[i] for i in sample_ids(len(train), spec["seed"], position, mb, order_cache)],
-                            tok.pad_token_id)
-            tokens += int(batch["attention_mask"].sum())
-            loss = engine(**{k: v.to(dev) for k, v in batch.items()}).loss
+            picked = [train[i] for i in sample_ids(len(train), spec["seed"], position, mb, order_cache)]
+            if spec.get("packing"):
+                batch, real = collate_packed(picked, tok.pad_token_id, spec["max_seq_length"])
+            else:
+                batch, real = collate(picked, tok.pad_token_id)
+            tokens += real
+            loss = engine(**{k: v.to(dev) if torch.is_tensor(v) else v for k, v in batch.items()}).loss
             engine.backward(loss)
             engine.step()
             stop_if_not_finite(loss.item(), rank, step + 1, micro)
@@ -500,7 +543,8 @@ def main() -> None:
         train_steps(engine, tok, train, spec, ds_config, 0, rank, world, facts)
         dist.barrier()
         return
-    start = start_step(engine, tok, heldout, held_ids, spec, facts, rank, timings, counts, len(train))
+    n_examples = sum(map(len, train)) if spec.get("packing") else len(train)
+    start = start_step(engine, tok, heldout, held_ids, spec, facts, rank, timings, counts, n_examples)
     t_train = time.time()
     train_steps(engine, tok, train, spec, ds_config, start, rank, world, facts)
     if start >= spec["steps"] and rank == 0:
