@@ -191,15 +191,6 @@ def preflight(cfg) -> tuple[bool, list[dict]]:
     return not any(f.severity == "error" for f in found), doctor.as_dicts(found)
 
 
-def predicted_peak_mb(cfg, stage: str) -> float:
-    """`baton plan`'s per-rank estimate for the configured layout of a training stage, in MiB."""
-    sc = cfg.stage_config(stage)
-    device = sc.resolved_device()
-    layout = mp.layout_of_stage(stage, sc, device)
-    seq = sc.max_seq_length or cfg.model.seq_length
-    return mp.breakdown(mp.shape_of_model(cfg.model), layout, seq, sc.precision, device).total() / 2**20
-
-
 def memory_line(entry: dict) -> str:
     m = entry.get("memory") or {}
     if not m.get("measured_mb_max"):

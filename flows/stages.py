@@ -324,7 +324,7 @@ def _with_finite_check(out: StageOutput) -> None:
 
 def _memory_vs_plan(c, mlflow_run: str, cfg: PipelineConfig, step: Step, entry: dict) -> None:
     """A training stage's measured per-rank peak beside `baton plan`'s prediction, in the summary and MLflow."""
-    from flows.playbook import predicted_peak_mb
+    from tasks.memory_plan import predicted_peak_mb
 
     if step.name not in ("pretrain", "rlhf", "finetune"):
         return
