@@ -13,7 +13,7 @@ from prefect.runtime import flow_run as prefect_flow_run
 
 from conversions import manifest as mf, verify
 from flows.config import PipelineConfig
-from flows.plan import HF, Step
+from flows.chain_planner import HF, Step
 from flows.runs import Index, StepLock
 from flows import report
 from tasks import chat_template, events, streaming, tracking

@@ -62,7 +62,7 @@ def _exit_on_sigterm() -> None:
 
 def cmd_run(args) -> int:
     from flows.config import ConfigError
-    from flows.playbook import preflight
+    from flows.cli.playbook import preflight
 
     _exit_on_sigterm()
     try:
@@ -80,7 +80,8 @@ def cmd_run(args) -> int:
         print("baton: `baton doctor` found errors; nothing was launched (--no-doctor skips the checks)",
               file=sys.stderr)
         return 2
-    from flows import runs, view as views
+    from flows import runs
+    from flows.cli import view as views
     from tasks import tracking
 
     run_id = runs.new_run_id()
@@ -149,7 +150,7 @@ def _run_pipeline(cfg, args, run_id: str, findings: list, server=None) -> Except
 
 def _report_run(out, run_dir: Path, error: Exception | None) -> int:
     """The summary table, each failed step's cause and log tail, and the run folder (always the last line)."""
-    from flows import view as views
+    from flows.cli import view as views
 
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {"stages": []}
@@ -167,7 +168,7 @@ def _report_run(out, run_dir: Path, error: Exception | None) -> int:
 def _planned_input(cfg, from_ref: str | None) -> tuple[str | None, str | None, str]:
     """(format, fingerprint, description) of the first stage's input, without starting anything."""
     from conversions import manifest as mf
-    from flows import plan as planning
+    from flows import chain_planner as planning
     from flows.config import ConfigError
 
     if from_ref and not from_ref.startswith("hf:") and Path(from_ref).is_dir():
@@ -190,7 +191,7 @@ def cmd_config(args) -> int:
     """The resolved config and the planned steps (formats, fingerprints, cached or not); launches nothing."""
     import yaml
 
-    from flows import plan as planning
+    from flows import chain_planner as planning
     from flows.config import ConfigError, load
     from flows.runs import Index
 
@@ -268,6 +269,7 @@ def cmd_convert(args) -> int:
 
     from conversions import durable, manifest as mf, verify
     from tasks.convert.task import WORKER, gate
+    from tasks.stage import REPO_ROOT
 
     src, dst = Path(args.src).resolve(), Path(args.dst).resolve()
     if not (src / mf.MANIFEST_NAME).exists() and not args.from_format:
@@ -285,7 +287,7 @@ def cmd_convert(args) -> int:
     cmd = [sys.executable, str(WORKER), str(src), str(partial), "--to", args.to]
     if args.from_format:
         cmd += ["--from-format", args.from_format]
-    rc = subprocess.call(cmd, env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent)))
+    rc = subprocess.call(cmd, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
     if rc != 0:
         full = shutil.disk_usage(dst.parent).free < (1 << 20)
         shutil.rmtree(partial, ignore_errors=True)  # never published; free what it took
@@ -454,7 +456,7 @@ def _config_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def cmd_k8s(args) -> int:
     """Kubernetes manifests for the config's training stages (written, not applied)."""
     from flows.config import ConfigError, load
-    from flows.k8s import Cluster, write_manifests
+    from flows.cli.k8s_manifests import Cluster, write_manifests
 
     try:
         stages = [s.strip() for s in args.stages.split(",") if s.strip()] if args.stages else None
@@ -532,7 +534,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--image-orchestrator",
                    help="image of the Prefect work pool's flow runs (default: the training image)")
     k.set_defaults(fn=cmd_k8s)
-    from flows import playbook
+    from flows.cli import playbook
 
     playbook.add_plan_parser(sub)
     playbook.add_doctor_parser(sub)

@@ -165,7 +165,7 @@ def add_doctor_parser(sub) -> None:
 
 
 def cmd_doctor(a) -> int:
-    from flows import doctor
+    from flows.cli import doctor
     from flows.config import ConfigError, load
 
     cfg = None
@@ -183,7 +183,7 @@ def cmd_doctor(a) -> int:
 
 def preflight(cfg) -> tuple[bool, list[dict]]:
     """`baton run`'s doctor pass: prints the findings; (ok to launch, findings as dicts for MLflow)."""
-    from flows import doctor
+    from flows.cli import doctor
 
     found = doctor.doctor(cfg)
     if found:
