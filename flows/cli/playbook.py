@@ -17,6 +17,12 @@ from tasks import memory_plan as mp
 TRAINING_STAGES = ("pretrain", "rlhf", "finetune")
 
 
+def add_parsers(sub) -> None:
+    add_plan_parser(sub)
+    add_doctor_parser(sub)
+    add_batch_parser(sub)
+
+
 def add_plan_parser(sub) -> None:
     p = sub.add_parser("plan", help="choose a parallel layout and show per-rank memory (no launch)")
     p.add_argument("config", nargs="?", help="run config: its model and stage sections are planned")
