@@ -1,5 +1,6 @@
-"""One Prefect flow per stage. Each runs its stage's task inside an MLflow child run, applies the gate, and registers
-the checkpoint (alias `candidate`) only when the gate passed. A failed gate fails the stage: nothing is promoted."""
+"""The step runner: each step the chain planner made (a stage or a conversion) runs as a Prefect subflow (STAGE_FLOWS,
+one per stage). It runs the stage's task inside an MLflow child run, applies the gate, and registers the checkpoint
+(alias `candidate`) only when the gate passed. A failed gate fails the step: nothing is promoted."""
 from __future__ import annotations
 
 import os
