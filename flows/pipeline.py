@@ -10,9 +10,9 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.runtime import flow_run as prefect_flow_run
 
 from conversions import manifest as mf
-from flows import hub, plan as planning, report, runs
+from flows import chain_planner as planning, hub, report, runs
 from flows.config import ConfigError, PipelineConfig
-from flows.stages import STAGE_FLOWS, RunInfo, StageFailed, describe_stop, stopped_from_outside
+from flows.step_runner import STAGE_FLOWS, RunInfo, StageFailed, describe_stop, stopped_from_outside
 from tasks import tracking
 from tasks.paths import check_run_id
 from tasks.secrets import redact

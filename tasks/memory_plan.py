@@ -411,6 +411,15 @@ def layout_of_stage(stage: str, cfg, device: str) -> Layout:
                   offload_params=bool(zero and zero.offload_params != "none" and device == "cuda"))
 
 
+def predicted_peak_mb(cfg, stage: str) -> float:
+    """`baton plan`'s per-rank estimate for the configured layout of a training stage, in MiB."""
+    sc = cfg.stage_config(stage)
+    device = sc.resolved_device()
+    layout = layout_of_stage(stage, sc, device)
+    seq = sc.max_seq_length or cfg.model.seq_length
+    return breakdown(shape_of_model(cfg.model), layout, seq, sc.precision, device).total() / 2**20
+
+
 def stage_block(p: Plan) -> dict:
     """A stage section in the shared vocabulary, ready to paste into a run config."""
     lay, hw = p.layout, p.hardware

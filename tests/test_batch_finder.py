@@ -34,7 +34,7 @@ def test_finetune_probes_run_deepspeed_under_a_cpu_budget(tiny_config, data_dir,
     """The finetune stage's DeepSpeed ZeRO-2 launch on its 2 ranks per probe; the largest micro-batch under a budget.
     (Two budgets are tested on pretrain, whose probes start faster and grow ~10 MiB a sequence, well above the
     ~3 MiB run-to-run noise; here ~3 MiB a sequence, so one budget a few probes wide.)"""
-    from flows.playbook import batch_prober
+    from flows.cli.playbook import batch_prober
 
     p = batch_prober(tiny_config, "finetune", data_dir, hf_checkpoint, tmp_path, steps=2)
     base = p.run(1)
@@ -51,7 +51,7 @@ def test_finetune_probes_run_deepspeed_under_a_cpu_budget(tiny_config, data_dir,
 def test_pretrain_probes_run_megatron_under_two_cpu_budgets(tiny_config, data_dir, tmp_path):
     """The pretrain stage's Megatron-Core launch (torchrun, the worker's training steps only) per probe; two budgets,
     the largest micro-batch under each."""
-    from flows.playbook import batch_prober
+    from flows.cli.playbook import batch_prober
 
     p = batch_prober(tiny_config, "pretrain", data_dir, None, tmp_path, steps=2)
     base = p.run(1)

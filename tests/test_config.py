@@ -5,7 +5,7 @@ import pytest
 
 from conftest import TINY, baton
 from flows.config import ConfigError, load
-from flows.plan import plan
+from flows.chain_planner import plan
 
 
 def test_unknown_key_fails_fast_naming_it(baton_home, tmp_path):

@@ -263,7 +263,7 @@ def test_data_fingerprint_follows_file_contents(tmp_path, baton_home):
     import os
 
     from flows.config import load
-    from flows.plan import plan
+    from flows.chain_planner import plan
 
     from conftest import TINY
 

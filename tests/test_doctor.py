@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from flows import doctor
+from flows.cli import doctor
 from flows.cli import main as baton_main
 from flows.config import load
 

@@ -1,7 +1,9 @@
-"""House rules the code keeps: small functions, imports one way (flows → tasks → conversions), no import cycle."""
+"""House rules the code keeps: small functions, imports one way (flows → tasks → conversions), no import cycle, and a
+layout that says where things live (flows/ holds the flows and what they run on; the `baton` command is flows/cli/)."""
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,10 +16,9 @@ PACKAGES = ("flows", "tasks", "conversions")
 MAX_FUNCTION_LINES = 80
 
 
-def _modules():
-    for pkg in PACKAGES:
-        for f in sorted((REPO / pkg).rglob("*.py")):
-            yield f, ast.parse(f.read_text())
+@functools.cache
+def _modules() -> tuple[tuple[Path, ast.Module], ...]:
+    return tuple((f, ast.parse(f.read_text())) for pkg in PACKAGES for f in sorted((REPO / pkg).rglob("*.py")))
 
 
 def test_no_function_is_longer_than_the_limit():
@@ -123,6 +124,97 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str]:
 
 def test_the_import_graph_has_no_cycle():
     graph = _import_graph()
-    assert graph["flows.stages"] >= {"tasks.launch", "conversions.manifest"}, "the graph lost the imports it is made of"
+    assert graph["flows.step_runner"] >= {"tasks.launch", "conversions.manifest"}, "the graph lost the imports it is made of"
     cycle = _find_cycle(graph)
     assert not cycle, "import cycle at import time: " + " → ".join(cycle)
+
+
+def _all_imports(tree: ast.Module) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement, at import time or inside a function (a lazy import is still a dependency)."""
+    return (n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)))
+
+
+def _dependency_graph() -> dict[str, set[str]]:
+    trees = {_module_name(f): (f, tree) for f, tree in _modules()}
+    known = set(trees)
+    return {name: set().union(*(_imported_modules(n, name, f.name == "__init__.py", known)
+                                 for n in _all_imports(tree))) - {name}
+            for name, (f, tree) in trees.items()}
+
+
+def _in_cli(module: str) -> bool:
+    return module == "flows.cli" or module.startswith("flows.cli.")
+
+
+def _defines_a_flow(tree: ast.Module) -> bool:
+    """`@flow`, `@flow(...)` or `flow(...)(fn)`: Prefect's decorator applied somewhere in the module."""
+    return any((isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "flow")
+               or (isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                   and any(isinstance(d, ast.Name) and d.id == "flow" for d in n.decorator_list))
+               for n in ast.walk(tree))
+
+
+def test_nothing_outside_the_cli_imports_it():
+    graph = _dependency_graph()
+    wrong = [f"{m} imports {', '.join(sorted(filter(_in_cli, used)))}" for m, used in sorted(graph.items())
+             if not _in_cli(m) and any(map(_in_cli, used))]
+    assert not wrong, "the CLI sits on top: only flows/cli may import flows.cli\n" + "\n".join(wrong)
+
+
+def test_every_module_directly_under_flows_is_a_flow_or_run_by_one():
+    """flows/ holds the Prefect flows and the code they run on; a module only the CLI uses belongs in flows/cli/."""
+    graph = _dependency_graph()
+    direct = {_module_name(f): tree for f, tree in _modules()
+              if f.parent == REPO / "flows" and f.name != "__init__.py"}
+    flows_ = {m for m, tree in direct.items() if _defines_a_flow(tree)}
+    assert {"flows.pipeline", "flows.retrain", "flows.stage_flows", "flows.step_runner"} <= flows_, flows_
+    reached, pending = set(flows_), list(flows_)
+    while pending:
+        for used in graph[pending.pop()] - reached:
+            reached.add(used)
+            pending.append(used)
+    cli_only = sorted(set(direct) - reached)
+    assert not cli_only, "neither a flow nor imported by one (move them into flows/cli/): " + ", ".join(cli_only)
+
+
+def _top_level_names(tree: ast.Module) -> set[str]:
+    names = set()
+    for n in tree.body:
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(n.name)
+        elif isinstance(n, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in n.names}
+        elif isinstance(n, (ast.Assign, ast.AnnAssign)):
+            targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+    return names
+
+
+def _missing_modules(node: ast.ImportFrom | ast.Import, importer: str, is_package: bool,
+                     trees: dict[str, ast.Module], packages: set[str]) -> list[str]:
+    """What an import of ours names that is in no file: a module path left behind by a move."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names if a.name.split(".")[0] in PACKAGES and a.name not in trees]
+    base = node.module or ""
+    if node.level:
+        anchor = importer.split(".")[: len(importer.split(".")) - node.level + is_package]
+        base = ".".join(anchor + ([base] if base else []))
+    if base.split(".")[0] not in PACKAGES:
+        return []
+    if base not in trees:
+        return [base]
+    if base not in packages:
+        return []
+    return [f"{base}.{a.name}" for a in node.names
+            if f"{base}.{a.name}" not in trees and a.name not in _top_level_names(trees[base])]
+
+
+def test_every_import_of_ours_names_a_module_that_exists():
+    """Catches a stale path after a move (`flows.stages`, `flows.plan`): lazy imports included, which only fail when
+    their function runs."""
+    files = {_module_name(f): (f, tree) for f, tree in _modules()}
+    trees = {name: tree for name, (f, tree) in files.items()}
+    packages = {name for name, (f, tree) in files.items() if f.name == "__init__.py"}
+    missing = [f"{f.relative_to(REPO)}:{n.lineno} {gone}" for name, (f, tree) in sorted(files.items())
+               for n in _all_imports(tree) for gone in _missing_modules(n, name, f.name == "__init__.py", trees, packages)]
+    assert not missing, "\n".join(missing)

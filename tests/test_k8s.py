@@ -36,7 +36,7 @@ def assert_valid(docs: dict[str, dict]) -> None:
 
 
 def work_pool_job(out: Path) -> dict:
-    from flows.k8s import render_work_pool_job
+    from flows.cli.k8s_manifests import render_work_pool_job
 
     template = json.loads((out / "prefect-work-pool.json").read_text())
     return render_work_pool_job(template, {"name": "baton-flow", "command": "prefect flow-run execute"})
@@ -161,7 +161,7 @@ def test_validation_rejects_broken_manifests(tmp_path):
 
 
 def test_names_stay_distinct_and_short():
-    from flows.k8s import k8s_name
+    from flows.cli.k8s_manifests import k8s_name
 
     long = "a-very-long-config-name-for-a-seventy-billion-parameter-run"
     names = {k8s_name(long, s) for s in ("pretrain", "rlhf", "finetune")}

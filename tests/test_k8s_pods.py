@@ -31,7 +31,7 @@ def test_the_pod_command_runs_the_real_worker(stage, tmp_path, data_dir, hf_chec
 
     from tasks import events
     from flows.config import load
-    from flows.k8s import IMAGE_ROOT, SPEC_DIR, Cluster, manifests
+    from flows.cli.k8s_manifests import IMAGE_ROOT, SPEC_DIR, Cluster, manifests
     from tasks.distributed import free_port
 
     volume, etc = tmp_path / "volume", tmp_path / "etc-baton"

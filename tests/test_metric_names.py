@@ -58,7 +58,7 @@ def test_a_name_outside_the_scheme_is_refused_where_it_is_emitted(bad, capsys):
 def test_every_name_written_in_the_code_follows_the_scheme():
     """Every grouped name spelled in the workers, tasks, flows and benchmarks, and every events.<NAME> they use."""
     found: dict[str, str] = {}
-    for path in _sources("tasks/**/*.py", "flows/*.py", "benchmarks/*.py"):
+    for path in _sources("tasks/**/*.py", "flows/**/*.py", "benchmarks/*.py"):
         tree = ast.parse(path.read_text())
         parts = {id(v) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr) for v in n.values}  # f-string pieces
         for node in ast.walk(tree):

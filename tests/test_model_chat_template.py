@@ -48,14 +48,14 @@ def test_a_bad_template_is_refused_when_the_config_loads(value, expected):
 
 @pytest.mark.fast
 def test_a_template_file_is_read_and_its_contents_fingerprinted(tmp_path):
-    from flows import plan
+    from flows import chain_planner
 
     path = tmp_path / "zephyr.jinja"
     path.write_text(ZEPHYR)
     cfg = load(TINY, [f"model.chat_template={path}"], stages=["finetune"])
-    before = plan.plan(cfg, "hf-safetensors", "input-fp")
+    before = chain_planner.plan(cfg, "hf-safetensors", "input-fp")
     path.write_text(ZEPHYR.replace("<|assistant|>", "<|bot|>"))
-    after = plan.plan(cfg, "hf-safetensors", "input-fp")
+    after = chain_planner.plan(cfg, "hf-safetensors", "input-fp")
     by_label = {s.label: s.fingerprint for s in after}
     assert before[0].fingerprint != by_label["data"]  # the data stage writes it into the model's tokenizer
     assert next(s for s in before if s.name == "finetune").fingerprint != by_label["finetune"]
@@ -65,19 +65,19 @@ def test_a_template_file_is_read_and_its_contents_fingerprinted(tmp_path):
 
 @pytest.mark.fast
 def test_a_template_less_model_is_refused_naming_the_key_and_passes_with_it(tmp_path):
-    from flows import plan
+    from flows import chain_planner
     from flows.pipeline import check_chat_template
 
     ckpt = tmp_path / "base"
     ckpt.mkdir()
     (ckpt / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
     cfg = load(TINY, stages=["data", "finetune"])
-    steps = plan.plan(cfg, "hf-safetensors", "fp")
+    steps = chain_planner.plan(cfg, "hf-safetensors", "fp")
     with pytest.raises(ConfigError) as e:
         check_chat_template(cfg, steps, ckpt, "hf-safetensors")
     assert "has no chat template" in str(e.value) and "set model.chat_template" in str(e.value), e.value
     cfg = load(TINY, [f"model.chat_template={json.dumps(ZEPHYR)}"], stages=["data", "finetune"])
-    check_chat_template(cfg, plan.plan(cfg, "hf-safetensors", "fp"), ckpt, "hf-safetensors")
+    check_chat_template(cfg, chain_planner.plan(cfg, "hf-safetensors", "fp"), ckpt, "hf-safetensors")
 
 
 @pytest.mark.fast

@@ -136,8 +136,8 @@ def test_flipped_byte_in_a_training_checkpoint_is_not_resumed(tmp_path, record_p
 def test_a_stage_is_not_started_without_the_disk_its_checkpoints_need(tiny_config, tmp_path, record_property):
     """The plan's estimate (kept checkpoints × 16 bytes a parameter + output) against a real 1 MB tmpfs."""
     record_property("fault", "disk too small for a stage")
-    from flows.plan import Step
-    from flows.stages import StageFailed, check_free_space, disk_needed
+    from flows.chain_planner import Step
+    from flows.step_runner import StageFailed, check_free_space, disk_needed
 
     step = Step(name="pretrain", label="pretrain", consumes=None, produces="megatron-dist", fingerprint="f" * 64)
     assert disk_needed(tiny_config, step) > 1 << 20

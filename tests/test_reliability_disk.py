@@ -61,7 +61,7 @@ def test_torch_writer_enospc_is_named(tmp_path, record_property):
 
 
 def _finetune_setup(tmp_path: Path, tiny_config, data_dir: Path, hf_checkpoint: Path, disk: Path):
-    from flows.plan import Step
+    from flows.chain_planner import Step
     from tasks.finetune.config import FinetuneConfig
     from tasks.stage import StageContext
 
@@ -93,7 +93,7 @@ def _fill_after_first_seal(seal: Path, filler: Path, found: dict, stop: threadin
 def _fails_on_the_full_disk(run, seal: Path, disk: Path, partial: Path, found: dict, stop: threading.Event) -> str:
     """Run the stage while another writer fills the disk once `seal` exists; assert the stage failed at once
     ("disk full", not retried) with one line naming the disk, its free space and the partial checkpoint; return it."""
-    from flows.stages import cause_line, failure_class
+    from flows.step_runner import cause_line, failure_class
     from tasks.launch import LaunchError
 
     watcher = threading.Thread(target=_fill_after_first_seal, daemon=True,
@@ -121,7 +121,7 @@ def test_enospc_mid_save_in_a_deepspeed_finetune(tmp_path, tiny_config, data_dir
     runs out of space inside torch's writer. Then the space is freed and the same work folder resumes from step 3."""
     record_property("fault", "ENOSPC mid-save in a DeepSpeed finetune")
     from conversions import sealed
-    from flows.stages import check_free_space, disk_needed
+    from flows.step_runner import check_free_space, disk_needed
     from tasks.finetune.task import run_finetune
 
     disk = tmp_path / "disk"
@@ -165,8 +165,8 @@ def test_enospc_mid_save_in_a_megatron_pretrain(tmp_path, data_dir, record_prope
     from conftest import TINY
     from conversions import sealed
     from flows.config import load
-    from flows.plan import Step
-    from flows.stages import check_free_space, disk_needed
+    from flows.chain_planner import Step
+    from flows.step_runner import check_free_space, disk_needed
     from tasks.pretrain.task import run_pretrain
     from tasks.stage import StageContext
 
@@ -209,8 +209,8 @@ def test_enospc_mid_save_in_a_trl_dpo(tmp_path, tiny_config, data_dir, hf_checkp
     with the space freed the same work folder resumes from step 3 and its gate passes."""
     record_property("fault", "ENOSPC mid-save in a TRL rlhf")
     from conversions import sealed
-    from flows.plan import Step
-    from flows.stages import check_free_space, disk_needed
+    from flows.chain_planner import Step
+    from flows.step_runner import check_free_space, disk_needed
     from tasks.rlhf.config import RlhfConfig
     from tasks.rlhf.task import run_rlhf
     from tasks.stage import StageContext

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from flows import stages
+from flows import step_runner
 from tasks import events, launch
 
 # fast per test: a module-wide fast mark would put the slow engine tests into `make test-fast` too
@@ -28,7 +28,7 @@ def _fail(code: str, env: dict | None = None) -> launch.LaunchError:
 def test_rank_killed_by_a_signal_is_infrastructure(record_property):
     record_property("fault", "rank SIGKILLed")
     e = _fail("import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
-    assert stages.failure_class(e, stages.oom_kills()) == "infrastructure"
+    assert step_runner.failure_class(e, step_runner.oom_kills()) == "infrastructure"
 
 
 @pytest.mark.slow
@@ -48,7 +48,7 @@ def test_lost_peer_is_infrastructure(record_property, tmp_path):
     with pytest.raises(launch.LaunchError) as info:
         launch.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                     str(launch_port()), str(script)], name="ranks", timeout=180, env={"OMP_NUM_THREADS": "1"})
-    assert stages.failure_class(info.value, stages.oom_kills()) == "infrastructure", info.value.tail[-10:]
+    assert step_runner.failure_class(info.value, step_runner.oom_kills()) == "infrastructure", info.value.tail[-10:]
 
 
 def launch_port() -> int:
@@ -63,14 +63,14 @@ def launch_port() -> int:
 def test_disk_full_is_not_retried(record_property):
     record_property("fault", "ENOSPC in a rank")
     e = _fail("open('/dev/full', 'w').write('x' * 100000)")
-    assert stages.failure_class(e, stages.oom_kills()) == "disk full"
+    assert step_runner.failure_class(e, step_runner.oom_kills()) == "disk full"
 
 
 @pytest.mark.fast
 def test_ordinary_exception_is_not_retried(record_property):
     record_property("fault", "ordinary exception")
     e = _fail("raise ValueError('a bug')")
-    assert stages.failure_class(e, stages.oom_kills()) == "error"
+    assert step_runner.failure_class(e, step_runner.oom_kills()) == "error"
 
 
 @pytest.mark.slow
@@ -92,7 +92,7 @@ def test_a_diverging_finetune_stops_at_its_first_non_finite_loss(record_property
 
 
 def _run_finetune_into_divergence(work: Path, tiny_config, data_dir: Path, hf_checkpoint: Path) -> launch.LaunchError:
-    from flows.plan import Step
+    from flows.chain_planner import Step
     from tasks.finetune.config import FinetuneConfig
     from tasks.stage import StageContext
 
@@ -103,7 +103,7 @@ def _run_finetune_into_divergence(work: Path, tiny_config, data_dir: Path, hf_ch
                        input_format="hf-safetensors")
     step = Step(name="finetune", label="finetune", consumes="hf-safetensors", produces="deepspeed-zero")
     with pytest.raises(launch.LaunchError) as info:
-        stages._run_with_retries(step, ctx, cfg)
+        step_runner._run_with_retries(step, ctx, cfg)
     return info.value
 
 
@@ -121,7 +121,7 @@ def _worker_starts(engine_log: Path) -> int:
 
 
 def _child_memory_cgroup(limit: int) -> Path | None:
-    root = stages._memory_cgroup()
+    root = step_runner._memory_cgroup()
     if root is None or not root.exists():
         return None
     child = root / f"baton-test-{os.getpid()}"
@@ -143,11 +143,11 @@ def test_oom_kill_is_not_retried(record_property):
     if cg is None:
         pytest.skip("cannot create a memory cgroup here")
     try:
-        before = stages.oom_kills()
+        before = step_runner.oom_kills()
         e = _fail(f"import os; open({str(cg / 'cgroup.procs')!r}, 'w').write(str(os.getpid()));"
                   "x = bytearray(400 << 20); x[::4096] = b'1' * len(x[::4096])")
         assert e.returncode in (-9, 137)
-        assert stages.failure_class(e, before) == "out of memory"
+        assert step_runner.failure_class(e, before) == "out of memory"
     finally:
         cg.rmdir()
 
@@ -157,4 +157,4 @@ def test_timeout_is_not_retried(record_property):
     record_property("fault", "hung rank (timeout)")
     with pytest.raises(launch.LaunchError) as info:
         launch.run([sys.executable, "-c", "import time; time.sleep(60)"], name="rank", timeout=2)
-    assert stages.failure_class(info.value) == "timeout"
+    assert step_runner.failure_class(info.value) == "timeout"

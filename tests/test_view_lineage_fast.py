@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from conversions import manifest as mf
-from flows import lineage, runs, view
+from flows import lineage, runs
+from flows.cli import view
 
 pytestmark = pytest.mark.fast
 

@@ -17,6 +17,12 @@ from tasks import memory_plan as mp
 TRAINING_STAGES = ("pretrain", "rlhf", "finetune")
 
 
+def add_parsers(sub) -> None:
+    add_plan_parser(sub)
+    add_doctor_parser(sub)
+    add_batch_parser(sub)
+
+
 def add_plan_parser(sub) -> None:
     p = sub.add_parser("plan", help="choose a parallel layout and show per-rank memory (no launch)")
     p.add_argument("config", nargs="?", help="run config: its model and stage sections are planned")
@@ -165,7 +171,7 @@ def add_doctor_parser(sub) -> None:
 
 
 def cmd_doctor(a) -> int:
-    from flows import doctor
+    from flows.cli import doctor
     from flows.config import ConfigError, load
 
     cfg = None
@@ -183,21 +189,12 @@ def cmd_doctor(a) -> int:
 
 def preflight(cfg) -> tuple[bool, list[dict]]:
     """`baton run`'s doctor pass: prints the findings; (ok to launch, findings as dicts for MLflow)."""
-    from flows import doctor
+    from flows.cli import doctor
 
     found = doctor.doctor(cfg)
     if found:
         print(doctor.format_findings(found), file=sys.stderr)
     return not any(f.severity == "error" for f in found), doctor.as_dicts(found)
-
-
-def predicted_peak_mb(cfg, stage: str) -> float:
-    """`baton plan`'s per-rank estimate for the configured layout of a training stage, in MiB."""
-    sc = cfg.stage_config(stage)
-    device = sc.resolved_device()
-    layout = mp.layout_of_stage(stage, sc, device)
-    seq = sc.max_seq_length or cfg.model.seq_length
-    return mp.breakdown(mp.shape_of_model(cfg.model), layout, seq, sc.precision, device).total() / 2**20
 
 
 def memory_line(entry: dict) -> str:

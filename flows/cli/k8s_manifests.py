@@ -28,7 +28,7 @@ from pathlib import Path, PurePosixPath
 
 import yaml
 
-from flows import plan as planning
+from flows import chain_planner as planning
 from flows.config import ConfigError, PipelineConfig
 from tasks import chat_template
 from tasks.stage import REPO_ROOT, StageContext

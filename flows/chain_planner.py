@@ -1,4 +1,5 @@
-"""Turn a config into an ordered list of steps: stages, plus a convert step wherever two neighbours' formats differ.
+"""The chain planner: a config becomes an ordered list of steps, its stages plus a convert step wherever two
+neighbours' formats differ.
 
 Each step has a fingerprint: a hash of what determines its output (its config, the model, the data, its input's
 fingerprint, and the code of the stage). A step whose fingerprint already completed is not re-run; an interrupted one

@@ -1,5 +1,6 @@
-"""One Prefect flow per stage. Each runs its stage's task inside an MLflow child run, applies the gate, and registers
-the checkpoint (alias `candidate`) only when the gate passed. A failed gate fails the stage: nothing is promoted."""
+"""The step runner: each step the chain planner made (a stage or a conversion) runs as a Prefect subflow (STAGE_FLOWS,
+one per stage). It runs the stage's task inside an MLflow child run, applies the gate, and registers the checkpoint
+(alias `candidate`) only when the gate passed. A failed gate fails the step: nothing is promoted."""
 from __future__ import annotations
 
 import os
@@ -13,7 +14,7 @@ from prefect.runtime import flow_run as prefect_flow_run
 
 from conversions import manifest as mf, verify
 from flows.config import PipelineConfig
-from flows.plan import HF, Step
+from flows.chain_planner import HF, Step
 from flows.runs import Index, StepLock
 from flows import report
 from tasks import chat_template, events, streaming, tracking
@@ -324,7 +325,7 @@ def _with_finite_check(out: StageOutput) -> None:
 
 def _memory_vs_plan(c, mlflow_run: str, cfg: PipelineConfig, step: Step, entry: dict) -> None:
     """A training stage's measured per-rank peak beside `baton plan`'s prediction, in the summary and MLflow."""
-    from flows.playbook import predicted_peak_mb
+    from tasks.memory_plan import predicted_peak_mb
 
     if step.name not in ("pretrain", "rlhf", "finetune"):
         return
