@@ -85,3 +85,29 @@ def test_sigterm_to_baton_run_is_recorded_as_cancelled(baton_home, hf_checkpoint
                          filter_string=f"tags.`baton.run_id` = '{run_dir.name}'")
     assert {r.data.tags.get("baton.stage", "pipeline"): r.info.status for r in runs} == {
         "pipeline": "KILLED", "data": "FINISHED", "finetune": "KILLED"}
+
+
+@pytest.mark.fast
+def test_an_exit_hook_that_hangs_after_sigterm_is_bounded(tmp_path, record_property):
+    """What `baton run` does after a SIGTERM when an exit hook hangs: past the grace period the thread stacks are
+    written, the processes below are stopped, and the exit code is still 128 + SIGTERM."""
+    script = (
+        "import atexit, subprocess, sys, time\n"
+        "import flows.cli.run as run\n"
+        "run.EXIT_GRACE_S = 2\n"
+        "child = subprocess.Popen(['sleep', '300'])\n"
+        "open(sys.argv[1], 'w').write(str(child.pid))\n"
+        "def hung_hook():\n"
+        "    time.sleep(600)\n"
+        "atexit.register(hung_hook)\n"
+        "run._bound_the_exit(143)\n"
+        "sys.exit(143)\n")
+    record_property("fault", "an exit hook hanging after SIGTERM to baton run")
+    t0 = time.time()
+    r = subprocess.run([sys.executable, "-c", script, str(tmp_path / "child.pid")], cwd=REPO, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 143, r.stderr[-2000:]
+    assert time.time() - t0 < 30
+    assert "exit hooks still running 2s after the signal" in r.stderr and "hung_hook" in r.stderr, r.stderr[-2000:]
+    child = int((tmp_path / "child.pid").read_text())
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE

@@ -33,7 +33,51 @@ def _exit_on_sigterm() -> None:
     takes the signal first (the run is recorded as cancelled on the way out), then hands it on to this one."""
     import signal
 
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    def exit_for(signum, frame):
+        _bound_the_exit(128 + signum)
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, exit_for)
+
+
+EXIT_GRACE_S = 60
+
+
+def _bound_the_exit(code: int) -> None:
+    """The exit hooks (Prefect's log and event workers draining, its temporary server stopping, MLflow) take seconds,
+    but once, in five whole suite runs, baton was still exiting a minute after a SIGTERM with the run already recorded
+    cancelled. Whoever sent the signal (a stopping container, a scheduler) must not wait on that: after EXIT_GRACE_S the
+    stacks of every thread go to the run log (to find the cause), the processes below us are stopped, and we exit."""
+    import faulthandler
+    import threading
+    import time
+
+    def watchdog():
+        time.sleep(EXIT_GRACE_S)
+        print(f"baton: exit hooks still running {EXIT_GRACE_S}s after the signal; their stacks:", file=sys.stderr,
+              flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        _stop_children()
+        os._exit(code)
+
+    threading.Thread(target=watchdog, name="baton-exit-watchdog", daemon=True).start()
+
+
+def _stop_children(grace_s: float = 5.0) -> None:
+    import psutil
+
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        try:
+            child.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(children, timeout=grace_s)
+    for child in alive:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
 
 
 def cmd_run(args) -> int:
