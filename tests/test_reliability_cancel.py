@@ -74,7 +74,8 @@ def test_sigterm_to_baton_run_is_recorded_as_cancelled(baton_home, hf_checkpoint
     seconds = time.time() - t0
     print(f"SIGTERM: baton and the {len(tree)} processes below it gone in {seconds:.1f}s")
     if seconds > 55:  # the watchdog's path: show which hook hung (the run log has every thread's stack)
-        print((run_dir / "run.log").read_text(errors="replace")[-6000:])
+        for log in (run_dir / "run.log", tmp_path / "baton.out"):
+            print(f"--- {log}:\n" + log.read_text(errors="replace")[-6000:])
 
     summary = json.loads((run_dir / "summary.json").read_text())
     statuses = {s["label"]: s["status"] for s in summary["stages"]}
