@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .refusal import Refused
+
 IGNORE = -100
 
 
-class TemplateError(ValueError):
+class TemplateError(Refused):
     pass
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from . import durable
+from .refusal import Refused
 
 MANIFEST_NAME = "baton_manifest.json"
 SCHEMA = "baton.manifest/1"
@@ -26,7 +27,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "tokenizer.model", "vocab.json", "merges.txt")
 
 
-class ManifestError(Exception):
+class ManifestError(Refused):
     pass
 
 

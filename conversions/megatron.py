@@ -22,6 +22,7 @@ import warnings
 from pathlib import Path
 
 from . import hf, manifest as mf, probe, safetensors_stream
+from .refusal import Refused
 
 EMBEDDING = "embedding.word_embeddings.weight"
 FINAL_NORM = "decoder.final_layernorm.weight"
@@ -42,7 +43,7 @@ ARCH_KEY = "baton_architecture"   # common.pt entry: the checkpoint describes it
 PROBE_MAX_PARAMS = 2_000_000_000  # from_hf computes the HF model's probe logits up to this size (one fp32 copy)
 
 
-class MegatronCheckpointError(ValueError):
+class MegatronCheckpointError(Refused):
     pass
 
 

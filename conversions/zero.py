@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 
 from . import hf, manifest as mf, safetensors_stream, torch_lazy
+from .refusal import Refused
 from .torch_lazy import LazyTensor
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -36,7 +37,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 _RANK_FILE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_(model|optim)_states\.pt$")
 
 
-class ZeroCheckpointError(ValueError):
+class ZeroCheckpointError(Refused):
     pass
 
 

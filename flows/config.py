@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BeforeValidator, Field, SecretStr, ValidationError, field_validator, model_validator
 
+from conversions.refusal import Refused
 from tasks import chat_template, paths, secrets
 from tasks.convert.config import ConvertConfig
 from tasks.data.config import DataConfig
@@ -22,7 +23,7 @@ from tasks.serve.config import ServeConfig
 from tasks.stage import StrictModel, error_key
 
 
-class ConfigError(ValueError):
+class ConfigError(Refused):
     """A config problem, reported before anything launches."""
 
 

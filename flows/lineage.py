@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from conversions import manifest as mf
+from conversions.refusal import Refused
 from flows import runs
 
 
-class LineageError(ValueError):
+class LineageError(Refused):
     pass
 
 

@@ -36,7 +36,7 @@ from tasks.finetune.config import FinetuneConfig
 from tasks.serve import supervisor
 from tasks.serve.config import ServeConfig
 from tasks.serve.task import record_promotion
-from tasks.stage import StrictModel
+from tasks.stage import Failure, StrictModel
 
 DECISION_TAG = "baton.retrain.decision"
 
@@ -212,7 +212,7 @@ def _train_candidate(base: PipelineConfig, champ: dict, result: dict) -> str | N
         result["candidate_version"] = conv["registered"]["version"]
         result["candidate_path"] = conv.get("output")
     if error:
-        gate_failure = "gate failed" in (ft.get("error") or "") or "gate failed" in (conv.get("error") or "")
+        gate_failure = Failure.GATE in (ft.get("failure"), conv.get("failure"))
         result.update(decision="kept" if gate_failure else "failed", reason=f"candidate not promoted: {error}")
     return error
 

@@ -13,6 +13,7 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run as prefect_flow_run
 
 from conversions import manifest as mf, verify
+from conversions.refusal import Refused
 from flows.config import PipelineConfig
 from flows.chain_planner import HF, Step
 from flows.runs import Index, StepLock
@@ -20,7 +21,7 @@ from flows import report
 from tasks import chat_template, events, streaming, tracking
 from tasks.launch import LaunchError
 from tasks.registry import STAGES
-from tasks.stage import StageContext, StageOutput
+from tasks.stage import Failure, StageContext, StageOutput
 
 
 class StageFailed(RuntimeError):
@@ -235,7 +236,7 @@ def check_free_space(cfg: PipelineConfig, step: Step, work: Path) -> None:
 
     if problem := durable.free_space_problem(work, disk_needed(cfg, step)):
         raise StageFailed(f"{step.label}: {problem}; not started",
-                          {**_new_entry(step), "status": "failed", "error": problem})
+                          {**_new_entry(step), "status": "failed", "error": problem, "failure": Failure.NO_ROOM})
 
 
 def _new_entry(step: Step) -> dict:
@@ -348,7 +349,7 @@ def _apply_gate(out: StageOutput, step: Step, entry: dict, smoke: bool = False) 
         return
     if not out.gate.get("passed"):
         failed = [chk["name"] for chk in out.gate.get("checks", []) if not chk["passed"]]
-        entry.update(status="failed", error=f"gate failed: {', '.join(failed)}")
+        entry.update(status="failed", error=f"gate failed: {', '.join(failed)}", failure=Failure.GATE)
         raise StageFailed(f"{step.label}: {entry['error']} (checkpoint not promoted)", entry)
 
 
@@ -375,9 +376,13 @@ def _failure(step: Step, entry: dict, e: Exception) -> StageFailed:
     if isinstance(e, StageFailed):
         return e
     if isinstance(e, LaunchError):
-        entry.update(status="failed", error=str(e).splitlines()[0], log_tail=e.tail[-20:])
+        entry.update(status="failed", error=str(e).splitlines()[0], log_tail=e.tail[-20:], failure=Failure.ENGINE)
         return StageFailed(f"{step.label}: {e}", entry)
-    entry.update(status="failed", error=f"{type(e).__name__}: {e}")
+    if isinstance(e, Refused):  # expected: the user's input, named in one line; no traceback of baton's frames
+        entry.update(status="failed", error=str(e), failure=Failure.REFUSED)
+        get_run_logger().error("%s refused: %s", step.label, e)
+        return StageFailed(f"{step.label}: {e}", entry)
+    entry.update(status="failed", error=f"{type(e).__name__}: {e}", failure=Failure.BUG)
     get_run_logger().error("%s failed:\n%s", step.label, traceback.format_exc())
     return StageFailed(f"{step.label}: {type(e).__name__}: {e}", entry)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import os
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Callable, ClassVar, Union
 
@@ -15,6 +16,16 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Tag, model_validator
 from pydantic_core import PydanticCustomError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class Failure(StrEnum):
+    """Why a stage failed (its summary entry's `failure`): what the terminal shows and what retraining decides on."""
+
+    REFUSED = "refused"   # something the user handed us was refused (conversions.refusal.Refused): its one line
+    GATE = "gate"         # the stage ran and its gate said no: the checks that failed
+    NO_ROOM = "no room"   # not started: not enough free disk for what it would write
+    ENGINE = "engine"     # the engine's processes failed: their cause and the log tail
+    BUG = "bug"           # an exception inside baton: the traceback, in the step log
 
 
 class StrictModel(BaseModel):

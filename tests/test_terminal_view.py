@@ -100,3 +100,18 @@ def test_file_output_is_plain_and_a_failure_shows_cause_and_tail(baton_home):
     assert 0 < len(tail) <= 30 and tail[-1] == logged[-1] and set(tail) <= set(logged)
     assert "site-packages" not in "\n".join(tail)
     assert out.splitlines()[-1].endswith(log.parent.parent.name)
+
+
+def test_a_refused_data_row_prints_its_line_and_the_log_path_not_a_traceback(baton_home, tmp_path):
+    rows = [{"instruction": f"Add {i} and 1", "input": "", "output": str(i + 1)} for i in range(20)]
+    del rows[7]["output"]
+    path = tmp_path / "sft.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r = baton("run", str(TINY), "--stages", "data", "--no-doctor", "--set", "data.sft.kind=files",
+              "--set", f"data.sft.train={path}", "--set", "data.sft.format=alpaca", home=baton_home, timeout=300)
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    out = r.stdout
+    assert f"✗ data failed: data.sft.train: {path}:8: field 'output': missing" in out, out
+    log = Path(re.search(r"--- log: (\S+)", out).group(1))
+    assert log.name == "step.log" and f"{path}:8" in log.read_text()
+    assert "Traceback" not in out and 'File "' not in out and "step_runner" not in out, out

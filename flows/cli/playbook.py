@@ -12,6 +12,7 @@ from pathlib import Path
 import yaml
 
 from conversions import durable
+from conversions.refusal import Refused
 from tasks import memory_plan as mp
 
 TRAINING_STAGES = ("pretrain", "rlhf", "finetune")
@@ -50,7 +51,7 @@ def add_plan_parser(sub) -> None:
     p.set_defaults(fn=cmd_plan)
 
 
-class PlanInputError(ValueError):
+class PlanInputError(Refused):
     pass
 
 

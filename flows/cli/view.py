@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TextIO
 
 from tasks import events, launch, streaming
+from tasks.stage import Failure
 
 FAILURE_TAIL_LINES = 30
 _EXCEPTION_LINE = re.compile(r"\b[A-Z]\w*(Error|Exception|Exit|Interrupt)\b:?\s")
@@ -278,10 +279,19 @@ def failure_cause(entry: dict, tail: list[str]) -> str:
 
 
 def failure_report(entry: dict) -> list[str]:
-    """The failing step, its cause in one line, the last lines of its log and the log's path."""
+    """The failing step and its cause in one line; then, by the kind of failure, the checks a gate refused, or the last
+    lines of the log (an engine's failure or a bug); and the log's path. A refused input is its one line: the message
+    names the file, line or key, and baton's own frames would only hide it."""
     log_path = Path(entry["log"]) if entry.get("log") else None
+    label = entry.get("label", entry.get("name"))
+    if entry.get("failure") in (Failure.REFUSED, Failure.NO_ROOM, Failure.GATE):
+        lines = [f"✗ {label} failed: {(entry.get('error') or 'failed').splitlines()[0]}"]
+        if entry.get("failure") == Failure.GATE:
+            lines += [f"  ✗ {c['name']}: {c.get('detail', '')}" for c in (entry.get("gate") or {}).get("checks", [])
+                      if not c.get("passed")]
+        return lines + ([f"--- log: {log_path}"] if log_path else [])
     tail = launch.without_library_frames(streaming.tail(log_path, 4 * FAILURE_TAIL_LINES))[-FAILURE_TAIL_LINES:]
-    lines = [f"✗ {entry.get('label', entry.get('name'))} failed: {failure_cause(entry, tail)}"]
+    lines = [f"✗ {label} failed: {failure_cause(entry, tail)}"]
     if tail:
         lines.append(f"--- last {len(tail)} lines of {log_path} (library traceback frames left out) ---")
         lines += tail

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from conversions.refusal import Refused
+
 ROLES = ("system", "user", "assistant")
 ROLE_ALIASES = {"human": "user", "gpt": "assistant", "model": "assistant", "chatgpt": "assistant", "bot": "assistant"}
 
@@ -44,7 +46,7 @@ class Problem:
             f" ({self.detail})" if self.detail else "")
 
 
-class RowError(ValueError):
+class RowError(Refused):
     def __init__(self, field: str, reason: str, detail: str = ""):
         super().__init__(detail)
         self.field, self.reason, self.detail = field, reason, detail

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from conversions.refusal import Refused
 from tasks.data import formats
 from tasks.data.config import SourceConfig
 
@@ -20,7 +21,7 @@ TEXT_SUFFIXES = (".txt", ".md")
 ROW_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
-class DataError(ValueError):
+class DataError(Refused):
     """Bad input data: the message names the file, line and field."""
 
 

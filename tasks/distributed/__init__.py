@@ -19,13 +19,14 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
+from conversions.refusal import Refused
 from tasks.distributed.net import free_port, interface_to, remove_shm_segments  # noqa: F401 (the repo's helpers)
 
 LOCAL_KINDS = ("local", "venv")
 NODE_MODULE = "tasks.distributed.node"
 
 
-class LaunchConfigError(ValueError):
+class LaunchConfigError(Refused):
     pass
 
 

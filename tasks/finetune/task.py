@@ -15,6 +15,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from conversions import hf, manifest as mf, verify
+from conversions.refusal import Refused
 from tasks import chat_template, events, gates
 from tasks.distributed import (Launch, LaunchConfigError, engine_command, remove_shm_segments, runtime_kind,
                                stage_runtime, with_port)
@@ -26,7 +27,7 @@ WORKER = Path(__file__).with_name("worker.py")
 TAG_PREFIX = "global_step"
 
 
-class FinetuneInputError(ValueError):
+class FinetuneInputError(Refused):
     pass
 
 

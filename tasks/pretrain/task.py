@@ -13,6 +13,7 @@ from prefect.cache_policies import NO_CACHE
 
 from conversions import manifest as mf, probe, verify
 from conversions.megatron import architecture as checkpoint_architecture, padded_vocab_size
+from conversions.refusal import Refused
 from tasks.pretrain.config import PretrainConfig, resolved_device
 from tasks import events
 from tasks.distributed import Launch, LaunchConfigError, engine_command, stage_runtime
@@ -23,7 +24,7 @@ SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_gro
               "tie_word_embeddings")
 
 
-class PretrainInputError(ValueError):
+class PretrainInputError(Refused):
     pass
 
 

@@ -16,6 +16,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from conversions import hf, manifest as mf, verify
+from conversions.refusal import Refused
 from tasks import chat_template, gates
 from tasks.distributed import Launch, LaunchConfigError, engine_command, runtime_kind, stage_runtime
 from tasks.rlhf import checks, nemo_rl
@@ -26,7 +27,7 @@ WORKER = Path(__file__).with_name("worker.py")
 POLICY_LEVELS = ("L0", "preflight", "L1", "L3")
 
 
-class RlhfInputError(ValueError):
+class RlhfInputError(Refused):
     pass
 
 
