@@ -32,7 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 TINY = REPO / "configs" / "tiny.yaml"
-TRAINING = ("pretrain", "rlhf", "finetune")
+from tasks.registry import TRAINING_STAGES as TRAINING  # noqa: E402
 # optimizer steps per training stage: make bench's profile, and --quick (about 20 min on the loaded 2-core machine)
 # (10 pretraining steps are too few: the rlhf gate's L3 generation then gets EOS at once and the run stops there)
 PROFILES = {"full": {"pretrain": 20, "rlhf": 10, "finetune": 20}, "quick": {"pretrain": 20, "rlhf": 10, "finetune": 10}}

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from conversions import durable
+from tasks.registry import TRAINING_STAGES
 
 SMOKE_STEPS = 4
 # Gate checks that need the full run's steps: held-out improvement, and non-empty greedy generation (after 4
@@ -28,7 +29,7 @@ def smoke_config(cfg):
     updates = {"smoke": True, "data": cfg.data.model_copy(update={
         "pretrain_docs": min(cfg.data.pretrain_docs, 400), "preference_pairs": min(cfg.data.preference_pairs, 80),
         "sft_examples": min(cfg.data.sft_examples, 120)})}
-    for name in ("pretrain", "rlhf", "finetune"):
+    for name in TRAINING_STAGES:
         sc = cfg.stage_config(name)
         steps = min(sc.steps, SMOKE_STEPS)
         change = {"steps": steps, "nproc_per_node": 1, "nnodes": 1, "warmup_steps": 0, "checkpoint_every": steps,

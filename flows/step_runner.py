@@ -20,7 +20,8 @@ from flows.runs import Index, StepLock
 from flows import report
 from tasks import chat_template, events, streaming, tracking
 from tasks.launch import LaunchError
-from tasks.registry import STAGES
+from tasks import memory_plan as mp
+from tasks.registry import STAGES, TRAINING_STAGES
 from tasks.stage import Failure, StageContext, StageOutput
 
 
@@ -209,25 +210,13 @@ def _run_with_retries(step: Step, ctx: StageContext, stage_cfg) -> StageOutput:
     raise AssertionError("unreachable")
 
 
-TRAINING_STAGES = ("pretrain", "finetune", "rlhf")
-
-
-def parameter_estimate(model) -> int:
-    """Parameters of the Llama-style model (embeddings, attention, SwiGLU MLP), for disk planning."""
-    h, layers, ffn, vocab = model.hidden_size, model.num_layers, model.ffn_hidden_size, model.vocab_size
-    return vocab * h * (1 if model.tie_word_embeddings else 2) + layers * (4 * h * h + 3 * h * ffn + 2 * h)
-
-
 def disk_needed(cfg: PipelineConfig, step: Step) -> int:
-    """Bytes a step will write: each training checkpoint holds fp32 weights, master copy and two Adam moments (16
-    bytes a parameter), and a save writes a new one before the oldest of the kept ones is removed (keep + 1 on disk
-    at its peak), plus the fp32 output; a conversion writes the weights once more."""
-    params = parameter_estimate(cfg.model)
+    """Bytes a step will write (tasks/memory_plan.py: the one table of bytes per parameter); a conversion writes the
+    weights once more."""
     if step.name in TRAINING_STAGES:
-        keep = getattr(cfg.stage_config(step.name), "keep_checkpoints", 1)
-        return params * (16 * (keep + 1) + 4)
+        return mp.stage_disk_bytes(cfg, step.name)
     if step.name == "convert":
-        return params * 4
+        return mp.shape_of_model(cfg.model).params() * mp.HF_BYTES_PER_PARAM
     return 0
 
 
@@ -328,7 +317,7 @@ def _memory_vs_plan(c, mlflow_run: str, cfg: PipelineConfig, step: Step, entry: 
     """A training stage's measured per-rank peak beside `baton plan`'s prediction, in the summary and MLflow."""
     from tasks.memory_plan import predicted_peak_mb
 
-    if step.name not in ("pretrain", "rlhf", "finetune"):
+    if step.name not in TRAINING_STAGES:
         return
     predicted = predicted_peak_mb(cfg, step.name)
     measured = entry["metrics"].get("peak_mem_mib")

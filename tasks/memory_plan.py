@@ -389,6 +389,41 @@ def _why_not(layout: Layout, mem: Breakdown, p: Plan) -> str:
             "a shorter sequence or offload are needed")
 
 
+# ---- disk ------------------------------------------------------------------------------------------------------------
+HF_BYTES_PER_PARAM = 4   # the fp32 safetensors a stage's output (or its conversion) holds
+
+
+def checkpoint_bytes_per_param(stage: str, precision: str) -> int:
+    """What one training checkpoint holds per parameter on disk (gradients are never saved). Megatron and DeepSpeed:
+    the weights in the training precision, the optimizer's fp32 copy of them (kept even when they are fp32: Megatron's
+    distributed optimizer and ZeRO's flat partition) and Adam's two fp32 moments. TRL (the Trainer): the model as
+    trained, fp32 under autocast, and the two moments."""
+    if stage == "rlhf":
+        return 4 + 8
+    return (2 if precision in ("bf16", "fp16") else 4) + 4 + 8
+
+
+def stage_disk_bytes(cfg, stage: str) -> int:
+    """A training stage's peak on disk: a save writes the new checkpoint before it removes the oldest kept one
+    (keep + 1 at once), plus its fp32 output."""
+    sc = cfg.stage_config(stage)
+    per = checkpoint_bytes_per_param(stage, sc.precision)
+    return shape_of_model(cfg.model).params() * (per * (sc.keep_checkpoints + 1) + HF_BYTES_PER_PARAM)
+
+
+def planned_disk_bytes(cfg, stages) -> int:
+    """What the given training stages of a run hold at once at the peak: each its kept checkpoints and its output,
+    and one save in flight (the largest)."""
+    params = shape_of_model(cfg.model).params()
+    kept = largest = 0
+    for stage in stages:
+        sc = cfg.stage_config(stage)
+        per = checkpoint_bytes_per_param(stage, sc.precision)
+        kept += params * (per * sc.keep_checkpoints + HF_BYTES_PER_PARAM)
+        largest = max(largest, params * per)
+    return kept + largest
+
+
 # ---- configs in and out ----------------------------------------------------------------------------------------------
 def shape_of_model(model) -> Shape:
     """The pipeline's `model:` section as a Shape."""

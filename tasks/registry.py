@@ -7,3 +7,4 @@ from tasks.stage import StageSpec
 STAGES: dict[str, StageSpec] = {s.name: s for s in (
     data.STAGE, pretrain.STAGE, rlhf.STAGE, finetune.STAGE, serve.STAGE, convert.STAGE)}
 DEFAULT_CHAIN = ["data", "pretrain", "rlhf", "finetune", "serve"]
+TRAINING_STAGES = tuple(name for name, spec in STAGES.items() if spec.trains)  # pretrain, rlhf, finetune

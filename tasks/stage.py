@@ -76,6 +76,7 @@ class StageSpec:
     validate: Callable[[Any, Any], list[str]] = lambda cfg, pipeline: []  # errors found before anything launches
     validate_host: Callable[[Any, Any], list[str]] = lambda cfg, pipeline: []  # what this machine lacks to launch it
     cacheable: bool = True                      # False: side effects (serving, promotion) make every run count
+    trains: bool = False                        # a training stage: optimizer states in its checkpoints, memory and disk plans
     description: str = ""
 
     def load_task(self):

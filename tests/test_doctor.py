@@ -92,13 +92,27 @@ def test_too_little_disk_for_checkpoints(small_tmpfs):
 
 
 def test_disk_plan_counts_the_checkpoint_in_flight():
-    """A save writes the new checkpoint before it removes the oldest: keep 1 still needs room for two."""
+    """A save writes the new checkpoint before it removes the oldest: keep 1 still needs room for two. An fp32 ZeRO
+    checkpoint holds 16 bytes a parameter (weights, the fp32 partition, two Adam moments); the fp32 output 4 more."""
     cfg = load(TINY, ["finetune.keep_checkpoints=1"], ["finetune"], check_stages=False)
-    params = doctor.mp.shape_of_model(cfg.model).params()
-    one = params * doctor.CHECKPOINT_BYTES_PER_PARAM["finetune"]
-    assert doctor.planned_checkpoint_bytes(cfg) == 2 * one + params * 4  # two checkpoints + the HF copy
+    m = cfg.model
+    d = m.hidden_size // m.num_attention_heads
+    layer = (m.hidden_size * (m.num_attention_heads + 2 * m.num_query_groups) * d
+             + m.num_attention_heads * d * m.hidden_size + 3 * m.hidden_size * m.ffn_hidden_size + 2 * m.hidden_size)
+    params = m.num_layers * layer + 2 * m.vocab_size * m.hidden_size + m.hidden_size  # untied, GQA counted
+    assert doctor.planned_checkpoint_bytes(cfg) == params * (2 * 16 + 4)
 
 
+@pytest.mark.parametrize("stage", ["pretrain", "rlhf", "finetune"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_doctor_disk_estimate_equals_the_stages_own(stage, precision):
+    from flows import chain_planner
+    from flows.step_runner import disk_needed
+
+    cfg = load(TINY, [f"{stage}.precision={precision}", f"{stage}.keep_checkpoints=3"], [stage], check_stages=False)
+    (step,) = [s for s in chain_planner.plan(cfg, input_format=None if stage == "pretrain" else "hf-safetensors")
+               if s.name == stage]
+    assert doctor.planned_checkpoint_bytes(cfg) == disk_needed(cfg, step) > 0
 def test_port_taken():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

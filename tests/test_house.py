@@ -218,3 +218,37 @@ def test_every_import_of_ours_names_a_module_that_exists():
     missing = [f"{f.relative_to(REPO)}:{n.lineno} {gone}" for name, (f, tree) in sorted(files.items())
                for n in _all_imports(tree) for gone in _missing_modules(n, name, f.name == "__init__.py", trees, packages)]
     assert not missing, "\n".join(missing)
+
+
+def _spelled_stage_sets() -> list[str]:
+    """Where a tuple, list or set literal spells the training stages (it should come from tasks.registry)."""
+    training = {"pretrain", "rlhf", "finetune"}
+    found = []
+    for path, tree in _modules():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and len(node.elts) == 3:
+                values = {e.value for e in node.elts if isinstance(e, ast.Constant)}
+                if values == training:
+                    found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    return found
+
+
+def test_the_training_stages_and_their_disk_bytes_have_one_home():
+    """The training-stage set is an attribute of each stage's spec (tasks.registry.TRAINING_STAGES); the bytes a
+    checkpoint holds per parameter are one function (tasks.memory_plan), used by doctor and the stages' own check."""
+    from flows.cli import doctor
+    from flows import smoke, step_runner
+    from tasks import memory_plan
+    from tasks.registry import STAGES, TRAINING_STAGES
+
+    assert set(TRAINING_STAGES) == {name for name, spec in STAGES.items() if spec.trains} == {"pretrain", "rlhf",
+                                                                                              "finetune"}
+    assert _spelled_stage_sets() == []
+    assert doctor.TRAINING_STAGES is step_runner.TRAINING_STAGES is smoke.TRAINING_STAGES is TRAINING_STAGES
+    assert doctor.mp is step_runner.mp is memory_plan
+    for path, tree in _modules():  # no other table of bytes per parameter
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Dict) and {k.value for k in node.keys if isinstance(k, ast.Constant)} >= {
+                    "pretrain", "finetune"} and all(isinstance(v, ast.Constant) and isinstance(v.value, int)
+                                                    for v in node.values):
+                raise AssertionError(f"a per-stage number table at {path.relative_to(REPO)}:{node.lineno}")

@@ -17,11 +17,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tasks import memory_plan as mp
+from tasks.registry import TRAINING_STAGES
 
 SHM_PER_RANK_MB = 66          # DeepSpeed's CPU shm all-reduce buffer per rank (measured; tasks/finetune/engine_env.py)
 MAX_DATALOADER_WORKERS = 8
 GPU_MEMORY_UTILIZATION = (0.5, 0.9)
-TRAINING = ("pretrain", "rlhf", "finetune")
 
 
 @dataclass
@@ -77,7 +77,7 @@ def runtimes_in_use(cfg) -> dict[str, str]:
     """Runtime name -> python for the configured stages (runtimes that are not built are the stages' own error)."""
     from tasks.runtimes import RuntimeMissing
 
-    names = {"main"} if any(s in cfg.stages for s in ("data", *TRAINING, "convert")) else set()
+    names = {"main"} if any(s in cfg.stages for s in ("data", *TRAINING_STAGES, "convert")) else set()
     if "serve" in cfg.stages:
         names |= set(cfg.serve.engines())
     rt = {k: v.model_dump(mode="json") for k, v in cfg.runtimes.items()}  # env stays masked: not needed here
@@ -222,7 +222,7 @@ def free_bytes(path: Path) -> int:
 
 
 def local_ranks(cfg) -> int:
-    return max([cfg.stage_config(s).nproc_per_node for s in TRAINING if s in cfg.stages] or [1])
+    return max([cfg.stage_config(s).nproc_per_node for s in TRAINING_STAGES if s in cfg.stages] or [1])
 
 
 def check_shm(cfg, probe: Probe) -> list[Finding]:
@@ -239,22 +239,10 @@ def check_shm(cfg, probe: Probe) -> list[Finding]:
                     "(docker: --shm-size), or fewer ranks per node (nproc_per_node)")]
 
 
-CHECKPOINT_BYTES_PER_PARAM = {"pretrain": 14, "finetune": 16, "rlhf": 4}   # weights + optimizer states as saved
-
-
 def planned_checkpoint_bytes(cfg) -> int:
-    """Checkpoints the configured stages keep at once (keep_checkpoints each, optimizer states included), plus the
-    HF copy each conversion writes, plus the one checkpoint in flight: a save writes the new one before it removes
-    the oldest, so the peak holds keep + 1 of the stage saving."""
-    params = mp.shape_of_model(cfg.model).params()
-    kept, largest = 0, 0
-    for s in TRAINING:
-        if s in cfg.stages:
-            one = params * CHECKPOINT_BYTES_PER_PARAM[s]
-            kept += one * (cfg.stage_config(s).keep_checkpoints if s != "rlhf" else 1)
-            kept += params * 4  # the HF conversion after it
-            largest = max(largest, one)
-    return int(kept + largest)
+    """What the configured training stages hold on disk at the peak (tasks/memory_plan.py, the same numbers each
+    stage checks before it starts)."""
+    return mp.planned_disk_bytes(cfg, [s for s in TRAINING_STAGES if s in cfg.stages])
 
 
 def check_disk(cfg, probe: Probe) -> list[Finding]:
@@ -338,7 +326,7 @@ def check_memory(cfg) -> list[Finding]:
     from tasks.hardware import gpu_memory_gb, host_memory_gb
 
     found = []
-    for s in (x for x in TRAINING if x in cfg.stages):
+    for s in (x for x in TRAINING_STAGES if x in cfg.stages):
         sc = cfg.stage_config(s)
         device = sc.resolved_device()
         layout = mp.layout_of_stage(s, sc, device)

@@ -32,8 +32,8 @@ from flows import chain_planner as planning
 from flows.config import ConfigError, PipelineConfig
 from tasks import chat_template
 from tasks.stage import REPO_ROOT, StageContext
+from tasks.registry import TRAINING_STAGES
 
-TRAINING_STAGES = ("pretrain", "rlhf", "finetune")
 IMAGE_ROOT = PurePosixPath("/opt/baton")  # WORKDIR of infra/docker/train.Dockerfile: this checkout inside the image
 SPEC_DIR = PurePosixPath("/etc/baton")    # the stage's ConfigMap, mounted read-only
 MASTER_PORT = 29500

@@ -14,8 +14,8 @@ import yaml
 from conversions import durable
 from conversions.refusal import Refused
 from tasks import memory_plan as mp
+from tasks.registry import TRAINING_STAGES
 
-TRAINING_STAGES = ("pretrain", "rlhf", "finetune")
 
 
 def add_parsers(sub) -> None:

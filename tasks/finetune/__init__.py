@@ -3,6 +3,7 @@ from tasks.stage import StageSpec
 
 STAGE = StageSpec(
     name="finetune",
+    trains=True,
     config_model=FinetuneConfig,
     task="tasks.finetune.task:run_finetune",
     consumes=lambda cfg: "hf-safetensors",

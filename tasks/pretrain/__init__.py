@@ -3,6 +3,7 @@ from tasks.stage import StageSpec
 
 STAGE = StageSpec(
     name="pretrain",
+    trains=True,
     config_model=PretrainConfig,
     task="tasks.pretrain.task:run_pretrain",
     consumes=lambda cfg: "megatron-dist",

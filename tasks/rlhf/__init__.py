@@ -4,6 +4,7 @@ from tasks.stage import StageSpec
 
 STAGE = StageSpec(
     name="rlhf",
+    trains=True,
     config_model=RlhfConfig,
     task="tasks.rlhf.task:run_rlhf",
     consumes=lambda cfg: "hf-safetensors",
