@@ -113,3 +113,20 @@ def test_regular_files_copy_with_their_content_and_mode(tmp_path, record_propert
     assert verify.verify(src, levels=("L0",))["passed"] is False  # tokenizer.json added after the manifest
     mf.write(src, mf.build(src, format="hf-safetensors", stage="test"))
     assert verify.verify(src, levels=("L0",))["passed"]
+
+
+def test_the_cli_names_the_link_and_writes_nothing(tmp_path, record_property):
+    """`baton manifest` and `baton convert` of a folder holding a link: one line naming it, nothing written."""
+    record_property("fault", "tokenizer.json linked to a 0600 file outside")
+    from conftest import cli
+
+    src = _checkpoint(tmp_path / "src")
+    (src / "tokenizer.json").symlink_to(_secret(tmp_path))
+    before = (src / mf.MANIFEST_NAME).read_text()
+    r = cli("manifest", str(src), home=tmp_path / "home")
+    assert r.returncode == 2 and "tokenizer.json: a symlink" in r.stderr and SECRET not in r.stderr, r.stderr
+    assert (src / mf.MANIFEST_NAME).read_text() == before
+    dst = tmp_path / "dst"
+    r = cli("convert", str(src), str(dst), "--from-format", "megatron-dist", home=tmp_path / "home")
+    assert r.returncode == 2 and "tokenizer.json: a symlink" in r.stderr and "nothing written" in r.stderr, r.stderr
+    assert not dst.exists() and not (tmp_path / "dst.partial").exists()
