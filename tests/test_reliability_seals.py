@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import sys
 
 import pytest
 
@@ -105,3 +106,24 @@ def test_workers_get_the_key_path_not_the_key(home, tmp_path):
     env = ctx.worker_env()
     assert env[sealed.KEY_ENV] == str(home / "seal.key")
     assert sealed.read_key().hex() not in json.dumps(env)
+
+
+def test_the_pipeline_s_convert_step_refuses_before_any_loader(home, tmp_path, monkeypatch, record_property):
+    """The convert step of a run, fed a finetune output whose seal was written with another key: the worker stops at
+    the seal (the step fails naming it), and no output is published."""
+    record_property("fault", "checkpoint files and seal replaced together")
+    from tasks.convert.config import ConvertConfig
+    from tasks.convert.task import run_convert
+    from tasks.stage import StageContext
+
+    monkeypatch.setenv("BATON_HOME", str(tmp_path / "attacker-home"))
+    src = tmp_path / "finetune-output"
+    _sealed_folder(src / "global_step4", sealed.MARKERS["deepspeed-zero"], step=4)
+    (src / "latest").write_text("global_step4")
+    monkeypatch.setenv("BATON_HOME", str(home))
+    ctx = StageContext(stage="convert", run_id="t", run_dir=tmp_path, work_dir=tmp_path / "work", model={}, seed=0,
+                       input=src, input_format="deepspeed-zero", runtimes={"main": {"python": sys.executable}},
+                       extra={"from_format": "deepspeed-zero", "to_format": "hf-safetensors", "source_stage": "finetune"})
+    with pytest.raises(Exception, match="global_step4: its seal's HMAC does not verify"):
+        run_convert.fn(ctx, ConvertConfig())
+    assert not (tmp_path / "work" / "checkpoint").exists()
