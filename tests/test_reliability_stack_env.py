@@ -82,3 +82,17 @@ def test_what_make_up_writes_is_read_back(tmp_path):
     _plant(tmp_path / "cwd", path.read_text())
     r = _baton_env_in(tmp_path / "cwd")
     assert r.returncode == 0 and r.stdout.split() == ["None", stack.client_env()["MLFLOW_TRACKING_URI"]], r.stderr
+
+
+def test_the_stack_s_prefect_server_wants_csrf_tokens_and_only_its_ui_s_origin(record_property):
+    """A web page the user visits must not drive the API: CSRF on (Prefect's default is off), CORS only for the UI
+    (its default is `*`). Checked live with `make up`: a tokenless POST gets 403, another origin's preflight 400."""
+    record_property("fault", "Prefect API open to any web page")
+    sys.path.insert(0, str(REPO / "infra" / "stack"))
+    try:
+        import stack
+    finally:
+        sys.path.remove(str(REPO / "infra" / "stack"))
+    env = stack.prefect_server_env(None)
+    assert env["PREFECT_SERVER_CSRF_PROTECTION_ENABLED"] == "true"
+    assert env["PREFECT_SERVER_CORS_ALLOWED_ORIGINS"] == stack.client_env()["PREFECT_UI_URL"]

@@ -75,7 +75,11 @@ def prefect_server_env(db_url: str | None) -> dict[str, str]:
            "PREFECT_SERVER_API_HOST": HOST, "PREFECT_SERVER_API_PORT": str(p["prefect"]),
            # the UI is a static app that calls this URL from the browser: without it, it calls port 4200
            "PREFECT_UI_API_URL": f"http://{HOST}:{p['prefect']}/api",
-           "PREFECT_API_DATABASE_CONNECTION_URL": db_url or f"sqlite+aiosqlite:///{s / 'prefect.db'}"}
+           "PREFECT_API_DATABASE_CONNECTION_URL": db_url or f"sqlite+aiosqlite:///{s / 'prefect.db'}",
+           # a web page the user visits must not drive the API: CSRF tokens on every write (Prefect's clients and UI
+           # fetch them), and cross-origin reads only for the UI's own origin (Prefect's default is `*`)
+           "PREFECT_SERVER_CSRF_PROTECTION_ENABLED": "true",
+           "PREFECT_SERVER_CORS_ALLOWED_ORIGINS": f"http://{HOST}:{p['prefect']}"}
     return env
 
 
