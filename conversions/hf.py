@@ -8,7 +8,7 @@ import struct
 from pathlib import Path
 from typing import Iterator
 
-from . import manifest as mf
+from . import folder, manifest as mf
 
 KNOWN_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                        "GPT2LMHeadModel", "GPTNeoXForCausalLM"}
@@ -113,8 +113,8 @@ def copy_tokenizer(src: Path, dst: Path, chat_template: Path | None = None) -> l
     copied = []
     Path(dst).mkdir(parents=True, exist_ok=True)
     for name in mf.TOKENIZER_FILES:
-        if (Path(src) / name).exists():
-            shutil.copy2(Path(src) / name, Path(dst) / name)
+        if os.path.lexists(Path(src) / name):
+            folder.copy_file(Path(src) / name, Path(dst) / name)  # a symlink there is refused, never followed
             copied.append(name)
     if chat_template is not None and not mf.chat_template_present(Path(dst)):
         shutil.copy2(chat_template, Path(dst) / "chat_template.jinja")

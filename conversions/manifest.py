@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterable
 
-from . import durable
+from . import durable, folder
 from .refusal import Refused
 
 MANIFEST_NAME = "baton_manifest.json"
@@ -84,13 +84,18 @@ def sha256_files(paths: Iterable[Path], *, reuse: bool = True, threads: int | No
 
 
 def list_files(root: Path) -> list[Path]:
-    """Every regular file below root except the manifest and the step log, sorted, relative to root."""
+    """Every regular file below root except the manifest and the step log, sorted, relative to root. ManifestError
+    naming them when root holds anything but directories and regular files (a symlink, a device, a FIFO): a manifest
+    never describes a folder whose readers could be led outside it."""
+    try:
+        folder.refuse_unsafe(root)
+    except folder.UnsafeEntryError as e:
+        raise ManifestError(str(e)) from e
     out = []
     for dirpath, _, names in os.walk(root):
         for n in names:
-            p = Path(dirpath, n)
-            rel = p.relative_to(root)
-            if rel.as_posix() in NOT_CONTENT or p.is_symlink() or _manifest_tmp(rel):
+            rel = Path(dirpath, n).relative_to(root)
+            if rel.as_posix() in NOT_CONTENT or _manifest_tmp(rel):
                 continue
             out.append(rel)
     return sorted(out, key=lambda p: p.as_posix())

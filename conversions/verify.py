@@ -11,7 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import hf, manifest as mf, probe
+from . import folder, hf, manifest as mf, probe
 
 
 def check(name: str, passed: bool, detail: str = "") -> dict:
@@ -26,6 +26,10 @@ def report(checks: list[dict], seconds: dict | None = None) -> dict:
 # ---- L0 ------------------------------------------------------------------------------------------------------------
 def integrity(root: Path) -> list[dict]:
     root = Path(root)
+    try:
+        folder.refuse_unsafe(root)  # first: with or without a manifest, no reader may be led outside the folder
+    except folder.UnsafeEntryError as e:
+        return [check("L0.integrity", False, str(e))]
     m = mf.read(root)
     if m is None:
         return [check("L0.integrity", True, f"no {mf.MANIFEST_NAME}: integrity NOT checked "

@@ -32,8 +32,10 @@ def text_of(value: str) -> str:
         raise ValueError(f"{path}: over {MAX_BYTES} bytes, not a chat template")
     try:
         return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: cannot read the template ({e})") from None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read the template ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (at byte {e.start}), not a chat template") from None
 
 
 def check(value: str) -> str:
@@ -43,20 +45,22 @@ def check(value: str) -> str:
     from transformers.utils.chat_template_utils import render_jinja_template
 
     text = text_of(value)
+    # A path may name any file the user can read (a key, a password file): what it holds never goes into a message.
+    quote = (lambda detail: f": {detail}") if looks_like_template(value) else (lambda detail: " (contents not shown)")
     if not text.strip():
         raise ValueError("the template is empty")
     try:
         rendered = render_jinja_template([TINY_CONVERSATION], chat_template=text, add_generation_prompt=True,
                                          bos_token="<s>", eos_token="</s>")[0][0]
     except TemplateSyntaxError as e:
-        raise ValueError(f"does not parse as Jinja (template line {e.lineno}): {e.message}") from None
+        raise ValueError(f"does not parse as Jinja (template line {e.lineno}){quote(e.message)}") from None
     except Exception as e:  # the template's own raise_exception(), or an error inside an expression
-        raise ValueError(f"the template fails to render a system/user/assistant conversation: "
-                         f"{type(e).__name__}: {e}") from None
+        raise ValueError(f"the template fails to render a system/user/assistant conversation"
+                         f"{quote(f'{type(e).__name__}: {e}')}") from None
     missing = [m["role"] for m in TINY_CONVERSATION[1:] if m["content"] not in rendered]
     if missing:
-        raise ValueError(f"the template renders a conversation without its {' and '.join(missing)} message "
-                         f"(got {rendered[:120]!r})")
+        raise ValueError(f"the template renders a conversation without its {' and '.join(missing)} message"
+                         f"{quote(repr(rendered[:120]))}")
     return text
 
 

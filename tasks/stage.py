@@ -15,6 +15,8 @@ from typing import Annotated, Any, Callable, ClassVar, Union
 from pydantic import BaseModel, ConfigDict, Discriminator, Tag, model_validator
 from pydantic_core import PydanticCustomError
 
+from conversions import sealed
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -117,6 +119,7 @@ class StageContext:
             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
             "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
             "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
+            sealed.KEY_ENV: str(sealed.ensure_key()),  # the path only: workers seal and check their checkpoints
         }
         env.update({k: str(v) for k, v in more.items()})
         return env

@@ -80,9 +80,18 @@ class Stack:
 
         req = urllib.request.Request(self.env["PREFECT_API_URL"] + path, method=method,
                                      data=json.dumps(body).encode() if body is not None else None,
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **self.csrf_headers()})
         with urllib.request.urlopen(req, timeout=30) as r:
             return json.loads(r.read() or b"null")
+
+    def csrf_headers(self) -> dict:
+        """The stack's Prefect server wants a CSRF token on every write, as its own clients and UI send one."""
+        import urllib.request
+        import uuid
+
+        client = uuid.uuid4().hex
+        with urllib.request.urlopen(f"{self.env['PREFECT_API_URL']}/csrf-token?client={client}", timeout=30) as r:
+            return {"Prefect-Csrf-Token": json.loads(r.read())["token"], "Prefect-Csrf-Client": client}
 
     def mlflow(self):
         from mlflow import MlflowClient

@@ -301,3 +301,26 @@ def test_nemo_rl_reads_the_canonical_pairs_as_binary_preferences(tmp_path):
     write_jsonl(tmp_path / "data" / "preference" / "train.jsonl", [pair, two])
     with pytest.raises(ValueError, match=r"train\.jsonl:2: NeMo-RL's BinaryPreferenceDataset takes one reply"):
         nemo_rl.preference_files(tmp_path / "data", tmp_path / "nr")
+
+
+@pytest.mark.reliability
+def test_parquet_stops_reading_at_max_rows(tmp_path, record_property):
+    """A source with max_rows reads row group by row group: the groups after the cap are never read. The last of ten
+    row groups is corrupted on disk; reading the file whole (as before) failed on it."""
+    record_property("fault", "parquet read whole before max_rows")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from tasks.data import sources
+    from tasks.data.config import SourceConfig
+
+    path = tmp_path / "sft.parquet"
+    rows = [{"instruction": f"q{i}", "output": f"a{i}"} for i in range(1000)]
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=100, compression="none", use_dictionary=False)
+    last = pq.ParquetFile(path).metadata.row_group(9).column(0)
+    with open(path, "r+b") as f:
+        f.seek(last.data_page_offset)
+        f.write(b"\xff" * 32)  # the page header of the last row group: unreadable
+    src = SourceConfig(kind="files", train=str(path), max_rows=150)
+    loaded = sources.load("sft", src, "train", "data.sft.train")
+    assert len(loaded.rows) == 150 and loaded.capped and loaded.read == 150
+    assert loaded.rows[149] == sources.formats.normalise("alpaca", rows[149], src.columns, "x")[0]

@@ -112,3 +112,23 @@ def test_socket_interface_is_the_one_that_routes_to_the_first_node():
     assert interface_to("127.0.0.1") == "lo"
     assert socket_ifname_env("127.0.0.1") == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
     assert socket_ifname_env("127.0.0.1", {"NCCL_SOCKET_IFNAME": "ib0"}) == {"GLOO_SOCKET_IFNAME": "lo"}
+
+
+@pytest.mark.fast
+@pytest.mark.reliability
+def test_ray_secrets_stay_out_of_the_runtime_env(monkeypatch, record_property):
+    """Ray's agent logs a job's runtime_env in clear: tokens and passwords go to each node's task as an argument,
+    straight into its launcher's environment, and only the rest into runtime_env."""
+    record_property("fault", "secret env values in Ray's runtime_env")
+    from tasks.distributed import ray_driver
+
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_value")
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "mlflow-secret-value")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    launch = Launch(python="py", script="w.py", nnodes=2, env={"WANDB_API_KEY": "wandb-secret-value"},
+                    inherit=("HF_TOKEN",))
+    plain, secret = ray_driver.split_secrets(ray_driver.forwarded_env(launch))
+    assert "secret-value" not in json.dumps(plain) and "hf_secret" not in json.dumps(plain), plain
+    assert plain["OMP_NUM_THREADS"] == "2"
+    assert secret == {"HF_TOKEN": "hf_secret_value", "MLFLOW_TRACKING_PASSWORD": "mlflow-secret-value",
+                      "WANDB_API_KEY": "wandb-secret-value"}

@@ -128,7 +128,8 @@ def test_baton_config_prints_the_new_keys(baton_home):
         assert key in r.stdout, key
 
 
-def test_rlhf_resumes_only_from_a_checkpoint_marked_complete(tmp_path):
+def test_rlhf_resumes_only_from_a_checkpoint_marked_complete(tmp_path, monkeypatch):
+    monkeypatch.setenv("BATON_HOME", str(tmp_path.with_name(f"{tmp_path.name}-home")))  # where the seal key is made
     from tasks.rlhf import worker
 
     def checkpoint(step: int, payload: bytes, mark: bool) -> Path:

@@ -47,6 +47,21 @@ def test_a_bad_template_is_refused_when_the_config_loads(value, expected):
 
 
 @pytest.mark.fast
+@pytest.mark.reliability
+@pytest.mark.parametrize("content", ["root:$6$saltsalt$secrethash:19000:0:99999:7:::\n",  # renders as itself
+                                     "{% if %}root:$6$saltsalt$secrethash{% endif %}",  # a syntax error
+                                     "{{ raise_exception('root:$6$saltsalt$secrethash') }}",  # a render error
+                                     b"\x89PNG root:$6$saltsalt$secrethash"])  # not UTF-8
+def test_a_file_named_as_the_template_is_never_echoed(tmp_path, content, record_property):
+    """model.chat_template may name any file the user can read: its refusal says why, never what the file holds."""
+    record_property("fault", "model.chat_template naming a secret file")
+    path = tmp_path / "shadow"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    line = refusal(str(path))
+    assert "secrethash" not in line and "root:" not in line and "PNG" not in line, line
+
+
+@pytest.mark.fast
 def test_a_template_file_is_read_and_its_contents_fingerprinted(tmp_path):
     from flows import chain_planner
 

@@ -113,9 +113,10 @@ def test_free_space_is_checked_before_converting(hf_checkpoint, tmp_path, baton_
 
 
 @pytest.mark.fast
-def test_flipped_byte_in_a_training_checkpoint_is_not_resumed(tmp_path, record_property):
+def test_flipped_byte_in_a_training_checkpoint_is_not_resumed(tmp_path, monkeypatch, record_property):
     """Two complete pretrain checkpoints; a byte of the newer one flips on disk (same size): resume takes the older."""
     record_property("fault", "bit flip in a checkpoint")
+    monkeypatch.setenv("BATON_HOME", str(tmp_path / "home"))  # where the seal key is made
     pytest.importorskip("megatron.core")
     from conversions import sealed
     from tasks.pretrain import mcore_checkpoint as ckpt

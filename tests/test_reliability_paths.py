@@ -87,6 +87,18 @@ def test_engine_args_cannot_reopen_the_server_to_other_machines(flags, record_pr
     assert "serve.engine_args.vllm: --host is set by serve.host" in msg, msg
 
 
+@pytest.mark.parametrize("flags, flag", [('["--port", "80"]', "--port"), ('["--trust_remote_code"]', "--trust-remote-code"),
+                                         ('["--trust-remote"]', "--trust-remote-code"), ('["--config=x.yaml"]', "--config"),
+                                         ('["--uds", "/tmp/s"]', "--uds")])
+def test_engine_args_cannot_move_the_server_or_run_the_checkpoint_s_code(flags, flag, record_property):
+    """A --port, a --trust-remote-code (spelt with '_' or abbreviated as argparse allows) or an option file in the
+    extra flags would undo what baton sets and checks."""
+    record_property("fault", "launch-shaping flag in serve.engine_args")
+    msg = refused([f"serve.engine_args.sglang={flags}"])
+    assert f"serve.engine_args.sglang: {flag} " in msg and "not by extra flags" in msg, msg
+    assert load(TINY, ['serve.engine_args.sglang=["--port-retries", "2", "--context-length", "64"]'])
+
+
 @pytest.mark.parametrize("key", ["sbatch_args", "srun_args"])
 def test_a_newline_cannot_inject_a_line_into_the_job_script(key, record_property):
     record_property("fault", "newline in a Slurm argument")

@@ -23,11 +23,15 @@ def _env_defaults() -> None:
     home = Path(os.environ.setdefault("BATON_HOME", str(Path(".baton").resolve())))
     os.environ["BATON_HOME"] = str(home.resolve())
     stack = home / "stack.env"  # written by `make up`: use the running Prefect and MLflow servers
-    if stack.exists():
-        for line in stack.read_text().splitlines():
-            if "=" in line and not line.startswith("#"):
-                k, v = line.split("=", 1)
-                os.environ.setdefault(k.strip(), v.strip())
+    if os.path.lexists(stack):
+        from tasks import stack_env
+
+        try:
+            settings = stack_env.read(stack)
+        except stack_env.StackEnvError as e:
+            raise SystemExit(f"baton: {e}") from None
+        for k, v in settings.items():
+            os.environ.setdefault(k, v)
 
 
 def build_parser() -> argparse.ArgumentParser:

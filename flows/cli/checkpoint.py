@@ -36,12 +36,17 @@ def cmd_manifest(args) -> int:
     if fmt is None:
         print("baton manifest: cannot tell the format; pass --format", file=sys.stderr)
         return 2
-    if fmt == "hf-safetensors" and (path / "config.json").exists():
-        from flows.hub import hf_manifest
+    try:
+        if fmt == "hf-safetensors" and (path / "config.json").exists():
+            from flows.hub import hf_manifest
 
-        m = hf_manifest(path, stage=args.stage)
-    else:
-        m = mf.build(path, format=fmt, stage=args.stage, engine={"name": "external"}, tokenizer_dir=path / "tokenizer")
+            m = hf_manifest(path, stage=args.stage)
+        else:
+            m = mf.build(path, format=fmt, stage=args.stage, engine={"name": "external"},
+                         tokenizer_dir=path / "tokenizer")
+    except mf.ManifestError as e:  # e.g. a symlink or FIFO in the folder: named, nothing written
+        print(f"baton manifest: {e}", file=sys.stderr)
+        return 2
     out = mf.write(path, m)
     print(f"{out}: {len(m['files'])} files, {m['parameter_count']} parameters, format {fmt}")
     return 0
@@ -56,7 +61,7 @@ def cmd_convert(args) -> int:
 
     import shutil
 
-    from conversions import durable, manifest as mf, verify
+    from conversions import durable, folder, manifest as mf, verify
     from tasks.convert.task import WORKER, gate
     from tasks.stage import REPO_ROOT
 
@@ -66,6 +71,9 @@ def cmd_convert(args) -> int:
         return 2
     if dst.exists() and any(dst.iterdir()):
         print(f"baton convert: {dst} exists and is not empty (nothing is overwritten)", file=sys.stderr)
+        return 2
+    if unsafe := folder.unsafe_entries(src):  # before any reader could follow a link out of the folder
+        print(f"baton convert: {src}: {'; '.join(unsafe[:5])}; nothing written", file=sys.stderr)
         return 2
     partial = durable.partial_of(dst)
     shutil.rmtree(partial, ignore_errors=True)  # a crashed earlier attempt's leftovers: never published

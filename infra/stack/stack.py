@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import postgres  # noqa: E402  (beside this file)
 from tasks.health import Unhealthy, wait_http_ok  # noqa: E402  (the checkout is on .venv's path)
+from tasks import stack_env  # noqa: E402
 from tasks.launch import kill_group  # noqa: E402
 
 POOL = os.environ.get("BATON_WORK_POOL", "baton-local")
@@ -74,7 +75,11 @@ def prefect_server_env(db_url: str | None) -> dict[str, str]:
            "PREFECT_SERVER_API_HOST": HOST, "PREFECT_SERVER_API_PORT": str(p["prefect"]),
            # the UI is a static app that calls this URL from the browser: without it, it calls port 4200
            "PREFECT_UI_API_URL": f"http://{HOST}:{p['prefect']}/api",
-           "PREFECT_API_DATABASE_CONNECTION_URL": db_url or f"sqlite+aiosqlite:///{s / 'prefect.db'}"}
+           "PREFECT_API_DATABASE_CONNECTION_URL": db_url or f"sqlite+aiosqlite:///{s / 'prefect.db'}",
+           # a web page the user visits must not drive the API: CSRF tokens on every write (Prefect's clients and UI
+           # fetch them), and cross-origin reads only for the UI's own origin (Prefect's default is `*`)
+           "PREFECT_SERVER_CSRF_PROTECTION_ENABLED": "true",
+           "PREFECT_SERVER_CORS_ALLOWED_ORIGINS": f"http://{HOST}:{p['prefect']}"}
     return env
 
 
@@ -175,8 +180,7 @@ def up(db: str, worker: bool, deploy: bool) -> None:
     s1 = wait_http(f"http://{HOST}:{p['prefect']}/api/health", "Prefect server", "prefect-server")
     s2 = wait_http(f"http://{HOST}:{p['mlflow']}/health", "MLflow server", "mlflow-server")
     log(f"Prefect API up after {s1:.0f}s, MLflow after {s2:.0f}s")
-    (home() / "stack.env").write_text("# written by `make up`; removed by `make down`\n" +
-                                      "".join(f"{k}={v}\n" for k, v in client_env().items()))
+    stack_env.write(home() / "stack.env", client_env())  # 0600: baton refuses it otherwise
     (state_dir() / "stack.json").write_text(json.dumps({"db": db, "ports": p, "pool": POOL}, indent=2) + "\n")
     boot = [str(bin_dir() / "python"), str(Path(__file__).resolve().parent / "bootstrap.py")]
     if worker:
@@ -292,6 +296,7 @@ def status() -> int:
 
 
 def main() -> int:
+    os.umask(0o077)  # BATON_HOME, stack.env, the servers' databases and logs: the user's alone
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     u = sub.add_parser("up")

@@ -7,7 +7,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from conversions import durable, probe, verify
+from conversions import durable, probe, sealed, verify
 from tasks.convert.config import ConvertConfig
 from tasks.stage import StageContext, StageOutput
 
@@ -43,6 +43,8 @@ def run_convert(ctx: StageContext, cfg: ConvertConfig) -> StageOutput:
            "--max-shard-mb", str(cfg.max_shard_size_mb), "--stage", ctx.stage]
     if ctx.input_format:
         cmd += ["--from-format", ctx.input_format]
+    if ctx.extra.get("source_stage") and ctx.input_format in sealed.MARKERS:
+        cmd += ["--require-seal"]  # a training stage of this run sealed it with this BATON_HOME's key
     res = ctx.launch(cmd, name="convert", timeout=cfg.timeout_s, env={"OMP_NUM_THREADS": "1"})
     g = gate(tmp, ctx.input, to_format)
     if g.get("passed"):  # published only once its gate passed: a folder named `checkpoint` is always a good one

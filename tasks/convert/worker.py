@@ -6,8 +6,17 @@ import json
 import time
 from pathlib import Path
 
-from conversions import hf, manifest as mf, registry
+from conversions import hf, manifest as mf, registry, sealed, zero
 from tasks import events
+
+
+def refuse_unsealed(src: Path, fmt: str) -> None:
+    """A training stage's checkpoint is converted only if its seal's HMAC and every digest verify, before any loader
+    reads a byte of it (whoever can write the folder could otherwise swap the files and their sha256 together)."""
+    folder = src / zero.resolve_tag(src) if fmt == "deepspeed-zero" else src
+    why = sealed.problem(folder, sealed.MARKERS[fmt])
+    if why:
+        raise SystemExit(f"{folder}: {why}; not converting it")
 
 
 def main() -> None:
@@ -18,12 +27,15 @@ def main() -> None:
     ap.add_argument("--from-format", default=None)
     ap.add_argument("--max-shard-mb", type=int, default=2048)
     ap.add_argument("--stage", default="convert")
+    ap.add_argument("--require-seal", action="store_true", help="refuse SRC unless its seal verifies (the pipeline)")
     args = ap.parse_args()
     src_m = mf.read(args.src)
     src_format = args.from_format or (src_m or {}).get("format")
     if not src_format:
         raise SystemExit(f"{args.src}: no manifest, pass --from-format")
     fn = registry.converter(src_format, args.to)
+    if args.require_seal:
+        refuse_unsealed(args.src, src_format)
     t0 = time.time()
     args.dst.mkdir(parents=True, exist_ok=True)
     info = fn(args.src, args.dst, max_shard_bytes=args.max_shard_mb << 20) or {}

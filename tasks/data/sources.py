@@ -19,6 +19,7 @@ from tasks.data.config import SourceConfig
 
 TEXT_SUFFIXES = (".txt", ".md")
 ROW_SUFFIXES = (".jsonl", ".json", ".parquet")
+PARQUET_SLICE = 1024  # rows turned into Python objects at a time
 
 
 class DataError(Refused):
@@ -62,12 +63,13 @@ def _paragraphs(path: Path) -> Iterator[tuple[str, dict]]:
 
 def _file_rows(path: Path) -> Iterator[tuple[str, object]]:
     if path.suffix == ".jsonl":
-        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-            if line.strip():
-                try:
-                    yield f"{path}:{n}", json.loads(line)
-                except json.JSONDecodeError as e:
-                    yield f"{path}:{n}", formats.Problem(f"{path}:{n}", "(line)", "invalid_json", str(e))
+        with open(path, encoding="utf-8") as f:  # line by line: max_rows stops the read
+            for n, line in enumerate(f, start=1):
+                if line.strip():
+                    try:
+                        yield f"{path}:{n}", json.loads(line)
+                    except json.JSONDecodeError as e:
+                        yield f"{path}:{n}", formats.Problem(f"{path}:{n}", "(line)", "invalid_json", str(e))
     elif path.suffix == ".json":
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
@@ -78,14 +80,25 @@ def _file_rows(path: Path) -> Iterator[tuple[str, object]]:
         for i, row in enumerate(data, start=1):
             yield f"{path}:item {i}", row
     elif path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        for i, row in enumerate(pq.read_table(path).to_pylist(), start=1):
-            yield f"{path}:row {i}", row
+        yield from _parquet_rows(path)
     elif path.suffix in TEXT_SUFFIXES:
         yield from _paragraphs(path)
     else:
         raise DataError(f"{path}: unsupported file type {path.suffix!r} (.jsonl, .json, .parquet, .txt, .md)")
+
+
+def _parquet_rows(path: Path) -> Iterator[tuple[str, object]]:
+    """One row group at a time, in slices of PARQUET_SLICE rows: a source that stops at max_rows never reads (or
+    decompresses) the row groups after it."""
+    import pyarrow.parquet as pq
+
+    n = 0
+    with pq.ParquetFile(path) as pf:
+        for group in range(pf.num_row_groups):
+            for batch in pf.read_row_group(group).to_batches(max_chunksize=PARQUET_SLICE):
+                for row in batch.to_pylist():
+                    n += 1
+                    yield f"{path}:row {n}", row
 
 
 def file_rows(pattern: str, key: str, kind: str) -> tuple[list[Path], Iterator[tuple[str, object]]]:

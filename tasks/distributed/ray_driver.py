@@ -20,6 +20,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tasks.distributed import NODE_MODULE, Launch
+from tasks.secrets import is_secret_key
 
 # what a node's processes need from the stage's environment; the rest (PATH, HOME, ...) is the node's own
 FORWARD_PREFIXES = ("PYTHON", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "OMP_", "TORCH", "DS_", "NCCL_", "GLOO_",
@@ -32,6 +33,14 @@ def forwarded_env(launch: Launch) -> dict:
     return {**env, **launch.node_env(dict(os.environ))}
 
 
+def split_secrets(env: dict) -> tuple[dict, dict]:
+    """(what may go into Ray's runtime_env, the secret values). Ray's agent writes a job's runtime_env to its logs in
+    clear, so tokens and passwords travel as an argument of each node's task instead, straight into its launcher's
+    environment."""
+    secret = {k: v for k, v in env.items() if is_secret_key(k)}
+    return {k: v for k, v in env.items() if k not in secret}, secret
+
+
 @ray.remote(num_cpus=0)
 def node_address(want_port: bool) -> tuple[str, int]:
     from tasks.distributed.net import free_port
@@ -41,14 +50,15 @@ def node_address(want_port: bool) -> tuple[str, int]:
 
 
 @ray.remote(num_cpus=0)
-def run_node(cmd: list[str]):
+def run_node(cmd: list[str], secret_env: dict | None = None):
     """Run this node's launcher and yield its output lines, then {"returncode": rc}; cancelling kills its tree."""
     import subprocess
 
     from tasks.distributed.node import die_with_parent
     from tasks.launch import kill_tree
 
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+    proc = subprocess.Popen(cmd, env={**os.environ, **(secret_env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, bufsize=1,
                             errors="replace", start_new_session=True, preexec_fn=die_with_parent)
     try:
         for line in proc.stdout:
@@ -103,19 +113,20 @@ def follow_all(gens: list, stopping: threading.Event, grace: float = 20.0) -> di
     return codes
 
 
-def start_nodes(launch: Launch, pg, master: str, port: int) -> list:
+def start_nodes(launch: Launch, pg, master: str, port: int, secret_env: dict) -> list:
     gens = []
     for rank in range(launch.nnodes):
         spec = {"launch": json.loads(launch.to_json()), "node_rank": rank, "master_addr": master, "master_port": port}
         cmd = [launch.python, "-m", NODE_MODULE, json.dumps(spec)]
         gens.append(run_node.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-            placement_group=pg, placement_group_bundle_index=rank)).remote(cmd))
+            placement_group=pg, placement_group_bundle_index=rank)).remote(cmd, secret_env))
     return gens
 
 
 def main(spec: dict) -> int:
     launch = Launch.from_dict(spec["launch"])
-    ray.init(address=spec["address"], runtime_env={"env_vars": forwarded_env(launch)}, log_to_driver=False)
+    plain, secret_env = split_secrets(forwarded_env(launch))
+    ray.init(address=spec["address"], runtime_env={"env_vars": plain}, log_to_driver=False)
     pg = placement_group([dict(spec.get("resources_per_node") or {"CPU": 1})] * launch.nnodes,
                          strategy="STRICT_SPREAD")
     gens: list = []
@@ -133,7 +144,7 @@ def main(spec: dict) -> int:
         ray.get(pg.ready(), timeout=float(spec.get("placement_timeout_s", 120)))
         master, port = rendezvous(pg, launch.nnodes, launch.master_port)
         print(f"Ray placement group of {launch.nnodes} nodes; rendezvous {master}:{port}", flush=True)
-        gens += start_nodes(launch, pg, master, port)
+        gens += start_nodes(launch, pg, master, port, secret_env)
         codes = follow_all(gens, stopping)
         if stopping.is_set():
             return 143

@@ -14,7 +14,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from conversions import hf, manifest as mf, verify
+from conversions import folder, hf, manifest as mf, verify
 from conversions.refusal import Refused
 from tasks import chat_template, events, gates
 from tasks.distributed import (Launch, LaunchConfigError, engine_command, remove_shm_segments, runtime_kind,
@@ -109,7 +109,7 @@ def prepare(ctx: StageContext, cfg: FinetuneConfig, probe: bool = False) -> tupl
     hf.copy_tokenizer(Path(ctx.input), out / "tokenizer", chat_template=template)
     for name in ("config.json", "generation_config.json"):
         if (Path(ctx.input) / name).exists():
-            shutil.copy2(Path(ctx.input) / name, out / name)
+            folder.copy_file(Path(ctx.input) / name, out / name)
     ds = ds_config.build(cfg)
     (work / "ds_config.json").write_text(json.dumps(ds, indent=2) + "\n")
     spec = worker_spec(ctx, cfg, out, work / "ds_config.json", template, probe)

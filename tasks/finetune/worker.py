@@ -30,7 +30,7 @@ from transformers import AutoConfig, AutoTokenizer
 from conversions import chat, durable, hf, probe, sealed
 from tasks import events
 
-COMPLETE = "baton_complete.json"
+COMPLETE = sealed.MARKERS["deepspeed-zero"]
 TAG_PREFIX = "global_step"
 IGNORE = chat.IGNORE
 

@@ -20,7 +20,7 @@ from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from conversions import durable, sealed
 from conversions.megatron import ARCH_KEY
 
-STATE_FILE = "baton_state.json"   # written last inside a checkpoint: what a resume needs to know without torch
+STATE_FILE = sealed.MARKERS["megatron-dist"]   # written last inside a checkpoint: what a resume needs to know without torch
 PREFIX = "iter_"
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from conversions import manifest as mf, probe, verify
+from conversions import folder, manifest as mf, probe, verify
 from conversions.megatron import architecture as checkpoint_architecture, padded_vocab_size
 from conversions.refusal import Refused
 from tasks.pretrain.config import PretrainConfig, resolved_device
@@ -94,7 +94,7 @@ def command(ctx: StageContext, cfg: PretrainConfig, spec_path: Path) -> list[str
 def package(ctx: StageContext, cfg: PretrainConfig, spec: dict, r: dict) -> Path:
     """checkpoint.partial (dist checkpoint + probe logits, from the worker) + tokenizer + manifest → checkpoint."""
     partial, out = ctx.work_dir / "checkpoint.partial", ctx.work_dir / "checkpoint"
-    shutil.copytree(ctx.data_dir / "tokenizer", partial / "tokenizer", dirs_exist_ok=True)
+    folder.copy_tree(ctx.data_dir / "tokenizer", partial / "tokenizer")
     arch = {**spec["architecture"], "padded_vocab_size": spec["padded_vocab_size"],
             "kv_channels": spec["architecture"]["hidden_size"] // spec["architecture"]["num_attention_heads"]}
     data_m = mf.read(ctx.data_dir)

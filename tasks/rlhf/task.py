@@ -15,7 +15,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from conversions import hf, manifest as mf, verify
+from conversions import folder, hf, manifest as mf, verify
 from conversions.refusal import Refused
 from tasks import chat_template, gates
 from tasks.distributed import Launch, LaunchConfigError, engine_command, runtime_kind, stage_runtime
@@ -104,7 +104,7 @@ def pass_through_policy(src: Path, out: Path, reward_model: Path, stage: str, ba
                         template: Path | None = None) -> None:
     """The chain's output for algorithm rm: the input policy's files, unchanged (plus the configured chat template
     when the input has none), with a manifest pointing at the RM."""
-    shutil.copytree(src, out, ignore=shutil.ignore_patterns(mf.MANIFEST_NAME, "*.trl"))
+    folder.copy_tree(src, out, ignore=shutil.ignore_patterns(mf.MANIFEST_NAME, "*.trl"))
     if template is not None:
         hf.copy_tokenizer(out, out, chat_template=template)
     src_m = mf.read(src) or {}

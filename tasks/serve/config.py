@@ -43,6 +43,25 @@ def _loopback(host: str) -> bool:
         return False
 
 
+# Flags baton sets itself, or that would undo what it checks: where the server listens, whether the checkpoint's own
+# Python runs, and option files that could set any of these (an --api-key is refused as a secret on a command line).
+REFUSED_FLAGS = {
+    "--host": "is set by serve.host (and serve.allow_remote)",
+    "--port": "is chosen by baton (a free loopback port it health-checks)",
+    "--trust-remote-code": "would run Python shipped inside the checkpoint; baton serves only known architectures",
+    "--config": "would read any of these from a file",
+    "--uds": "would move the server off the port baton checks",
+}
+
+
+def _refused_flag(arg: str) -> str | None:
+    """The refused flag this argument spells (None when none): with '_' for '-', or abbreviated as argparse allows."""
+    if not arg.startswith("--") or len(arg) < 4:
+        return None
+    name = arg.split("=", 1)[0].replace("_", "-")
+    return next((flag for flag in REFUSED_FLAGS if flag.startswith(name)), None)
+
+
 class ServeConfig(StrictModel):
     """Serve the input HF checkpoint with vLLM and/or SGLang, smoke-test it, and promote it to `champion`."""
 
@@ -84,10 +103,11 @@ class ServeConfig(StrictModel):
         if not self.allow_remote and not _loopback(self.host):
             raise ValueError(f"serve.host {self.host!r} is reachable from other machines; set serve.allow_remote: "
                              "true to mean it (the API key is then the only protection)")
-        for engine, args in self.engine_args.items():  # appended last, a --host there would win over serve.host
-            if any(a == "--host" or a.startswith("--host=") for a in args):
-                raise ValueError(f"serve.engine_args.{engine}: --host is set by serve.host (and serve.allow_remote), "
-                                 "not by extra flags")
+        for engine, args in self.engine_args.items():  # appended last: a flag there would win over baton's own
+            refused = sorted({flag for flag in map(_refused_flag, args) if flag}, key=list(REFUSED_FLAGS).index)
+            if refused:
+                raise ValueError(f"serve.engine_args.{engine}: "
+                                 + "; ".join(f"{flag} {REFUSED_FLAGS[flag]}" for flag in refused) + ", not by extra flags")
         return self
 
     def engine_dtype(self) -> str:
