@@ -10,8 +10,10 @@ import shutil
 import stat
 from pathlib import Path
 
+from .refusal import Refused
 
-class UnsafeEntryError(Exception):
+
+class UnsafeEntryError(Refused):
     pass
 
 

@@ -19,6 +19,7 @@ import stat
 from pathlib import Path
 
 from conversions import durable, manifest as mf
+from conversions.refusal import Refused
 
 KEY_ENV = "BATON_SEAL_KEY"
 KEY_NAME = "seal.key"
@@ -27,7 +28,7 @@ KEY_BYTES = 32
 MARKERS = {"deepspeed-zero": "baton_complete.json", "megatron-dist": "baton_state.json"}
 
 
-class SealKeyError(Exception):
+class SealKeyError(Refused):
     pass
 
 

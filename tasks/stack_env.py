@@ -13,6 +13,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from conversions import durable
+from conversions.refusal import Refused
 
 URL_KEYS = ("PREFECT_API_URL", "PREFECT_UI_URL", "MLFLOW_TRACKING_URI")
 KEYS = (*URL_KEYS, "BATON_WORK_POOL")
@@ -22,7 +23,7 @@ POOL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 HEADER = "# written by `make up`; removed by `make down`\n"
 
 
-class StackEnvError(Exception):
+class StackEnvError(Refused):
     pass
 
 
