@@ -243,7 +243,8 @@ def generation_smoke(root: Path, max_new_tokens: int = 12) -> list[dict]:
     outs = []
     with torch.no_grad():
         for _ in range(2):
-            out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False,
                                  pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
             outs.append(out[0, ids.shape[1]:].tolist())
     text = tok.decode(outs[0], skip_special_tokens=True)
