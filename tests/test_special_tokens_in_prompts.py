@@ -108,3 +108,74 @@ def test_trl_gets_the_preference_prompts_with_one_bos_as_evaluation_and_serving_
     # TRL's own tokenization of a string dataset: the tokenizer called with its special tokens
     assert tok(text=trl["prompt"] + trl["chosen"])["input_ids"] == evaluated
     assert trl_pairs(tok, [pair]) == [trl] and trl["chosen"] == pair["chosen"]
+
+
+# ---- the serving contract in the manifest ----------------------------------------------------------------------------
+def _child(parent: Path, dest: Path) -> Path:
+    """A copy of parent with a manifest naming parent as its parent (as every stage's output has)."""
+    import shutil
+
+    from conversions import manifest as mf
+
+    shutil.copytree(parent, dest)
+    (dest / mf.MANIFEST_NAME).unlink(missing_ok=True)
+    return dest
+
+
+def _seal(folder: Path, parent: Path | None = None) -> dict:
+    from conversions import hf, manifest as mf
+
+    m = mf.build(folder, format="hf-safetensors", stage="test", parameter_count=hf.parameter_count(folder),
+                 dtype="float32", parent=mf.parent_ref(parent) if parent else None)
+    mf.write(folder, m)
+    return m
+
+
+@pytest.mark.fast
+def test_the_manifest_records_the_serving_contract(chatml_dir, tmp_path):
+    import hashlib
+    import json
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(chatml_dir, model)
+    serving = _seal(model)["serving"]
+    tok_cfg = json.loads((model / "tokenizer_config.json").read_text())
+    template = (model / "chat_template.jinja").read_text() if (model / "chat_template.jinja").exists() else \
+        tok_cfg["chat_template"]
+    assert serving["chat_template_sha256"] == hashlib.sha256(template.encode()).hexdigest()
+    assert serving["special_tokens"] == {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|im_end|>"}
+    config = json.loads((model / "config.json").read_text())
+    assert serving["token_ids"] == {"bos_token": None, "eos_token": config["eos_token_id"],
+                                    "pad_token": config["pad_token_id"]}
+    assert serving["stop_token_ids"] == [config["eos_token_id"]]
+    assert len(serving["tokenizer_sha256"]) == 64 and serving["generation_config"]["eos_token_id"] == config["eos_token_id"]
+
+
+@pytest.mark.fast
+def test_a_stage_output_that_changes_template_or_stop_tokens_says_so(chatml_dir, tmp_path):
+    import json
+    import shutil
+
+    from flows.stages import serving_changes
+
+    parent = tmp_path / "parent"
+    shutil.copytree(chatml_dir, parent)
+    _seal(parent)
+    same = _child(parent, tmp_path / "same")
+    _seal(same, parent)
+    assert serving_changes(same) == []
+
+    drift = _child(parent, tmp_path / "drift")
+    if (drift / "chat_template.jinja").exists():
+        (drift / "chat_template.jinja").write_text(CHATML.replace("<|im_start|>assistant", "<|im_start|>bot"))
+    else:
+        cfg = json.loads((drift / "tokenizer_config.json").read_text())
+        (drift / "tokenizer_config.json").write_text(json.dumps(dict(cfg, chat_template=CHATML.replace("assistant", "bot"))))
+    gen = json.loads((drift / "generation_config.json").read_text())
+    (drift / "generation_config.json").write_text(json.dumps(dict(gen, eos_token_id=[gen["eos_token_id"], 0])))
+    _seal(drift, parent)
+    changed = serving_changes(drift)
+    assert [c.split(":")[0] for c in changed] == ["chat_template_sha256", "generation_config.eos_token_id",
+                                                  "stop_token_ids"], changed
+    assert f"stop_token_ids: [{gen['eos_token_id']}] → [0, {gen['eos_token_id']}]" in changed
