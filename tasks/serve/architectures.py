@@ -26,7 +26,7 @@ class RegistryUnreadable(RuntimeError):
 
 
 def _cache_path(python: str) -> Path:
-    return Path(python).parent.parent / CACHE_FILE  # <runtime venv>/bin/python -> <runtime venv>/
+    return Path(python).parent.parent / CACHE_FILE  # baton's runtime <name>-<digest>/bin/python -> <name>-<digest>/
 
 
 def _cached(path: Path, engine: str, python: str) -> frozenset[str] | None:
@@ -53,9 +53,17 @@ def _ask(engine: str, python: str) -> frozenset[str]:
     return frozenset(json.loads(out.stdout))
 
 
+_ASKED: dict[tuple[str, str], frozenset[str]] = {}
+
+
 def served_architectures(engine: str, runtimes: dict | None = None) -> frozenset[str]:
     """The architectures (config.json `architectures` names) the engine's runtime lists as loadable."""
     python = python_for(RUNTIME[engine], runtimes)
+    if ((runtimes or {}).get(RUNTIME[engine]) or {}).get("python"):
+        # a python the user configured: nothing tells when it changes, and its folder is not baton's to write into
+        if (engine, python) not in _ASKED:
+            _ASKED[engine, python] = _ask(engine, python)
+        return _ASKED[engine, python]
     path = _cache_path(python)
     found = _cached(path, engine, python)
     if found is None:
@@ -63,7 +71,7 @@ def served_architectures(engine: str, runtimes: dict | None = None) -> frozenset
         try:
             durable.write_json(path, {"engine": engine, "python": python, "architectures": sorted(found)})
         except OSError:
-            pass  # a runtime folder we may not write to (a configured python): asked again next time
+            pass  # a runtime folder mounted read-only: the engine is asked again next time
     return found
 
 
