@@ -86,3 +86,17 @@ def completion(tok, prompt: list[dict], reply: list[dict]) -> tuple[str, str]:
         raise TemplateError("the chat template renders the prompt differently with and without the reply")
     seg = full[len(before):]
     return before, seg[:_reply_end(seg, tok.eos_token)]
+
+
+def adds_bos(tok) -> bool:
+    """Whether tokenizing text with the tokenizer's special tokens puts its BOS in front (Llama, Gemma tokenizers)."""
+    bos = tok.bos_token_id
+    return bos is not None and tok("a")["input_ids"][:1] == [bos] and tok("a", add_special_tokens=False)["input_ids"][:1] != [bos]
+
+
+def for_special_tokens(tok, rendered: str) -> str:
+    """A rendered prompt for a consumer that tokenizes it with the tokenizer's special tokens (TRL's string datasets):
+    without the template's own leading BOS when the tokenizer adds one, so the model sees one BOS, as in serving."""
+    if tok.bos_token and rendered.startswith(tok.bos_token) and adds_bos(tok):
+        return rendered[len(tok.bos_token):]
+    return rendered

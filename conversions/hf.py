@@ -10,10 +10,6 @@ from typing import Iterator
 
 from . import folder, manifest as mf
 
-KNOWN_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                       "GPT2LMHeadModel", "GPTNeoXForCausalLM"}
-
-
 def llama_config(arch: dict, vocab_size: int | None = None, **special_tokens):
     """transformers.LlamaConfig for baton's architecture dict (the pipeline's `model:` section)."""
     from transformers import LlamaConfig

@@ -131,6 +131,72 @@ def tokenizer_info(root: Path) -> dict:
     return {"files": [f for f in TOKENIZER_FILES if (root / f).exists()], "chat_template": chat_template_present(root)}
 
 
+# ---- the serving contract: what a server needs besides the weights to answer as the model was trained -----------
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt")
+SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token")
+
+
+def _json_file(path: Path) -> dict:
+    try:
+        obj = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return obj if isinstance(obj, dict) else {}
+
+
+def _text_sha256(text: str | None) -> str | None:
+    return hashlib.sha256(text.encode()).hexdigest() if text else None
+
+
+def _chat_template_text(tok_dir: Path) -> str | None:
+    if (tok_dir / "chat_template.jinja").exists():
+        return (tok_dir / "chat_template.jinja").read_text()
+    template = _json_file(tok_dir / "tokenizer_config.json").get("chat_template")
+    return template if isinstance(template, str) or not template else json.dumps(template, sort_keys=True)
+
+
+def _token_text(value) -> str | None:
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def serving_contract(root: Path, tokenizer_dir: Path | None = None) -> dict:
+    """Tokenizer and chat template digests, special tokens and ids, stop tokens and generation defaults: what a
+    server reads beside the weights. A field the folder does not have is None."""
+    root, tok_dir = Path(root), Path(tokenizer_dir or root)
+    vocab = [f for f in VOCABULARY_FILES if (tok_dir / f).exists()]
+    tok_cfg = _json_file(tok_dir / "tokenizer_config.json")
+    config = _json_file(root / "config.json")
+    generation = {k: v for k, v in _json_file(root / "generation_config.json").items() if k != "transformers_version"}
+    stop = generation.get("eos_token_id", config.get("eos_token_id"))
+    return {
+        "tokenizer_sha256": _text_sha256("".join(f"{f}:{sha256_file(tok_dir / f)}\n" for f in vocab)) if vocab else None,
+        "chat_template_sha256": _text_sha256(_chat_template_text(tok_dir)),
+        "special_tokens": {k: _token_text(tok_cfg.get(k)) for k in SPECIAL_TOKENS},
+        "token_ids": {k: config.get(f"{k}_id") for k in SPECIAL_TOKENS},
+        "stop_token_ids": sorted(stop) if isinstance(stop, list) else ([stop] if stop is not None else None),
+        "generation_config": generation or None,
+    }
+
+
+def serving_changes(before: dict | None, after: dict | None) -> list[str]:
+    """The serving-contract fields that differ between a checkpoint's parent and itself ('field: old → new'); a field
+    either side does not record is not compared."""
+    if not before or not after:
+        return []
+    changes = []
+    for key in sorted(set(before) & set(after)):
+        old, new = before[key], after[key]
+        if key == "generation_config" and isinstance(old, dict) and isinstance(new, dict):  # a default added counts
+            changes += [f"{key}.{k}: {old.get(k)!r} → {new.get(k)!r}" for k in sorted(set(old) | set(new))
+                        if old.get(k) != new.get(k)]
+        elif isinstance(old, dict) and isinstance(new, dict):
+            changes += [f"{key}.{k}: {old[k]!r} → {new[k]!r}" for k in sorted(set(old) & set(new))
+                        if old[k] is not None and new[k] is not None and old[k] != new[k]]
+        elif old is not None and new is not None and old != new:
+            changes.append(f"{key}: {old!r} → {new!r}")
+    return changes
+
+
 def digest_of(manifest: dict) -> str:
     return hashlib.sha256(json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
@@ -161,6 +227,7 @@ def build(
         "dtype": dtype,
         "files": file_entries(root),
         "tokenizer": tokenizer_info(tokenizer_dir or root),
+        "serving": serving_contract(root, tokenizer_dir),
         "parent": parent,
         "extra": extra or {},
         "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

@@ -378,6 +378,9 @@ def hf_architecture(config: dict) -> dict:
     }
 
 
+FROM_HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")  # the HF models from_hf maps onto Megatron's GPT
+
+
 def from_hf(src: Path, dst: Path, *, max_shard_bytes: int = 2 << 30, divisible_by: int = 128) -> dict:
     """HF Llama folder → a weights-only torch_dist checkpoint a Megatron run can start from (any TP/PP layout)."""
     import torch
@@ -387,7 +390,7 @@ def from_hf(src: Path, dst: Path, *, max_shard_bytes: int = 2 << 30, divisible_b
     src, dst = Path(src), Path(dst)
     config = json.loads((src / "config.json").read_text())
     archs = config.get("architectures") or []
-    if not any(a in ("LlamaForCausalLM", "MistralForCausalLM") for a in archs):
+    if not any(a in FROM_HF_ARCHITECTURES for a in archs):
         raise MegatronCheckpointError(f"{src}: architectures {archs}: only Llama-style models convert to Megatron")
     arch = hf_architecture(config)
     heads, groups, head_dim = arch["num_attention_heads"], arch["num_query_groups"], arch["kv_channels"]

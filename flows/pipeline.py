@@ -80,6 +80,48 @@ def check_serve_engine(cfg: PipelineConfig, input_path: Path | None, input_forma
         raise ConfigError(f"--from {input_path}: serve.engine {cfg.serve.engine} on serve.device cpu: {problem}")
 
 
+def _architectures(input_path: Path) -> list | None:
+    try:
+        config = json.loads((input_path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None  # the stages' own checks name the unreadable config
+    archs = config.get("architectures") if isinstance(config, dict) else None
+    return archs if isinstance(archs, list) else []
+
+
+def check_architectures(cfg: PipelineConfig, steps: list, input_path: Path | None, input_format: str | None) -> None:
+    """The input model's architecture against each stage that has a limit, now instead of after the stages before it
+    (rlhf and finetune keep the architecture, so every later stage meets the input's): rlhf and finetune load it with
+    transformers, HF → Megatron maps only the Llama family, and the serve engines load what their registries list."""
+    if input_format != planning.HF or input_path is None or (archs := _architectures(input_path)) is None:
+        return
+    from conversions import megatron, verify
+
+    for st in steps:
+        if st.name in CHAT_STAGES and not verify.transformers_classes(archs):
+            raise ConfigError(f"--from {input_path}: stage '{st.label}': architecture {archs} has no model class in "
+                              "transformers, which the stage trains with")
+        if st.name == "convert" and st.produces == "megatron-dist" and not set(archs) & set(megatron.FROM_HF_ARCHITECTURES):
+            raise ConfigError(f"--from {input_path}: stage '{st.label}': architecture {archs} does not convert to "
+                              f"Megatron (baton maps {', '.join(megatron.FROM_HF_ARCHITECTURES)} only)")
+        if st.name == "serve":
+            check_served_architecture(cfg, archs, input_path)
+
+
+def check_served_architecture(cfg: PipelineConfig, archs: list, input_path: Path) -> None:
+    from tasks.runtimes import RuntimeMissing
+    from tasks.serve.architectures import RegistryUnreadable, unservable
+
+    try:
+        problem = unservable(cfg.serve.engines(), archs, cfg.engine_runtimes())
+    except RuntimeMissing:
+        return  # the serve stage's runtime check says so (and `baton doctor` before it)
+    except RegistryUnreadable as e:
+        problem = str(e)
+    if problem:
+        raise ConfigError(f"--from {input_path}: stage 'serve' (serve.engine {cfg.serve.engine}): {problem}")
+
+
 def prepare(cfg: PipelineConfig, from_ref: str | None):
     input_path, input_format, input_fp = resolve_input(cfg, from_ref)
     steps = planning.plan(cfg, input_format, input_fp)
@@ -90,6 +132,7 @@ def prepare(cfg: PipelineConfig, from_ref: str | None):
             raise ConfigError(f"step {st.label}: no converter from {st.consumes} to {st.produces}")
     check_chat_template(cfg, steps, input_path, input_format)
     check_serve_engine(cfg, input_path, input_format)
+    check_architectures(cfg, steps, input_path, input_format)
     first_real = next((s for s in steps if s.name != "data"), None)
     if first_real is not None and input_path is None and first_real.consumes is not None:
         from tasks.registry import STAGES

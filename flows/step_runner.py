@@ -277,6 +277,17 @@ def _summary_metrics(entry: dict, out: StageOutput) -> dict:
     return metrics
 
 
+def serving_changes(output) -> list[str]:
+    """What the step's output changed in its parent's serving contract (tokenizer, chat template, special tokens,
+    stop tokens, generation defaults), from the two manifests."""
+    try:
+        m = mf.read(Path(output)) if output else None
+        parent = mf.read(Path(m["parent"]["path"])) if m and (m.get("parent") or {}).get("path") else None
+    except (mf.ManifestError, OSError):
+        return []
+    return mf.serving_changes((parent or {}).get("serving"), (m or {}).get("serving"))
+
+
 def _record_output(c, mlflow_run: str, step: Step, work: Path, out: StageOutput, entry: dict) -> None:
     """What the stage produced, into its summary entry and its MLflow run: gate, manifest, loss plot, key metrics."""
     from mlflow.entities import Metric
@@ -288,6 +299,10 @@ def _record_output(c, mlflow_run: str, step: Step, work: Path, out: StageOutput,
     entry.update(engine=out.engine, backend=out.backend, output=str(out.output) if out.output else None,
                  manifest=str(Path(out.output) / mf.MANIFEST_NAME) if out.output else None,
                  gate=out.gate, metrics=_metric_summary(out, history), eval=out.eval, **out.extra)
+    changed = serving_changes(out.output)
+    if changed:  # said, not failed: a new template or stop token may be what the run was for
+        entry["serving_contract_changed"] = changed
+        get_run_logger().warning("%s changed the serving contract: %s", step.label, "; ".join(changed))
     tracking.log_json(c, mlflow_run, out.gate, "gate.json")
     if out.output and (Path(out.output) / mf.MANIFEST_NAME).exists():
         tracking.log_file(c, mlflow_run, Path(out.output) / mf.MANIFEST_NAME)

@@ -170,7 +170,8 @@ from default_run import default_run  # noqa: E402,F401
 # The time a session fixture may take, added to the per-test limit (pyproject's `timeout`) of every test that uses
 # it: whichever of them runs first pays for the fixture.
 FIXTURE_SECONDS = {"ops_stack": 600, "default_run": 1800, "retrain_outcomes": 1800, "initial_champion": 120,
-                   "hf_checkpoint": 120, "data_dir": 120}
+                   "hf_checkpoint": 120, "data_dir": 120,
+                   "engine_registries": 240}  # test_served_architectures: vLLM's and SGLang's registries, once per build
 
 
 # Markers by module, so `make test-fast` (-m fast) is the inner loop and the heavy families can be picked out:

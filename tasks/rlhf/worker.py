@@ -107,6 +107,12 @@ def format_pairs(tok, rows: list[dict]) -> list[dict]:
     return out
 
 
+def trl_pairs(tok, pairs: list[dict]) -> list[dict]:
+    """The pairs as TRL gets them: it tokenizes string prompts with the tokenizer's special tokens, so a template's
+    leading BOS goes (the tokenizer adds it back) instead of reaching the model twice."""
+    return [dict(p, prompt=chat.for_special_tokens(tok, p["prompt"])) for p in pairs]
+
+
 def drop_overlong(tok, pairs: list[dict], max_len: int, overlong: str) -> tuple[list[dict], int]:
     """(the pairs to train on, how many are longer than max_len); those are dropped unless overlong is truncate."""
     def length(p, side):
@@ -489,7 +495,7 @@ def main(argv=None) -> None:
 
     work = a.output.parent / (a.output.name + ".trl")
     resume = newest_complete(work) if a.checkpoint_every > 0 else None
-    trainer = TRAINERS[a.algorithm](a, tok, train_pairs, work)
+    trainer = TRAINERS[a.algorithm](a, tok, trl_pairs(tok, train_pairs), work)
     trainer.remove_callback(PrinterCallback)  # our callback streams the same logs as events
     trainer.add_callback(checkpoint_callback(a.keep_checkpoints))
     if RANK == 0:

@@ -23,7 +23,11 @@ def greedy_reference(model_dir: Path, n_prompts: int, n_tokens: int) -> list[dic
     with torch.no_grad():
         for instruction in (PARITY_INSTRUCTIONS * n_prompts)[:n_prompts]:
             ids = chat_prompt_ids(tok, instruction)
-            gen = model.generate(torch.tensor([ids]), max_new_tokens=n_tokens, do_sample=False, eos_token_id=None,
+            prompt = torch.tensor([ids])
+            # the mask says every prompt token is real: without it, generate masks each token equal to pad_token_id,
+            # and a ChatML model whose pad is <|im_end|> has it in every prompt
+            gen = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n_tokens,
+                                 do_sample=False, eos_token_id=None,
                                  pad_token_id=tok.pad_token_id)[0, len(ids):].tolist()
             if len(gen) != n_tokens:
                 raise RuntimeError(f"HF generate stopped after {len(gen)} of {n_tokens} tokens despite eos=None")
@@ -38,5 +42,6 @@ def top2_margin(model_dir: Path, ids: list[int]) -> float:
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     with torch.no_grad():
-        top = model(torch.tensor([ids])).logits[0, -1].topk(2).values
+        prompt = torch.tensor([ids])
+        top = model(prompt, attention_mask=torch.ones_like(prompt)).logits[0, -1].topk(2).values
     return float(top[0] - top[1])

@@ -49,14 +49,35 @@ def preflight(model_dir: Path) -> list[dict]:
     return checks + verify.preflight(model_dir) + verify.finite_weights(model_dir)
 
 
-def engine_checks(model_dir: Path, cfg: ServeConfig) -> list[dict]:
+def engine_checks(model_dir: Path, cfg: ServeConfig, runtimes: dict | None = None) -> list[dict]:
     """What the chosen engines on this device cannot run, found before a server starts and crashes."""
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, json.JSONDecodeError):
         return []  # L0 and the preflight report the unreadable config
-    problem = engines.vllm_cpu_head_dim_problem(cfg, config) if isinstance(config, dict) else None
-    return [verify.check("preflight.vllm_cpu_head_dim", False, problem)] if problem else []
+    if not isinstance(config, dict):
+        return []
+    checks = [served_architectures_check(config, cfg, runtimes)]
+    problem = engines.vllm_cpu_head_dim_problem(cfg, config)
+    checks += [verify.check("preflight.vllm_cpu_head_dim", False, problem)] if problem else []
+    return [c for c in checks if c is not None]
+
+
+def served_architectures_check(config: dict, cfg: ServeConfig, runtimes: dict | None) -> dict | None:
+    """The engines' own model registries against config.json's architectures (None: a runtime is not built, which
+    runtime_checks reports)."""
+    from tasks.runtimes import RuntimeMissing
+    from tasks.serve.architectures import RegistryUnreadable, unservable
+
+    archs = config.get("architectures") or []
+    try:
+        problem = unservable(cfg.engines(), archs, runtimes)
+    except RuntimeMissing:
+        return None
+    except RegistryUnreadable as e:
+        problem = str(e)
+    return verify.check("preflight.served_architectures", problem is None,
+                        problem or f"{archs} in the model registry of {' and '.join(cfg.engines())}")
 
 
 def runtime_checks(ctx: StageContext, cfg: ServeConfig) -> list[dict]:
@@ -322,7 +343,7 @@ def serve(ctx: StageContext, cfg: ServeConfig, hold: bool = False) -> StageOutpu
     """The whole stage. hold=True (`baton serve`): keep the last server in the foreground until Ctrl-C; the output's
     extra["engine_exit"] is the engine's exit code when it died while held."""
     ctx.work_dir.mkdir(parents=True, exist_ok=True)
-    pre = preflight(ctx.input) + engine_checks(ctx.input, cfg) + runtime_checks(ctx, cfg)
+    pre = preflight(ctx.input) + engine_checks(ctx.input, cfg, ctx.runtimes) + runtime_checks(ctx, cfg)
     if not all(c["passed"] for c in pre):
         return _refused(ctx, cfg, pre)
     ident = model_identity(ctx, cfg, register=cfg.promote)

@@ -1,0 +1,181 @@
+"""Special tokens as real models ship them, which baton's own tiny models never had: a ChatML model whose pad token is
+its eos and end-of-turn `<|im_end|>` (SmolLM2, several Qwen-style models), so every chat prompt contains the pad id.
+Every greedy decode baton runs must read the prompt as it is: the same tokens as a plain forward loop that masks
+nothing."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tasks.serve import reference
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def chatml_model(dest: Path) -> Path:
+    """A random-init Llama with a ChatML tokenizer whose pad = eos = <|im_end|>, saved as any HF user would."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(reference.PARITY_INSTRUCTIONS * 4, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|im_start|>", "<|im_end|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|im_end|>")
+    tok.chat_template = CHATML
+    tok.save_pretrained(str(dest))
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
+    LlamaForCausalLM(config).save_pretrained(str(dest), safe_serialization=True)
+    return dest
+
+
+def argmax_loop(model_dir: Path, ids: list[int], n_tokens: int) -> list[int]:
+    """Greedy decoding as its definition: the whole sequence forward, argmax of the last position, appended."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    seq = list(ids)
+    with torch.no_grad():
+        for _ in range(n_tokens):
+            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(ids):]
+
+
+@pytest.fixture(scope="module")
+def chatml_dir(tmp_path_factory) -> Path:
+    return chatml_model(tmp_path_factory.mktemp("chatml"))
+
+
+@pytest.mark.fast
+def test_the_served_models_reference_reads_a_prompt_that_contains_the_pad_token(chatml_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(chatml_dir))
+    prompt = reference.chat_prompt_ids(tok, "Name a fruit.")
+    assert tok.pad_token_id == tok.eos_token_id and prompt.count(tok.pad_token_id) == 1  # what makes it a trap
+    refs = reference.greedy_reference(chatml_dir, n_prompts=6, n_tokens=6)
+    got = {r["instruction"]: r["output_ids"] for r in refs}
+    want = {r["instruction"]: argmax_loop(chatml_dir, r["prompt_ids"], 6) for r in refs}
+    assert got == want
+
+
+# Gemma-style: the template writes the BOS itself and the tokenizer adds one too
+GEMMA_STYLE = ("{{ bos_token }}{% for m in messages %}{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
+               "{{ '<start_of_turn>' + role + '\n' + m['content'] + '<end_of_turn>\n' }}{% endfor %}"
+               "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
+
+
+def bos_adding_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<bos>", "<eos>", "<pad>", "<start_of_turn>", "<end_of_turn>"]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.train_from_iterator(reference.PARITY_INSTRUCTIONS * 4, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=specials, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A $B",
+                                                       special_tokens=[("<bos>", bpe.token_to_id("<bos>"))])
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<bos>", eos_token="<end_of_turn>", pad_token="<pad>")
+    tok.chat_template = GEMMA_STYLE
+    return tok
+
+
+@pytest.mark.fast
+def test_trl_gets_the_preference_prompts_with_one_bos_as_evaluation_and_serving_do():
+    from tasks.rlhf.worker import format_pairs, trl_pairs
+
+    tok = bos_adding_tokenizer()
+    row = {"prompt": [{"role": "user", "content": "Name a fruit."}],
+           "chosen": [{"role": "assistant", "content": "apple"}], "rejected": [{"role": "assistant", "content": "paris"}]}
+    pair = format_pairs(tok, [row])[0]
+    # held-out evaluation's tokenization, and the served conversation's start
+    evaluated = tok(pair["prompt"] + pair["chosen"], add_special_tokens=False)["input_ids"]
+    served = tok.apply_chat_template(row["prompt"] + row["chosen"], return_dict=True)["input_ids"]
+    assert evaluated == served[:len(evaluated)] and evaluated.count(tok.bos_token_id) == 1
+    assert tok(text=pair["prompt"] + pair["chosen"])["input_ids"][:2] == [tok.bos_token_id] * 2  # the trap
+    trl = trl_pairs(tok, [pair])[0]
+    # TRL's own tokenization of a string dataset: the tokenizer called with its special tokens
+    assert tok(text=trl["prompt"] + trl["chosen"])["input_ids"] == evaluated
+    assert trl_pairs(tok, [pair]) == [trl] and trl["chosen"] == pair["chosen"]
+
+
+# ---- the serving contract in the manifest ----------------------------------------------------------------------------
+def _child(parent: Path, dest: Path) -> Path:
+    """A copy of parent with a manifest naming parent as its parent (as every stage's output has)."""
+    import shutil
+
+    from conversions import manifest as mf
+
+    shutil.copytree(parent, dest)
+    (dest / mf.MANIFEST_NAME).unlink(missing_ok=True)
+    return dest
+
+
+def _seal(folder: Path, parent: Path | None = None) -> dict:
+    from conversions import hf, manifest as mf
+
+    m = mf.build(folder, format="hf-safetensors", stage="test", parameter_count=hf.parameter_count(folder),
+                 dtype="float32", parent=mf.parent_ref(parent) if parent else None)
+    mf.write(folder, m)
+    return m
+
+
+@pytest.mark.fast
+def test_the_manifest_records_the_serving_contract(chatml_dir, tmp_path):
+    import hashlib
+    import json
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(chatml_dir, model)
+    serving = _seal(model)["serving"]
+    tok_cfg = json.loads((model / "tokenizer_config.json").read_text())
+    template = (model / "chat_template.jinja").read_text() if (model / "chat_template.jinja").exists() else \
+        tok_cfg["chat_template"]
+    assert serving["chat_template_sha256"] == hashlib.sha256(template.encode()).hexdigest()
+    assert serving["special_tokens"] == {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|im_end|>"}
+    config = json.loads((model / "config.json").read_text())
+    assert serving["token_ids"] == {"bos_token": None, "eos_token": config["eos_token_id"],
+                                    "pad_token": config["pad_token_id"]}
+    assert serving["stop_token_ids"] == [config["eos_token_id"]]
+    assert len(serving["tokenizer_sha256"]) == 64 and serving["generation_config"]["eos_token_id"] == config["eos_token_id"]
+
+
+@pytest.mark.fast
+def test_a_stage_output_that_changes_template_or_stop_tokens_says_so(chatml_dir, tmp_path):
+    import json
+    import shutil
+
+    from flows.stages import serving_changes
+
+    parent = tmp_path / "parent"
+    shutil.copytree(chatml_dir, parent)
+    _seal(parent)
+    same = _child(parent, tmp_path / "same")
+    _seal(same, parent)
+    assert serving_changes(same) == []
+
+    drift = _child(parent, tmp_path / "drift")
+    if (drift / "chat_template.jinja").exists():
+        (drift / "chat_template.jinja").write_text(CHATML.replace("<|im_start|>assistant", "<|im_start|>bot"))
+    else:
+        cfg = json.loads((drift / "tokenizer_config.json").read_text())
+        (drift / "tokenizer_config.json").write_text(json.dumps(dict(cfg, chat_template=CHATML.replace("assistant", "bot"))))
+    gen = json.loads((drift / "generation_config.json").read_text())
+    (drift / "generation_config.json").write_text(json.dumps(dict(gen, eos_token_id=[gen["eos_token_id"], 0])))
+    _seal(drift, parent)
+    changed = serving_changes(drift)
+    assert [c.split(":")[0] for c in changed] == ["chat_template_sha256", "generation_config.eos_token_id",
+                                                  "stop_token_ids"], changed
+    assert f"stop_token_ids: [{gen['eos_token_id']}] → [0, {gen['eos_token_id']}]" in changed
