@@ -157,7 +157,7 @@ def test_a_stage_output_that_changes_template_or_stop_tokens_says_so(chatml_dir,
     import json
     import shutil
 
-    from flows.stages import serving_changes
+    from flows.step_runner import serving_changes
 
     parent = tmp_path / "parent"
     shutil.copytree(chatml_dir, parent)
