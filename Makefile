@@ -27,6 +27,7 @@ system-deps:
 runtimes: setup
 	@for rt in $$(ls infra/runtimes/*.txt | xargs -n1 basename | sed 's/\.txt$$//' | grep -v '^main$$'); do \
 		$(PYTHON) infra/runtimes/build.py $$rt >/dev/null || exit 1; done
+	@$(VENV)/bin/python -m tasks.serve.architectures  # the serving engines' model registries, read once per build
 
 # Regenerate every runtime's hash-locked set from its .txt (pip's resolver with this machine's pip configuration).
 lock:

@@ -85,3 +85,8 @@ def unservable(engines: list[str], architectures: list[str], runtimes: dict | No
         return None
     return (f"architectures {architectures}: not in the model registry of {' or '.join(refusing)} (read from its "
             "runtime); serve it with an engine that lists it (serve.engine) or use a model architecture it lists")
+
+
+if __name__ == "__main__":  # `make runtimes`: read each serving engine's registry once, as part of building it
+    for name in REGISTRY:
+        print(f"[runtimes] {name}: {len(served_architectures(name))} architectures in its model registry")
