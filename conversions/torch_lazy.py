@@ -115,7 +115,8 @@ def _checked_view(storage, storage_offset, size, stride):
     size, stride = tuple(size), tuple(stride)
     if len(size) != len(stride) or not all(type(v) is int and v >= 0 for v in size + stride):
         raise UnsafeCheckpointError(f"shape {size!r} / stride {stride!r}")
-    if storage_offset + _span(size, stride) > storage.numel:
+    if storage_offset + _span(size, stride) > storage.numel or math.prod(size) > storage.numel:
+        # the second: a broadcast view (stride 0) of a few stored bytes would expand to whatever shape it names
         raise UnsafeCheckpointError(f"a view (offset {storage_offset}, shape {list(size)}, stride {list(stride)}) "
                                     f"beyond its storage of {storage.numel} elements")
     return storage_offset, torch.Size(size), stride
