@@ -132,8 +132,12 @@ def _pure_path(*parts):  # StorageMeta.checkpoint_id: kept as text, never opened
 
 
 def _calls(factory):
-    """A function (not a class: NEWOBJ refuses anything but a class) that builds `factory(*args)`."""
+    """A function (not a class: NEWOBJ refuses anything but a class) that builds `factory(*args)` from what the pickle
+    itself holds: a lazy iterable (a range of 2^60) would make set() or deque() allocate what the file never paid for."""
     def build(*args, **kwargs):
+        if any(not isinstance(a, (list, tuple, dict, set, frozenset, str, bytes, int, float, complex, type(None)))
+               and not callable(a) for a in (*args, *kwargs.values())):
+            _refuse(f"{factory.__name__} of a {type(args[0]).__name__}")
         return factory(*args, **kwargs)
     build.__name__ = getattr(factory, "__name__", "build")
     return build
@@ -168,12 +172,10 @@ def _np_scalar(dtype, data=None):
     return numpy.frombuffer(data, dtype=dtype, count=1)[0]
 
 
-def _np_dtype_class(name):
-    def get():
-        import numpy.dtypes
+def _np_dtype_class(name):  # dtype classes build fixed-size dtypes: harmless even as NEWOBJ's class
+    import numpy.dtypes
 
-        return getattr(numpy.dtypes, name)
-    return get
+    return getattr(numpy.dtypes, name)
 
 
 _TORCH_DTYPES = {name: getattr(torch, name) for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype)}
@@ -218,7 +220,7 @@ def safe_global(module: str, name: str, extra: dict | None = None):
     if (module, name) in _TENSOR_CLASSES:  # named by _rebuild_from_type_v2 as the tensor's class: a reference
         return opaque_class(module, name)
     if module == "numpy.dtypes" and name in _NUMPY_DTYPE_CLASSES:
-        return _np_dtype_class(name)()
+        return _np_dtype_class(name)
     if module.startswith(_INERT_MODULES) and not name.startswith("__"):
         return opaque_class(module, name)
     _refuse(f"refers to {module}.{name}, which is not on the allowlist of what a checkpoint may contain (a crafted or "

@@ -168,7 +168,8 @@ def read_box(root: Path, key: str, entry: TensorEntry, offsets, sizes, cache: di
         out[tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, offsets))] = part
         covered += math.prod(h - l for l, h in zip(lo, hi))
     if covered != out.numel():
-        raise UnsafeCheckpointError(f"{root}: {key}: its chunks cover {covered} of the {out.numel()} elements asked for")
+        raise UnsafeCheckpointError(f"{root}: {key}: its chunks cover {covered} of the {out.numel()} elements asked "
+                                    "for")
     return out
 
 
@@ -177,7 +178,9 @@ def _chunk_part(root: Path, key: str, entry: TensorEntry, chunk: Chunk, lo, hi, 
     lazy = cache.get(chunk) if cache is not None else None
     if lazy is None:
         lazy = torch_lazy.load(root / chunk.file, chunk.offset, chunk.length)
-        if not isinstance(lazy, torch_lazy.LazyTensor) or tuple(lazy.shape) != chunk.sizes or lazy.dtype != entry.dtype:
+        expected = tuple(lazy.shape) == chunk.sizes and lazy.dtype == entry.dtype \
+            if isinstance(lazy, torch_lazy.LazyTensor) else False
+        if not expected:
             raise UnsafeCheckpointError(f"{root / chunk.file}: {key}: the chunk at {list(chunk.offsets)} is not a "
                                         f"{entry.dtype} tensor of shape {list(chunk.sizes)}")
         if cache is not None:

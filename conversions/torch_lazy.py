@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .safe_pickle import Opaque, StorageType, UnsafeCheckpointError, loads as safe_loads, safe_global  # noqa: F401
+from .safe_pickle import StorageType, UnsafeCheckpointError, loads as safe_loads  # noqa: F401 (re-exported)
 
 
 @dataclass

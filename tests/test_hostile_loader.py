@@ -1,11 +1,10 @@
 """Issue 25, the one restricted loader: crafted bytes in a checkpoint's pickles (`.metadata`, `common.pt`, ZeRO
-`*_states.pt`, the tensor blobs of `.distcp` files) are refused with one message naming the file; nothing runs, nothing
-crashes, nothing outside the checkpoint folder is read, nothing is allocated beyond what the file holds. And Megatron→HF
-reads a torch_dist checkpoint without importing torch.distributed.checkpoint, whose loader re-reads `.metadata` with
-plain pickle."""
+`*_states.pt`, the tensor blobs of `.distcp` files) are refused with one message naming the file; nothing runs,
+nothing crashes, nothing outside the checkpoint folder is read, nothing is allocated beyond what the file holds. And
+Megatron→HF reads a torch_dist checkpoint without importing torch.distributed.checkpoint, whose loader re-reads
+`.metadata` with plain pickle."""
 from __future__ import annotations
 
-import os
 import pickle
 import signal
 import struct
@@ -41,10 +40,10 @@ def _megatron_state(seed: int = 0) -> dict:
     def r(*shape):
         return torch.randn(*shape, generator=g)
 
+    layer = megatron.LAYER
     return {megatron.EMBEDDING: r(16, h), megatron.OUTPUT: r(16, h), megatron.FINAL_NORM: r(h),
-            megatron.LAYER["input_norm"]: r(L, h), megatron.LAYER["qkv"]: r(L, qkv, h), megatron.LAYER["proj"]: r(L, h, h),
-            megatron.LAYER["mlp_norm"]: r(L, h), megatron.LAYER["fc1"]: r(L, 2 * ffn, h),
-            megatron.LAYER["fc2"]: r(L, h, ffn)}
+            layer["input_norm"]: r(L, h), layer["qkv"]: r(L, qkv, h), layer["proj"]: r(L, h, h),
+            layer["mlp_norm"]: r(L, h), layer["fc1"]: r(L, 2 * ffn, h), layer["fc2"]: r(L, h, ffn)}
 
 
 def _dist_checkpoint(root: Path, state: dict | None = None) -> Path:
@@ -299,3 +298,12 @@ def test_chunks_of_a_sharded_tensor_are_assembled(tmp_path):
     r = megatron.DistReader(root)
     assert torch.equal(r.read_full("w"), theirs["w"]) and torch.equal(theirs["w"], full)
     assert torch.equal(r.read({"w": ((0, 2), (3, 3))})["w"], full[0:3, 2:5])
+
+
+def test_lazy_range_is_not_expanded_by_a_set(record_property):
+    """set(range(2^60)): 60-odd bytes that would iterate forever and allocate without bound."""
+    record_property("fault", "crafted pickle: set(range(2^60))")
+    data = (b"\x80\x02c__builtin__\nset\nc__builtin__\nrange\n\x8a\x08" + (1 << 60).to_bytes(8, "little")
+            + b"\x85R\x85R.")
+    with pytest.raises(torch_lazy.UnsafeCheckpointError, match="set of a range"):
+        torch_lazy.safe_loads(data, "inline")
