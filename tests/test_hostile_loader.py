@@ -230,16 +230,20 @@ def test_genuine_view_in_bounds_still_reads(tmp_path):
 def test_megatron_to_hf_reads_exactly_without_torch_distributed_checkpoint(tmp_path):
     """Convert in a fresh process: the HF tensors are the stored ones (rows past the vocabulary dropped, qkv and fc1
     split), and torch.distributed.checkpoint was never imported (nor by the verify read-back)."""
+    from conversions import manifest as mf
+
     root = _dist_checkpoint(tmp_path / "ckpt")
+    mf.write(root, mf.build(root, format="megatron-dist", stage="external", architecture=ARCH))
     r = _run_isolated(f"""
         import sys
         from conversions import megatron, verify
         megatron.to_hf({str(root)!r}, {str(tmp_path / 'hf')!r}, max_shard_bytes=2000)
-        n = len(list(verify._megatron_tensors({str(root)!r})))
-        print("DCP", "torch.distributed.checkpoint" in sys.modules, n)
+        report = verify.verify({str(root)!r})
+        checks = [c["name"] for c in report["checks"] if c["passed"]]
+        print("DCP", "torch.distributed.checkpoint" in sys.modules, "L1.reload" in checks, report["passed"])
         """)
     assert r.returncode == 0, r.stderr
-    assert "DCP False 9" in r.stdout, r.stdout
+    assert "DCP False True True" in r.stdout, r.stdout
     state, got = _megatron_state(), _load_hf(tmp_path / "hf")
     q, k, v = megatron.split_qkv(state[megatron.LAYER["qkv"]][1], 2, 1, 4)
     assert torch.equal(got["model.embed_tokens.weight"], state[megatron.EMBEDDING][:10])
