@@ -36,8 +36,8 @@ _INERT_MODULES = ("deepspeed.", "megatron.", "apex.", "transformer_engine.", "ar
 _PY2_MODULES = {"__builtin__": "builtins", "copy_reg": "copyreg"}
 
 
-class UnsafeCheckpointError(pickle.UnpicklingError):
-    pass
+class UnsafeCheckpointError(pickle.UnpicklingError, ValueError):
+    """A checkpoint file baton refuses to read (a ValueError too: callers that catch bad input catch this)."""
 
 
 class Opaque:

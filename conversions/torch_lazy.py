@@ -209,7 +209,13 @@ def load(path: Path, base: int = 0, length: int | None = None):
         length = size - base if length is None else length
         if base < 0 or length < 0 or base + length > size:
             raise UnsafeCheckpointError(f"{path}: refused: bytes [{base}, {base + length}) outside the file")
-        prefix, data, records = _records(path, f, base, length)
+        try:
+            prefix, data, records = _records(path, f, base, length)
+        except UnsafeCheckpointError:
+            raise
+        except Exception as e:  # zipfile's many ways of saying the container is broken: one refusal
+            raise UnsafeCheckpointError(f"{path}: refused: not a readable torch.save file ({type(e).__name__}: "
+                                        f"{str(e)[:200]})") from None
 
     def persistent_load(saved_id):
         if not (isinstance(saved_id, tuple) and len(saved_id) == 5 and saved_id[0] == "storage"):
