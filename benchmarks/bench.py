@@ -151,8 +151,8 @@ CONVERTERS = {
 # converter's own work can be set against the read bandwidth too.
 IMPORT_FLOORS = {
     "baton-zero": "from conversions import zero; import safetensors.torch",
-    "baton-megatron": ("import torch.distributed.checkpoint; from transformers import AutoTokenizer, GenerationConfig, "
-                       "LlamaConfig; from conversions import megatron"),
+    "baton-megatron": ("from transformers import AutoTokenizer, GenerationConfig, LlamaConfig; "
+                       "from conversions import megatron"),
 }
 CONTENDERS = {**CONVERTERS, **{f"imports-{name}": code for name, code in IMPORT_FLOORS.items()}}
 

@@ -2,9 +2,10 @@
 
 A torch_dist checkpoint stores every weight as one global tensor (whatever TP/PP layout wrote it), transformer layers
 stacked on a leading axis: `decoder.layers.self_attention.linear_qkv.weight` is [layers, (heads + 2·groups)·head_dim,
-hidden]. We read it with torch.distributed.checkpoint one output tensor's box at a time, streamed into the shards, so
-the conversion holds about 1.5 × the largest tensor plus one layer's qkv slice, whatever the shard size; no process
-group and no megatron import are needed.
+hidden]. We read it with baton's own torch_dist reader (conversions/torch_dist: `.metadata` parsed once by the
+restricted loader, chunks read from the `.distcp` byte ranges) one output tensor's box at a time, streamed into the
+shards, so the conversion holds about 1.5 × the largest tensor plus one layer's qkv slice, whatever the shard size; no
+process group, no megatron and no torch.distributed.checkpoint import are needed (from_hf still writes with it).
 
 Megatron layouts that differ from HF:
 - linear_qkv interleaves per query group: [q heads of the group | k | v] for each group;
@@ -19,9 +20,10 @@ from __future__ import annotations
 import json
 import math
 import warnings
+import zipfile
 from pathlib import Path
 
-from . import hf, manifest as mf, probe, safetensors_stream
+from . import hf, manifest as mf, probe, safetensors_stream, torch_dist, torch_lazy
 from .refusal import Refused
 
 EMBEDDING = "embedding.word_embeddings.weight"
@@ -59,78 +61,28 @@ def is_dist_checkpoint(root: Path) -> bool:
 
 
 def read_common(root: Path) -> dict:
-    """common.pt through torch's weights-only unpickler: a crafted file is refused before anything in it runs."""
-    import pickle
-
-    import torch
-
+    """common.pt through baton's restricted loader: a crafted file is refused before anything in it runs."""
     path = Path(root) / COMMON_FILE
-    if not path.exists():
+    if not path.exists() and not path.is_symlink():
         return {}
     try:
-        return torch.load(str(path), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
+        common = torch_lazy.load(path)
+    except (torch_lazy.UnsafeCheckpointError, ValueError, zipfile.BadZipFile) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise MegatronCheckpointError(f"{path}: refused: not a plain weights file ({first}); nothing in it was run")
+    if not isinstance(common, dict):
+        raise MegatronCheckpointError(f"{path}: refused: not a dict of common entries")
+    return common
 
 
-_RECORD_MODULES = ("torch.distributed.checkpoint.", "megatron.core.dist_checkpointing.")
-
-
-class _DcpGlobals(dict):
-    """What torch.distributed.checkpoint's `.metadata` pickle may name: paths, layouts, and the record classes
-    (dataclasses, enums, named tuples) of torch's and megatron's checkpoint modules (planner data included)."""
-
-    def __missing__(self, key):
-        module, name = key
-        if not module.startswith(_RECORD_MODULES) or name.startswith("__"):
-            raise KeyError(key)
-        import dataclasses
-        import enum
-        import importlib
-
-        try:
-            obj = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError):
-            raise KeyError(key) from None
-        # records only (their own __setstate__, e.g. TensorProperties', just decodes their fields): never functions
-        plain = isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, (enum.Enum, tuple)))
-        if not plain:
-            raise KeyError(key)
-        self[key] = obj
-        return obj
-
-    def __contains__(self, key):
-        try:
-            self[key]
-            return True
-        except KeyError:
-            return False
-
-
-def _dcp_globals() -> dict:
-    import pathlib
-
-    import torch
-
-    allowed = _DcpGlobals({("pathlib", n): getattr(pathlib, n) for n in ("PosixPath", "PurePosixPath")})
-    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
-    allowed.update({("torch", n): getattr(torch, n) for n in ("strided", "sparse_coo", "contiguous_format",
-                                                              "preserve_format", "channels_last")})
-    return allowed
-
-
-def check_metadata(root: Path) -> None:
-    """torch.distributed.checkpoint reads `.metadata` with a plain pickle.load: read it first through the allowlist, so
-    a crafted one is refused before torch (or megatron) ever opens it."""
-    from .torch_lazy import UnsafeCheckpointError, safe_loads
-
-    path = Path(root) / ".metadata"
-    if not path.exists():
-        return
+def check_metadata(root: Path) -> torch_dist.DistMetadata | None:
+    """`.metadata` parsed by the restricted loader into plain records (None when there is none)."""
+    path = Path(root) / torch_dist.METADATA
+    if not path.exists() and not path.is_symlink():
+        return None
     try:
-        safe_loads(path.read_bytes(), path, _dcp_globals())
-    except UnsafeCheckpointError as e:
+        return torch_dist.read_metadata(root)
+    except torch_lazy.UnsafeCheckpointError as e:
         raise MegatronCheckpointError(f"refused: {e}") from None
 
 
@@ -157,83 +109,39 @@ def architecture(root: Path) -> dict:
 
 
 class DistReader:
-    """Read slices of the global tensors of a torch_dist checkpoint, one request at a time."""
+    """Read boxes of the global tensors of a torch_dist checkpoint, from what its `.metadata` was parsed into once."""
 
     def __init__(self, root: Path):
-        from torch.distributed.checkpoint import FileSystemReader
-
         self.root = Path(root)
         if not is_dist_checkpoint(self.root):
             raise MegatronCheckpointError(f"{root}: not a Megatron torch_dist checkpoint (.metadata / {METADATA_FILE})")
         backend = json.loads((self.root / METADATA_FILE).read_text()).get("sharded_backend")
         if backend != "torch_dist":
             raise MegatronCheckpointError(f"{root}: sharded backend {backend!r}; only torch_dist is supported")
-        check_metadata(self.root)
-        self.storage = _metadata_once(FileSystemReader)(str(self.root))
-        self.metadata = self.storage.read_metadata()
+        self.metadata = check_metadata(self.root)
+        self._chunks = {}  # Chunk -> its LazyTensor: each blob's zip directory is read once
 
     def shape(self, key: str) -> tuple[int, ...] | None:
         md = self.metadata.state_dict_metadata.get(key)
-        return tuple(md.size) if md is not None and hasattr(md, "size") else None
+        return tuple(md.size) if isinstance(md, torch_dist.TensorEntry) else None
 
     def dtype(self, key: str):
-        return self.metadata.state_dict_metadata[key].properties.dtype
+        return self.metadata.state_dict_metadata[key].dtype
 
     def read(self, requests: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]) -> dict:
         """{key: (offsets, sizes)} -> {key: tensor of that box of the global tensor}."""
-        import torch
-        import torch.distributed.checkpoint as dcp
-
         for key in requests:
             if self.shape(key) is None:
                 raise MegatronCheckpointError(f"{self.root}: no tensor {key!r} in the checkpoint")
-        out = {k: torch.empty(sizes, dtype=self.dtype(k)) for k, (_, sizes) in requests.items()}
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load(out, storage_reader=self.storage, planner=_BoxPlanner(requests), no_dist=True)
-        return out
+        try:
+            return {key: torch_dist.read_box(self.root, key, self.metadata.state_dict_metadata[key], offsets, sizes,
+                                             self._chunks) for key, (offsets, sizes) in requests.items()}
+        except torch_lazy.UnsafeCheckpointError as e:
+            raise MegatronCheckpointError(f"refused: {e}") from None
 
     def read_full(self, key: str):
         shape = self.shape(key)
         return self.read({key: ((0,) * len(shape), shape)})[key]
-
-
-def _metadata_once(reader_class):
-    """A storage reader that unpickles `.metadata` once: dcp.load asks for it on every call, and a checkpoint with
-    optimizer states has tens of thousands of entries (45 ms a read at 125M parameters, ~100 reads a conversion)."""
-
-    class MetadataOnce(reader_class):
-        _metadata = None
-
-        def read_metadata(self, *args, **kwargs):
-            if self._metadata is None:
-                self._metadata = super().read_metadata(*args, **kwargs)
-            return self._metadata
-
-    return MetadataOnce
-
-
-def _BoxPlanner(boxes):
-    import torch
-    from torch.distributed.checkpoint import DefaultLoadPlanner
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-    from torch.distributed.checkpoint.planner import LoadPlan
-    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-
-    class BoxPlanner(DefaultLoadPlanner):
-        """Load a box (offsets, sizes) of each global tensor into a plain tensor of the box's shape."""
-
-        def create_local_plan(self) -> LoadPlan:
-            items = []
-            for fqn, (offsets, sizes) in boxes.items():
-                chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
-                items += create_read_items_for_chunk_list(fqn, self.metadata.state_dict_metadata[fqn], [chunk])
-            return LoadPlan(items)
-
-        def lookup_tensor(self, index):
-            return self.state_dict[index.fqn]  # read items' offsets are relative to the box already
-
-    return BoxPlanner()
 
 
 # ---- Megatron → HF ----------------------------------------------------------------------------------------------

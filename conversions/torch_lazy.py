@@ -3,19 +3,16 @@
 A torch.save file is an uncompressed zip: `<archive>/data.pkl` (the pickled object tree) and one record per storage
 (`<archive>/data/<key>`). We unpickle only the tree, turning each tensor into a (record offset, dtype, view) reference,
 so reading a slice of a multi-GB optimizer partition costs exactly that slice in memory: no mmap pages that stay
-resident, no optimizer moments touched.
+resident, no optimizer moments touched. The zip may also sit inside a larger file (a tensor blob of a `.distcp` file).
 
-Nothing in the file runs: a global is resolved only from an allowlist of (module, name) pairs (containers, dtypes,
-tensor rebuilders); classes of the engines that write these files (DeepSpeed loss scalers, config enums...) become
-inert placeholders, so DeepSpeed need not be importable; any other global (builtins.open, os.system, torch.save,
-eval...) refuses the file with UnsafeCheckpointError before anything is called.
+Nothing in the file runs: the tree is read by baton's one restricted unpickler (safe_pickle), and every view is
+checked against its storage record before any byte is read.
 """
 from __future__ import annotations
 
-import importlib
-import io
 import math
-import pickle
+import os
+import stat
 import struct
 import sys
 import zipfile
@@ -24,67 +21,7 @@ from pathlib import Path
 
 import torch
 
-_SAFE_GLOBALS = {
-    ("collections", "OrderedDict"), ("collections", "defaultdict"), ("collections", "deque"),
-    ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"), ("builtins", "complex"),
-    ("builtins", "bytearray"), ("builtins", "range"), ("copyreg", "_reconstructor"), ("builtins", "object"),
-    ("_codecs", "encode"), ("torch", "Size"), ("torch", "device"),
-    # the tensor classes _rebuild_from_type_v2 names (ZeRO-3 optimizer files): a type reference, never called here
-    ("torch", "Tensor"), ("torch.nn.parameter", "Parameter"),
-    ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "_reconstruct"),
-    ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "_reconstruct"),
-    ("numpy._core.multiarray", "scalar"), ("numpy.dtypes", "Float32DType"), ("numpy.dtypes", "Float64DType"),
-    ("numpy.dtypes", "Int64DType"), ("numpy.dtypes", "UInt32DType"),
-}
-_TORCH_DTYPES = {name for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype)}
-# Writers of ZeRO checkpoints pickle their own small objects (loss scalers, stage enums, config holders): read as
-# inert placeholders, never imported.
-_INERT_PREFIXES = ("deepspeed.", "megatron.", "apex.", "transformer_engine.", "argparse", "enum")
-_PY2_MODULES = {"__builtin__": "builtins", "copy_reg": "copyreg"}
-
-
-class UnsafeCheckpointError(pickle.UnpicklingError):
-    pass
-
-
-def safe_global(module: str, name: str):
-    """The object a pickle may reference as module.name, or UnsafeCheckpointError: the one gate every global of an
-    untrusted checkpoint passes through."""
-    module = _PY2_MODULES.get(module, module)
-    if (module, name) in _REBUILDERS:
-        return _REBUILDERS[(module, name)]
-    if module == "torch" and name in _TORCH_DTYPES:
-        return getattr(torch, name)
-    if module == "torch" and name.endswith("Storage") and name.isidentifier():
-        return torch.serialization.StorageType(name) if name != "UntypedStorage" else torch.UntypedStorage
-    if (module, name) in _SAFE_GLOBALS:
-        return getattr(importlib.import_module(module), name)
-    if module.startswith(_INERT_PREFIXES) and not name.startswith("_"):
-        return _opaque_class(module, name)
-    raise UnsafeCheckpointError(f"refers to {module}.{name}, which is not on the allowlist of what a checkpoint may "
-                                "contain (a crafted or foreign file: nothing was run)")
-
-
-class Opaque:
-    """Stand-in for an object of an untrusted class (loss scalers, config objects...): keeps its state, runs nothing."""
-
-    def __init__(self, *args, **kwargs):
-        self.args, self.kwargs = args, kwargs
-
-    def __setstate__(self, state):
-        self.state = state
-
-    def __call__(self, *args, **kwargs):  # also stands in for untrusted functions used in REDUCE
-        return Opaque(*args, **kwargs)
-
-    def __int__(self):  # enums pickle as (cls, (value,)): e.g. DeepSpeed's ZeroStageEnum
-        if len(self.args) == 1 and isinstance(self.args[0], int):
-            return self.args[0]
-        raise TypeError(f"{type(self).__name__} has no integer value")
-
-
-def _opaque_class(module: str, name: str):
-    return type(name, (Opaque,), {"__module__": f"opaque.{module}"})
+from .safe_pickle import StorageType, UnsafeCheckpointError, loads as safe_loads  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -128,9 +65,9 @@ class LazyTensor:
             raise ValueError("out must be a contiguous tensor of the same dtype and `count` elements")
         if count == 0:
             return
-        item = torch.empty((), dtype=self.dtype).element_size()
+        item = self.dtype.itemsize
         buf = out.view(torch.uint8).numpy()
-        with open(self.storage.path, "rb", buffering=0) as f:
+        with open_regular(self.storage.path) as f:
             f.seek(self.storage.offset + (self.storage_offset + start) * item)
             view, done = memoryview(buf), 0
             while done < len(view):
@@ -145,20 +82,60 @@ class LazyTensor:
             out = torch.empty(self.numel(), dtype=self.dtype)
             self.read_flat_into(out, 0, self.numel())
             return out.view(self.shape)
-        span = 1 + sum((d - 1) * s for d, s in zip(self.shape, self.stride))
-        base = LazyTensor(self.storage, self.storage_offset, torch.Size([span]), (1,))
+        base = LazyTensor(self.storage, self.storage_offset, torch.Size([_span(self.shape, self.stride)]), (1,))
         return base.load().as_strided(self.shape, self.stride).contiguous()
 
 
+def _span(shape, stride) -> int:
+    """Elements of storage a view covers from its offset (0 for an empty view)."""
+    if math.prod(shape) == 0:
+        return 0
+    return 1 + sum((d - 1) * s for d, s in zip(shape, stride))
+
+
+def open_regular(path: Path):
+    """A checkpoint file opened for reading, never through a symlink, and only if it is a regular file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as e:
+        raise UnsafeCheckpointError(f"{path}: refused: cannot open it as a plain file ({e.strerror})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UnsafeCheckpointError(f"{path}: refused: not a regular file")
+    return os.fdopen(fd, "rb", buffering=0)
+
+
+def _checked_view(storage, storage_offset, size, stride):
+    """(offset, shape, stride) of a tensor in the pickle, refused unless it lies within its storage record: the
+    file's numbers decide what is read, so they are checked before anything is allocated."""
+    if not isinstance(storage, _StorageRef):
+        raise UnsafeCheckpointError("a tensor without a storage record")
+    if type(storage_offset) is not int or storage_offset < 0:
+        raise UnsafeCheckpointError(f"storage offset {storage_offset!r}")
+    size, stride = tuple(size), tuple(stride)
+    if len(size) != len(stride) or not all(type(v) is int and v >= 0 for v in size + stride):
+        raise UnsafeCheckpointError(f"shape {size!r} / stride {stride!r}")
+    if storage_offset + _span(size, stride) > storage.numel or math.prod(size) > storage.numel:
+        # the second: a broadcast view (stride 0) of a few stored bytes would expand to whatever shape it names
+        raise UnsafeCheckpointError(f"a view (offset {storage_offset}, shape {list(size)}, stride {list(stride)}) "
+                                    f"beyond its storage of {storage.numel} elements")
+    return storage_offset, torch.Size(size), stride
+
+
 def _rebuild_tensor(storage, storage_offset, size, stride, *_args, **_kwargs):
-    return LazyTensor(storage, storage_offset, torch.Size(size), tuple(stride))
+    offset, shape, stride = _checked_view(storage, storage_offset, size, stride)
+    return LazyTensor(storage, offset, shape, stride)
 
 
 def _rebuild_parameter(data, *_args, **_kwargs):
+    if not isinstance(data, LazyTensor):
+        raise UnsafeCheckpointError("a parameter that is not a tensor")
     return data
 
 
 def _rebuild_from_type(func, _new_type, args, _state):
+    if func not in (_rebuild_tensor, _rebuild_parameter) or not isinstance(args, tuple):
+        raise UnsafeCheckpointError("_rebuild_from_type_v2 of something other than a tensor")
     return func(*args)
 
 
@@ -167,13 +144,39 @@ _REBUILDERS = {
     ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
     ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
     ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type,
+    ("torch.tensor", "_rebuild_from_type_v2"): _rebuild_from_type,
 }
 
 
-def _record_offsets(path: Path) -> tuple[str, dict[str, int]]:
-    """The archive prefix and the byte offset of every stored record's data."""
-    offsets = {}
-    with zipfile.ZipFile(path) as z, open(path, "rb") as f:
+class _FileSlice:
+    """Bytes [base, base+length) of an open file as a seekable file of its own (a zip inside a .distcp file)."""
+
+    def __init__(self, f, base: int, length: int):
+        self.f, self.base, self.length, self.pos = f, base, length, 0
+
+    def seekable(self):
+        return True
+
+    def tell(self):
+        return self.pos
+
+    def seek(self, pos, whence=0):
+        self.pos = max(0, {0: pos, 1: self.pos + pos, 2: self.length + pos}[whence])
+        return self.pos
+
+    def read(self, n=-1):
+        n = self.length - self.pos if n is None or n < 0 else min(n, max(0, self.length - self.pos))
+        self.f.seek(self.base + self.pos)
+        data = self.f.read(n)
+        self.pos += len(data)
+        return data
+
+
+def _records(path: Path, f, base: int, length: int) -> tuple[str, bytes, dict[str, tuple[int, int]]]:
+    """data.pkl's bytes and, for every stored record, (absolute byte offset of its data, its size)."""
+    records = {}
+    view = _FileSlice(f, base, length)
+    with zipfile.ZipFile(view) as z:
         prefix = next((n[: -len("data.pkl")] for n in z.namelist() if n.endswith("data.pkl") and n.count("/") == 1),
                       None)
         if prefix is None:
@@ -181,53 +184,53 @@ def _record_offsets(path: Path) -> tuple[str, dict[str, int]]:
         for info in z.infolist():
             if info.compress_type != zipfile.ZIP_STORED:
                 raise ValueError(f"{path}: record {info.filename} is compressed")
-            f.seek(info.header_offset)
-            header = f.read(30)
+            view.seek(info.header_offset)
+            header = view.read(30)
             if header[:4] != b"PK\x03\x04":
                 raise ValueError(f"{path}: bad local header for {info.filename}")
             name_len, extra_len = struct.unpack("<HH", header[26:30])
-            offsets[info.filename] = info.header_offset + 30 + name_len + extra_len
-    return prefix, offsets
-
-
-def load(path: Path):
-    """The object tree of a torch.save file, with every tensor as a LazyTensor."""
-    path = Path(path)
-    prefix, offsets = _record_offsets(path)
-    with zipfile.ZipFile(path) as z:
+            start = info.header_offset + 30 + name_len + extra_len
+            if start + info.file_size > length:
+                raise UnsafeCheckpointError(f"{path}: record {info.filename} runs past the end of its file")
+            records[info.filename] = (base + start, info.file_size)
         names = set(z.namelist())
-        if f"{prefix}byteorder" in names and z.read(f"{prefix}byteorder").decode() != sys.byteorder:
+        if f"{prefix}byteorder" in names and z.read(f"{prefix}byteorder") != sys.byteorder.encode():
             raise ValueError(f"{path}: saved with a different byte order")
         data = z.read(f"{prefix}data.pkl")
+    return prefix, data, records
+
+
+def load(path: Path, base: int = 0, length: int | None = None):
+    """The object tree of a torch.save file (or of the one at bytes [base, base+length) of path), every tensor a
+    LazyTensor."""
+    path = Path(path)
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        length = size - base if length is None else length
+        if base < 0 or length < 0 or base + length > size:
+            raise UnsafeCheckpointError(f"{path}: refused: bytes [{base}, {base + length}) outside the file")
+        try:
+            prefix, data, records = _records(path, f, base, length)
+        except UnsafeCheckpointError:
+            raise
+        except Exception as e:  # zipfile's many ways of saying the container is broken: one refusal
+            raise UnsafeCheckpointError(f"{path}: refused: not a readable torch.save file ({type(e).__name__}: "
+                                        f"{str(e)[:200]})") from None
 
     def persistent_load(saved_id):
-        kind, storage_type, key, _location, numel = saved_id
-        if kind != "storage":
-            raise ValueError(f"{path}: unknown persistent id {kind!r}")
-        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+        if not (isinstance(saved_id, tuple) and len(saved_id) == 5 and saved_id[0] == "storage"):
+            raise UnsafeCheckpointError(f"unknown persistent id {str(saved_id)[:80]}")
+        _, storage_type, key, _location, numel = saved_id
+        if not isinstance(storage_type, StorageType) or not isinstance(key, str) or type(numel) is not int \
+                or numel < 0:
+            raise UnsafeCheckpointError(f"malformed storage reference {str(saved_id)[:80]}")
         record = f"{prefix}data/{key}"
-        if record not in offsets:
-            raise ValueError(f"{path}: missing storage record {record}")
-        return _StorageRef(path, offsets[record], dtype, numel)
+        if record not in records:
+            raise UnsafeCheckpointError(f"missing storage record {record}")
+        offset, nbytes = records[record]
+        dtype = storage_type.dtype
+        if numel * dtype.itemsize > nbytes:
+            raise UnsafeCheckpointError(f"storage {key} claims {numel} elements, its record holds {nbytes} bytes")
+        return _StorageRef(path, offset, dtype, numel)
 
-    return safe_loads(data, path, {("torch.tensor", name): safe_global("torch._tensor", name)
-                                   for name in ("_rebuild_from_type_v2",)}, persistent_load)
-
-
-def safe_loads(data: bytes, where, extra: dict | None = None, persistent_load=None):
-    """Unpickle bytes from an untrusted file: globals only from safe_global or `extra` ({(module, name): object})."""
-    extra = extra or {}
-
-    class _Unpickler(pickle.Unpickler):
-        def find_class(self, module, name):
-            if (module, name) in extra:
-                return extra[(module, name)]
-            try:
-                return safe_global(module, name)
-            except UnsafeCheckpointError as e:
-                raise UnsafeCheckpointError(f"{where}: {e}") from None
-
-    unpickler = _Unpickler(io.BytesIO(data))
-    if persistent_load is not None:
-        unpickler.persistent_load = persistent_load
-    return unpickler.load()
+    return safe_loads(data, path, _REBUILDERS, persistent_load)
