@@ -299,13 +299,25 @@ CHAMPION, PREVIOUS = "champion", "previous-champion"
 REPLACED_TAG = "baton.replaced_champion"  # on a version: the champion version it replaced ("" when none)
 
 
-def _alias_version(c, name: str, alias: str) -> str | None:
+def alias_target(c, name: str, alias: str):
+    """The model version an alias points at, or None when the registered model or the alias does not exist. Any other
+    tracking error (a server down, refused credentials) is raised: read as "no champion" it would skip the
+    no-regression check."""
     from mlflow.exceptions import MlflowException
 
     try:
-        return str(c.get_model_version_by_alias(name, alias).version)
-    except MlflowException:
-        return None
+        return c.get_model_version_by_alias(name, alias)
+    except MlflowException as e:
+        if e.error_code == "RESOURCE_DOES_NOT_EXIST":  # no such registered model (yet)
+            return None
+        if alias not in c.get_registered_model(name).aliases:  # the store says "not found" as a bad parameter
+            return None
+        raise
+
+
+def _alias_version(c, name: str, alias: str) -> str | None:
+    mv = alias_target(c, name, alias)
+    return None if mv is None else str(mv.version)
 
 
 ANY = object()  # `expected` default: move the alias whatever it points at now

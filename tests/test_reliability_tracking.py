@@ -95,3 +95,27 @@ def test_mlflow_frozen_mid_stage_loses_no_metric(mlflow_server, baton_home, reco
     assert not (baton_home / "unsent-metrics").exists()
     history = c.get_metric_history(run, "train/loss")
     assert {m.step for m in history} == set(range(1, n + 1))  # every metric arrived (a retried batch may repeat)
+
+
+@pytest.mark.fast
+def test_a_tracking_error_is_never_read_as_no_champion(baton_home, monkeypatch, record_property):
+    """`champion_now` decides what a candidate must beat: (None, None) only when no champion exists; an unreachable
+    tracking server is an error (read as "no champion", the no-regression check would be skipped)."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    from tasks.serve.task import champion_now
+
+    record_property("fault", "tracking server unreachable when the champion is read")
+    store = f"sqlite:///{baton_home / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    assert champion_now("no-such-model") == (None, None)
+    c = MlflowClient(tracking_uri=store, registry_uri=store)
+    c.create_registered_model("has-no-champion")
+    assert champion_now("has-no-champion") == (None, None)
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{_free_port()}")  # nothing listens there
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    with pytest.raises(MlflowException):
+        champion_now("has-no-champion")

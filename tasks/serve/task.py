@@ -241,17 +241,12 @@ def decide(cfg: ServeConfig, score: float | None, before: float | None, evaluate
 
 
 def champion_now(name: str) -> tuple[str | None, float | None]:
-    """(version, score) of the champion this decision is made against (the promotion compares-and-sets on it)."""
-    try:
-        c = tracking.client()
-        mv = c.get_model_version_by_alias(name, tracking.CHAMPION)
-    except Exception:
+    """(version, score) of the champion this decision is made against (the promotion compares-and-sets on it);
+    (None, None) only when there is none. A tracking error is raised, never read as "no champion"."""
+    mv = tracking.alias_target(tracking.client(), name, tracking.CHAMPION)
+    if mv is None:
         return None, None
     return str(mv.version), (float(mv.tags[EVAL_METRIC]) if EVAL_METRIC in mv.tags else None)
-
-
-def champion_score(name: str) -> float | None:
-    return champion_now(name)[1]
 
 
 def _refused(ctx: StageContext, cfg: ServeConfig, pre: list[dict]) -> StageOutput:
