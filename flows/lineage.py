@@ -165,16 +165,13 @@ def resolve(ref: str) -> tuple[Path, str]:
         if not outputs:
             raise LineageError(f"run {ref} produced no checkpoint")
         return Path(outputs[-1]["output"]), f"run {ref}: {outputs[-1]['label']}"
-    if "@" in ref or "/" in ref:
-        from tasks import tracking
+    from flows import checkpoint_refs
 
-        try:
-            path, name, version = tracking.resolve_model_ref(ref)
-        except Exception as e:
-            raise LineageError(f"{ref}: not a registered model version ({e})") from e
-        return path, f"{name} version {version}"
-    raise LineageError(f"{ref}: neither a checkpoint folder, a run id in {runs.runs_root()}, nor name@alias / "
-                       "name/version")
+    try:
+        found = checkpoint_refs.resolve(ref)
+    except checkpoint_refs.CheckpointRefError as e:
+        raise LineageError(f"{e}; nor a run id in {runs.runs_root()}") from None
+    return found.path, found.describe()
 
 
 def _short(digest: str | None) -> str:

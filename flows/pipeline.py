@@ -10,7 +10,7 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.runtime import flow_run as prefect_flow_run
 
 from conversions import manifest as mf
-from flows import chain_planner as planning, hub, report, runs
+from flows import chain_planner as planning, checkpoint_refs, report, runs
 from flows.config import ConfigError, PipelineConfig
 from flows.step_runner import STAGE_FLOWS, RunInfo, StageFailed, describe_stop, stopped_from_outside
 from tasks import tracking
@@ -21,17 +21,10 @@ from tasks.secrets import redact
 def resolve_input(cfg: PipelineConfig, from_ref: str | None) -> tuple[Path | None, str | None, str | None]:
     """(checkpoint folder, its format, its fingerprint) for the first stage, or (None, None, None)."""
     if from_ref:
-        if from_ref.startswith(hub.PREFIX):
-            path = hub.fetch(from_ref, tracking.baton_home())
-        elif Path(from_ref).exists():
-            if not Path(from_ref).is_dir():
-                raise ConfigError(f"--from {from_ref}: not a folder (a checkpoint is a folder with its "
-                                  f"{mf.MANIFEST_NAME})")
-            path = Path(from_ref).resolve()
-        elif "@" in from_ref or "/" in from_ref:
-            path, _, _ = tracking.resolve_model_ref(from_ref)
-        else:
-            raise ConfigError(f"--from {from_ref}: neither a folder nor a registered model (name@alias)")
+        try:
+            path = checkpoint_refs.resolve(from_ref).path
+        except checkpoint_refs.CheckpointRefError as e:
+            raise ConfigError(f"--from {e}") from None
         m = mf.read(path)
         if m is None:
             raise ConfigError(f"--from {path}: no {mf.MANIFEST_NAME}; write one first with `baton manifest {path}`")

@@ -105,3 +105,20 @@ def test_a_header_length_the_file_cannot_hold_is_one_failed_check(outside_checkp
     assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
     (check,) = [c for c in json.loads(r.stdout)["checks"] if c["name"] == "preflight.safetensors"]
     assert not check["passed"] and f"its header claims {length} bytes" in check["detail"], check
+
+
+def test_verify_takes_a_registered_version_as_it_takes_a_folder(outside_checkpoint, baton_home):
+    """One way to name a checkpoint: `name@alias` and `name/version` resolve to the folder the version was registered
+    from (its source holds only the manifest when a tracking server stores it)."""
+    from tasks import tracking
+
+    assert cli("manifest", str(outside_checkpoint), home=baton_home).returncode == 0
+    c = tracking.client()
+    run_id = tracking.start_run(c, "baton", "register-outside", tags={})
+    version = tracking.register_checkpoint(c, "outside", outside_checkpoint, run_id, {}, alias="champion")
+    for ref in ("outside@champion", f"outside/{version}"):
+        r = cli("verify", ref, "--json", home=baton_home)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert json.loads(r.stdout)["passed"]
+    r = cli("verify", "outside@no-such-alias", home=baton_home)
+    assert r.returncode == 2 and "outside@no-such-alias: no such folder, and not a registered model version" in r.stderr

@@ -77,7 +77,7 @@ def test_a_chain_across_runs_shows_each_runs_data(baton_home):
 
 
 def test_lineage_refuses_what_it_cannot_follow(baton_home, tmp_path):
-    with pytest.raises(lineage.LineageError, match="neither a checkpoint folder"):
+    with pytest.raises(lineage.LineageError, match="no such folder, and not a registered model"):
         lineage.resolve("no-such-run")
     (tmp_path / "bare").mkdir()
     with pytest.raises(lineage.LineageError, match="no baton_manifest.json"):

@@ -7,12 +7,22 @@ import sys
 from pathlib import Path
 
 
+def _checkpoint(command: str, ref: str) -> Path | None:
+    """The folder a checkpoint reference names (flows/checkpoint_refs.py), or None after saying why."""
+    from flows import checkpoint_refs
+
+    try:
+        return checkpoint_refs.resolve(ref).path
+    except checkpoint_refs.CheckpointRefError as e:
+        print(f"baton {command}: {e}", file=sys.stderr)
+        return None
+
+
 def cmd_verify(args) -> int:
     from conversions import verify
 
-    path = Path(args.path)
-    if not path.exists():
-        print(f"baton verify: {path}: no such folder", file=sys.stderr)
+    path = _checkpoint("verify", args.path)
+    if path is None:
         return 2
     import contextlib
 
@@ -28,9 +38,8 @@ def cmd_verify(args) -> int:
 def cmd_manifest(args) -> int:
     from conversions import manifest as mf
 
-    path = Path(args.path)
-    if not path.is_dir():
-        print(f"baton manifest: {path}: no such folder", file=sys.stderr)
+    path = _checkpoint("manifest", args.path)
+    if path is None:
         return 2
     fmt = args.format or ("hf-safetensors" if (path / "config.json").exists() else None)
     if fmt is None:
@@ -65,7 +74,9 @@ def cmd_convert(args) -> int:
     from tasks.convert.task import WORKER, gate
     from tasks.stage import REPO_ROOT
 
-    src, dst = Path(args.src).resolve(), Path(args.dst).resolve()
+    src, dst = _checkpoint("convert", args.src), Path(args.dst).resolve()
+    if src is None:
+        return 2
     if not (src / mf.MANIFEST_NAME).exists() and not args.from_format:
         print(f"baton convert: {src} has no manifest; pass --from-format", file=sys.stderr)
         return 2

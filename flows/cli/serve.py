@@ -20,19 +20,14 @@ def cmd_serve(args) -> int:
     except ConfigError as e:
         print(f"baton serve: {e}", file=sys.stderr)
         return 2
-    registered = cfg.tracking.registered_model
-    if Path(args.ref).exists():
-        if not Path(args.ref).is_dir():
-            print(f"baton serve: {args.ref}: not a folder (an HF checkpoint is a folder)", file=sys.stderr)
-            return 2
-        path = Path(args.ref).resolve()
-    else:
-        try:
-            path, registered, _ = tracking.resolve_model_ref(args.ref)
-        except Exception as e:
-            print(f"baton serve: {args.ref}: neither a folder nor a registered model (name@alias, name/version): {e}",
-                  file=sys.stderr)
-            return 2
+    from flows import checkpoint_refs
+
+    try:
+        found = checkpoint_refs.resolve(args.ref)
+    except checkpoint_refs.CheckpointRefError as e:
+        print(f"baton serve: {e}", file=sys.stderr)
+        return 2
+    path, registered = found.path, found.registered_model or cfg.tracking.registered_model
     work = tracking.baton_home() / "serve" / _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     ctx = StageContext(stage="serve", run_id=work.name, run_dir=work, work_dir=work, model=cfg.model.model_dump(),
                        seed=cfg.seed, data_dir=Path(args.data_dir).resolve() if args.data_dir else None, input=path,
