@@ -86,12 +86,6 @@ def check_metadata(root: Path) -> torch_dist.DistMetadata | None:
         raise MegatronCheckpointError(f"refused: {e}") from None
 
 
-def check_pickles(root: Path) -> None:
-    """Every pickle of a dist checkpoint read through an allowlist (what a `--from` input passes before launch)."""
-    check_metadata(root)
-    read_common(root)
-
-
 def architecture(root: Path) -> dict:
     """The architecture a checkpoint was written with: common.pt first, then the manifest."""
     check_metadata(root)

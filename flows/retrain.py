@@ -68,7 +68,6 @@ def champion(c, name: str) -> dict | None:
 # serving.json: what retrain serves now. "server" is the supervisor's record (its pid and start time, its engine's, its
 # state file); "status" is "down" once the supervisor gave up; "candidate" is a side-port server not yet switched to.
 serving_file = supervisor.serving_file
-same_process = supervisor.same_process
 
 
 def serving() -> dict | None:

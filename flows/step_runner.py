@@ -183,10 +183,6 @@ def cause_line(e: LaunchError, cause: str) -> str:
     return f": {best[2].strip()[:600]}" if best[0] else ""
 
 
-def infrastructure_failure(e: LaunchError, oom_kills_before: int | None = None) -> bool:
-    return failure_class(e, oom_kills_before) == "infrastructure"
-
-
 def _run_with_retries(step: Step, ctx: StageContext, stage_cfg) -> StageOutput:
     """BATON_INFRA_RETRIES (default 2) retries after BATON_INFRA_RETRY_DELAY_S (default 10) seconds."""
     retries = int(os.environ.get("BATON_INFRA_RETRIES", "2"))

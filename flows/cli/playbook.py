@@ -198,13 +198,6 @@ def preflight(cfg) -> tuple[bool, list[dict]]:
     return not any(f.severity == "error" for f in found), doctor.as_dicts(found)
 
 
-def memory_line(entry: dict) -> str:
-    m = entry.get("memory") or {}
-    if not m.get("measured_mb_max"):
-        return ""
-    return f"peak {m['measured_mb_max']:.0f} MiB/rank {m['kind']} (plan {m['predicted_mb_per_rank']})"
-
-
 def add_batch_parser(sub) -> None:
     b = sub.add_parser("batch",
                        help="find the largest micro-batch that fits (real engine probes, doubling then bisection)")

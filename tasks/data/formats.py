@@ -60,13 +60,6 @@ def detect(kind: str, columns: set[str], mapping: dict[str, str]) -> str | None:
     return None
 
 
-def fields_of(fmt: str) -> tuple[str, ...]:
-    for formats in FORMATS.values():
-        if fmt in formats:
-            return formats[fmt] + OPTIONAL.get(fmt, ())
-    raise KeyError(fmt)
-
-
 def kind_of(fmt: str) -> str:
     return next(k for k, formats in FORMATS.items() if fmt in formats)
 
@@ -230,11 +223,6 @@ def normalise(fmt: str, row, mapping: dict[str, str], where: str) -> tuple[dict 
 
 
 # ---- what the workers need from a canonical row ---------------------------------------------------------------------
-def sft_prompt_and_answer(row: dict) -> tuple[list[dict], str]:
-    """The conversation up to the final assistant turn, and that turn's text (held-out exact match)."""
-    return row["messages"][:-1], row["messages"][-1]["content"]
-
-
 def texts_of(kind: str, row: dict):
     """Every text in a canonical row (tokenizer training)."""
     if kind == "pretrain":
