@@ -1,4 +1,6 @@
-"""Structured lines a worker prints so the launcher can stream them into MLflow and Prefect.
+"""The worker contract: a worker reads one JSON spec (`worker.py --spec SPEC.json`, written by its stage task from
+the stage's config model: defaults live only there) and prints structured lines the launcher streams into MLflow and
+Prefect; its `result` events are what the stage task reads back.
 
     @@baton {"kind": "metric", "step": 3, "train/loss": 2.31, "train/lr": 0.001}
     @@baton {"kind": "progress", "step": 3, "total": 100}
@@ -8,10 +10,13 @@ Plain lines are ordinary logs. Only rank 0 should emit events in a distributed j
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
+import os
 import re
 import sys
+from pathlib import Path
 
 PREFIX = "@@baton "
 
@@ -86,6 +91,31 @@ def checked(name: str) -> str:
 def summary_name(fact: str) -> str:
     """A stage's end-of-run fact (a key of its summary.json `metrics`) as an MLflow metric name."""
     return checked(f"summary/{fact}")
+
+
+def write_spec(path: Path, spec: dict) -> Path:
+    """The spec a stage task hands its worker (atomic: a worker never reads half of one)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(spec, indent=2) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def read_spec(argv: list[str] | None = None, required: tuple[str, ...] = ()) -> dict:
+    """A worker's spec from `--spec SPEC.json` (`--local_rank`, which the deepspeed launcher adds, is accepted)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--spec", type=Path, required=True)
+    ap.add_argument("--local_rank", type=int, default=None)
+    path = ap.parse_args(argv).spec
+    spec = json.loads(path.read_text())
+    if missing := [k for k in required if k not in spec]:
+        raise SystemExit(f"{path}: the worker spec lacks {missing} (written by another baton version?)")
+    return spec
 
 
 def emit(kind: str, **fields) -> None:

@@ -252,3 +252,14 @@ def test_the_training_stages_and_their_disk_bytes_have_one_home():
                     "pretrain", "finetune"} and all(isinstance(v, ast.Constant) and isinstance(v.value, int)
                                                     for v in node.values):
                 raise AssertionError(f"a per-stage number table at {path.relative_to(REPO)}:{node.lineno}")
+
+
+def test_the_training_workers_share_one_spec_contract():
+    """pretrain, rlhf and finetune workers read one JSON spec through tasks.events.read_spec (written by their stage
+    task from its config model): no worker declares a flag, so none can carry a default of its own."""
+    for stage in ("pretrain", "rlhf", "finetune"):
+        path = REPO / "tasks" / stage / "worker.py"
+        tree = ast.parse(path.read_text())
+        calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)]
+        assert not [n.lineno for n in calls if n.func.attr == "add_argument"], f"{path}: flags of its own"
+        assert any(n.func.attr == "read_spec" for n in calls), f"{path}: does not read its spec with events.read_spec"

@@ -112,9 +112,11 @@ def test_tiny_config_chains_the_stages_through_the_volume(tmp_path):
     assert {p.split("/")[0] for p in docs} == {"pretrain", "rlhf", "finetune"}
     assert_valid(docs)
     root = "/baton/tiny"
-    rlhf = container(docs["rlhf/pytorchjob.yaml"]["spec"]["pytorchReplicaSpecs"]["Master"]["template"])["command"]
-    assert rlhf[rlhf.index("--input") + 1] == f"{root}/convert-megatron-to-hf/checkpoint"  # the planner's conversion
-    assert rlhf[rlhf.index("--output") + 1] == f"{root}/rlhf/checkpoint"
+    rlhf_cmd = container(docs["rlhf/pytorchjob.yaml"]["spec"]["pytorchReplicaSpecs"]["Master"]["template"])["command"]
+    assert rlhf_cmd[rlhf_cmd.index("--spec") + 1] == "/etc/baton/rlhf_spec.json"  # the worker contract: one spec
+    rlhf = json.loads(docs["rlhf/configmap.yaml"]["data"]["rlhf_spec.json"])
+    assert rlhf["input"] == f"{root}/convert-megatron-to-hf/checkpoint"  # the planner's conversion
+    assert rlhf["output"] == f"{root}/rlhf/checkpoint"
     ft = json.loads(docs["finetune/configmap.yaml"]["data"]["finetune_spec.json"])
     assert ft["input"] == f"{root}/rlhf/checkpoint" and ft["ds_config"] == "/etc/baton/ds_config.json"
     ds = json.loads(docs["finetune/configmap.yaml"]["data"]["ds_config.json"])

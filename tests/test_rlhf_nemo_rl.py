@@ -284,9 +284,14 @@ def test_reads_consolidated_weights_and_adds_the_tokenizer(tmp_path, hf_checkpoi
 
     from tasks import events
     from tasks.rlhf import worker
+    from tasks.rlhf.task import worker_command
+    from tasks.stage import StageContext
 
+    ctx = StageContext(stage="rlhf", run_id="test", run_dir=tmp_path, work_dir=tmp_path, model={}, seed=0,
+                       data_dir=data_dir, input=hf_checkpoint, input_format="hf-safetensors")
+    cmd = worker_command(ctx, RlhfConfig(), out, evaluate=True)  # the command the stage launches after NeMo-RL
     capsys.readouterr()
-    worker.main(["--evaluate", "--input", str(hf_checkpoint), "--output", str(out), "--data", str(data_dir)])
+    worker.main(cmd[cmd.index("--spec"):])
     result = next(e for e in map(events.parse, capsys.readouterr().out.splitlines()) if e and e["kind"] == "result")
     assert result["metric"] == "heldout_pref_accuracy" and result["before"] == result["after"]  # same weights
     assert abs(result["heldout_kl_to_reference"]) < 1e-6

@@ -155,16 +155,16 @@ def finetune_job(cfg: PipelineConfig, ctx: StageContext) -> StageJob:
 
 
 def rlhf_job(cfg: PipelineConfig, ctx: StageContext) -> StageJob:
-    from tasks.rlhf.task import WORKER, worker_command
+    from tasks.rlhf.task import WORKER, worker_spec
 
     scfg = cfg.rlhf
     if scfg.backend == "nemo_rl":
         raise ConfigError("rlhf.backend nemo_rl: NeMo-RL runs on KubeRay from its own container and recipes; "
                           "`baton k8s` writes baton's TRL worker (rlhf.backend trl or auto)")
-    cmd = worker_command(ctx, scfg, ctx.work_dir / "checkpoint")
-    args = cmd[cmd.index(str(WORKER)) + 1:]
+    spec = worker_spec(ctx, scfg, ctx.work_dir / "checkpoint")
     device = cluster_device(scfg)
-    return StageJob("rlhf", "", scfg.nnodes, scfg.nproc_per_node, device, image_path(WORKER), args, {},
+    return StageJob("rlhf", "", scfg.nnodes, scfg.nproc_per_node, device, image_path(WORKER),
+                    ["--spec", str(SPEC_DIR / "rlhf_spec.json")], {"rlhf_spec.json": _json(spec)},
                     _base_env(device), int(scfg.timeout_s))
 
 

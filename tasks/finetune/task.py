@@ -113,7 +113,7 @@ def prepare(ctx: StageContext, cfg: FinetuneConfig, probe: bool = False) -> tupl
     ds = ds_config.build(cfg)
     (work / "ds_config.json").write_text(json.dumps(ds, indent=2) + "\n")
     spec = worker_spec(ctx, cfg, out, work / "ds_config.json", template, probe)
-    (work / "finetune_spec.json").write_text(json.dumps(spec, indent=2) + "\n")
+    events.write_spec(work / "finetune_spec.json", spec)
     cmd, port = command(ctx, cfg, work / "finetune_spec.json")
     if port:
         remove_shm_segments(port)

@@ -11,7 +11,6 @@ again; write the probe logits of the in-memory model. Rank 0 prints @@baton even
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -528,10 +527,7 @@ def start_step(engine, tok, heldout: list, held_ids: list, spec: dict, facts: di
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--spec", type=Path, required=True)
-    ap.add_argument("--local_rank", type=int, default=None)  # passed by the deepspeed launcher
-    spec = json.loads(ap.parse_args().spec.read_text())
+    spec = events.read_spec()  # (and --local_rank, which the deepspeed launcher passes)
     ds_config = json.loads(Path(spec["ds_config"]).read_text())
     timings = {"imports_s": time.time() - T_START}
     rank, world = init_process(spec, timings)

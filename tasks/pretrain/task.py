@@ -2,7 +2,6 @@
 (tokenizer, probe logits, manifest) and gate it: L0 integrity + L1 exact reload."""
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import statistics
@@ -152,8 +151,7 @@ def _median(values):
 def run_pretrain(ctx: StageContext, cfg: PretrainConfig) -> StageOutput:
     spec = build_spec(ctx, cfg)
     ctx.work_dir.mkdir(parents=True, exist_ok=True)
-    spec_path = ctx.work_dir / "worker_spec.json"
-    spec_path.write_text(json.dumps(spec, indent=2))
+    spec_path = events.write_spec(ctx.work_dir / "worker_spec.json", spec)
     res = ctx.launch(command(ctx, cfg, spec_path), name="pretrain", timeout=cfg.timeout_s,
                      env=engine_env(spec["device"]))
     r = res.results()

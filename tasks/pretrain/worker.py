@@ -10,8 +10,6 @@ Only rank 0 prints events. The spec (JSON) is written by tasks/pretrain/task.py.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import os
 import shutil
@@ -23,9 +21,9 @@ from pathlib import Path
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--spec", type=Path, required=True)
-    spec = json.loads(ap.parse_args().spec.read_text())
+    from tasks import events
+
+    spec = events.read_spec()
     # megatron's notices, repeated by every rank: deprecations, Apex/TE absent (expected here), cuda-graph defaults
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*(not installed|Falling back).*")

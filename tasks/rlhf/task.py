@@ -17,7 +17,7 @@ from prefect.cache_policies import NO_CACHE
 
 from conversions import folder, hf, manifest as mf, verify
 from conversions.refusal import Refused
-from tasks import chat_template, gates
+from tasks import chat_template, events, gates
 from tasks.distributed import Launch, LaunchConfigError, engine_command, runtime_kind, stage_runtime
 from tasks.rlhf import checks, nemo_rl
 from tasks.rlhf.config import RlhfConfig
@@ -133,23 +133,31 @@ def gate(algorithm: str, out: Path, trained: Path, src: Path, eval_check: dict) 
                          [{**c, "name": f"reward_model.{c['name']}"} for c in rm_checks])
 
 
-def worker_command(ctx: StageContext, cfg: RlhfConfig, out: Path, template: Path | None = None) -> list[str]:
-    args = ["--input", str(ctx.input), "--data", str(ctx.data_dir), "--output", str(out),
-            "--algorithm", cfg.algorithm, "--steps", str(cfg.steps), "--micro-batch-size", str(cfg.micro_batch_size),
-            "--gradient-accumulation-steps", str(cfg.accumulation()), "--lr", str(cfg.lr),
-            "--lr-schedule", cfg.lr_schedule, "--warmup-steps", str(cfg.warmup_steps), "--grad-clip", str(cfg.grad_clip),
-            "--dataloader-workers", str(cfg.dataloader_workers),
-            "--weight-decay", str(cfg.weight_decay), "--precision", cfg.precision,
-            "--beta", str(cfg.beta), "--sft-weight", str(cfg.sft_weight),
-            "--max-seq-length", str(cfg.max_seq_length or ctx.model.get("seq_length", 128)), "--overlong", cfg.overlong,
-            "--reference", cfg.reference,
-            "--num-generations", str(cfg.num_generations), "--max-completion-length", str(cfg.max_completion_length),
-            "--seed", str(ctx.seed), "--stage", ctx.stage,
-            "--checkpoint-every", str(cfg.checkpoint_every), "--keep-checkpoints", str(cfg.keep_checkpoints)]
-    if cfg.reference_model:
-        args += ["--reference-model", str(cfg.reference_model)]
-    if template is not None:
-        args += ["--chat-template", str(template)]
+def worker_spec(ctx: StageContext, cfg: RlhfConfig, out: Path, template: Path | None = None,
+                evaluate: bool = False) -> dict:
+    """What the worker reads (events.read_spec): every value from the rlhf config, none defaulted in the worker."""
+    return {
+        "input": str(ctx.input), "data": str(ctx.data_dir), "output": str(out), "algorithm": cfg.algorithm,
+        "steps": cfg.steps, "micro_batch_size": cfg.micro_batch_size,
+        "gradient_accumulation_steps": cfg.accumulation(), "lr": cfg.lr, "lr_schedule": cfg.lr_schedule,
+        "warmup_steps": cfg.warmup_steps, "grad_clip": cfg.grad_clip, "weight_decay": cfg.weight_decay,
+        "precision": cfg.precision, "beta": cfg.beta, "max_seq_length": cfg.max_seq_length or ctx.model.get(
+            "seq_length", 128), "overlong": cfg.overlong, "sft_weight": cfg.sft_weight, "reference": cfg.reference,
+        "reference_model": str(cfg.reference_model) if cfg.reference_model else None,
+        "num_generations": cfg.num_generations, "max_completion_length": cfg.max_completion_length,
+        "seed": ctx.seed, "dataloader_workers": cfg.dataloader_workers, "checkpoint_every": cfg.checkpoint_every,
+        "keep_checkpoints": cfg.keep_checkpoints, "stage": ctx.stage,
+        "chat_template": str(template) if template else None, "evaluate": evaluate,
+    }
+
+
+def worker_command(ctx: StageContext, cfg: RlhfConfig, out: Path, template: Path | None = None,
+                   evaluate: bool = False) -> list[str]:
+    spec_name = "rlhf_eval_spec.json" if evaluate else "rlhf_spec.json"
+    spec = events.write_spec(Path(ctx.work_dir) / spec_name, worker_spec(ctx, cfg, out, template, evaluate))
+    args = ["--spec", str(spec)]
+    if evaluate:
+        return [ctx.python("main"), str(WORKER), *args]
     runtime = stage_runtime(ctx)
     if cfg.world_size() == 1 and runtime_kind(runtime) == "local":
         return [ctx.python("main"), str(WORKER), *args]
@@ -248,10 +256,8 @@ def run_nemo_rl(ctx: StageContext, cfg: RlhfConfig) -> StageOutput:
     if cfg.algorithm == "rm":
         pass_through_policy(Path(ctx.input), out, trained, ctx.stage, backend="nemo_rl", template=template)
     # held-out accuracy of input and output, measured the same way as for TRL (the worker's evaluation only)
-    res = ctx.launch([ctx.python("main"), str(WORKER), "--evaluate", "--input", str(ctx.input), "--output",
-                      str(trained), "--data", str(ctx.data_dir), "--algorithm", cfg.algorithm,
-                      *(["--chat-template", str(template)] if template else [])],
-                     name="rlhf-eval", timeout=cfg.timeout_s)
+    res = ctx.launch(worker_command(ctx, cfg, trained, template, evaluate=True), name="rlhf-eval",
+                     timeout=cfg.timeout_s)
     facts = res.results()
     ev, eval_check = gate_eval(cfg, ctx, facts, trained)
     return StageOutput(output=out, engine="nemo-rl", backend="nemo_rl",

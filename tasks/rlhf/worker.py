@@ -56,39 +56,17 @@ def eval_metrics(facts: dict) -> dict:
     return {f"eval/{k}": v for k, v in facts.items()}
 
 
+SPEC_PATHS = ("input", "data", "output", "reference_model", "chat_template")
+SPEC_KEYS = ("input", "data", "output", "algorithm", "steps", "micro_batch_size", "gradient_accumulation_steps", "lr",
+             "lr_schedule", "warmup_steps", "grad_clip", "weight_decay", "precision", "beta", "max_seq_length",
+             "overlong", "sft_weight", "reference", "reference_model", "num_generations", "max_completion_length", "seed",
+             "dataloader_workers", "checkpoint_every", "keep_checkpoints", "stage", "chat_template", "evaluate")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--input", type=Path, required=True)
-    ap.add_argument("--data", type=Path, required=True, help="the data stage's folder (preference/*.jsonl)")
-    ap.add_argument("--output", type=Path, required=True)
-    ap.add_argument("--algorithm", choices=["dpo", "rm", "grpo"], default="dpo")
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--micro-batch-size", type=int, default=32)
-    ap.add_argument("--gradient-accumulation-steps", type=int, default=1)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--lr-schedule", choices=["constant", "cosine", "linear"], default="constant")
-    ap.add_argument("--warmup-steps", type=int, default=0)
-    ap.add_argument("--grad-clip", type=float, default=1.0, help="0 disables clipping")
-    ap.add_argument("--weight-decay", type=float, default=0.0)
-    ap.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
-    ap.add_argument("--beta", type=float, default=0.1)
-    ap.add_argument("--max-seq-length", type=int, default=128)
-    ap.add_argument("--overlong", choices=["drop", "truncate"], default="drop",
-                    help="pairs longer than --max-seq-length: dropped, or truncated by TRL")
-    ap.add_argument("--sft-weight", type=float, default=1.0, help="dpo: weight of an added SFT loss on chosen (RPO)")
-    ap.add_argument("--reference", choices=["copy", "precomputed"], default="copy")
-    ap.add_argument("--reference-model", type=Path, default=None)
-    ap.add_argument("--num-generations", type=int, default=4)
-    ap.add_argument("--max-completion-length", type=int, default=16)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dataloader-workers", type=int, default=0)
-    ap.add_argument("--checkpoint-every", type=int, default=0, help="steps between TRL checkpoints (0: none)")
-    ap.add_argument("--keep-checkpoints", type=int, default=2)
-    ap.add_argument("--stage", default="rlhf")
-    ap.add_argument("--chat-template", type=Path, default=None,
-                    help="a template file for an input without one (model.chat_template); the output carries it")
-    ap.add_argument("--evaluate", action="store_true", help="only measure --output against --input (no training)")
-    return ap.parse_args(argv)
+    """The spec tasks/rlhf/task.py wrote from the rlhf config (every key given: no default lives here)."""
+    spec = events.read_spec(argv, required=SPEC_KEYS)
+    return argparse.Namespace(**{k: Path(v) if k in SPEC_PATHS and v is not None else v for k, v in spec.items()})
 
 
 # ---- data: the checkpoint's chat template around each prompt; completions end with its EOS ------------------------
