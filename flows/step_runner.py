@@ -159,7 +159,7 @@ def _memory_cgroup() -> Path | None:
 def failure_class(e: LaunchError, oom_kills_before: int | None = None) -> str:
     """'infrastructure' (retried) or the cause that fails the stage at once: 'timeout', 'out of memory' (an OOM kill
     or a MemoryError), 'disk full', 'non-finite loss', 'error'."""
-    if " timed out after " in str(e).splitlines()[0]:
+    if e.timed_out:
         return "timeout"
     text = "\n".join(e.tail)
     for cause, marks in FATAL_MARKS.items():  # first: a rank's real cause beats its peers' "connection closed"
@@ -196,7 +196,7 @@ def _run_with_retries(step: Step, ctx: StageContext, stage_cfg) -> StageOutput:
             cause = failure_class(e, before)
             if cause != "infrastructure":
                 raise LaunchError(f"{str(e).splitlines()[0]} ({cause}; not retried){cause_line(e, cause)}",
-                                  e.returncode, e.tail) from None
+                                  e.returncode, e.tail, timed_out=e.timed_out) from None
             if attempt == retries:
                 raise
             get_run_logger().warning("%s: infrastructure failure (%s); retry %d of %d in %.0fs, resuming from the last "

@@ -51,9 +51,10 @@ class LaunchError(RuntimeError):
     """An engine that failed; `tail` is its last output (raw, for the retry classification); the message shows it
     without library traceback frames."""
 
-    def __init__(self, message: str, returncode: int | None, tail: list[str]):
+    def __init__(self, message: str, returncode: int | None, tail: list[str], timed_out: bool = False):
         self.returncode = returncode
         self.tail = tail
+        self.timed_out = timed_out  # killed by its stage's timeout_s (a hang: never retried)
         shown = without_library_frames(tail)
         super().__init__(message + ("\n--- last log lines ---\n" + "\n".join(shown) if shown else ""))
 
@@ -272,7 +273,7 @@ def run(
             _close_log(logf)
         _reap(proc)
     if timed_out.is_set():
-        raise LaunchError(f"{name} timed out after {timeout}s", proc.returncode, list(tail))
+        raise LaunchError(f"{name} timed out after {timeout}s", proc.returncode, list(tail), timed_out=True)
     if proc.returncode != 0:
         raise LaunchError(f"{name} failed with exit code {proc.returncode}", proc.returncode, list(tail))
     return LaunchResult(proc.returncode, collected, list(tail), time.time() - t0)
