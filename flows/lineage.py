@@ -14,6 +14,7 @@ from pathlib import Path
 from conversions import manifest as mf
 from conversions.refusal import Refused
 from flows import runs
+from tasks.stage import Status
 
 
 class LineageError(Refused):
@@ -100,7 +101,7 @@ def _data_node(summary: dict | None) -> Node | None:
 def _served_node(summary: dict | None, head: Path) -> Node | None:
     """A serve step of the same run that served head (it promoted `champion` when every check passed)."""
     for e in (summary or {}).get("stages", []):
-        if e.get("name") == "serve" and e.get("status") in ("completed", "cached"):
+        if e.get("name") == "serve" and e.get("status") in (Status.COMPLETED, Status.CACHED):
             served = e.get("served_checkpoint")
             if served and Path(served).resolve() != head.resolve():
                 continue
@@ -161,7 +162,7 @@ def resolve(ref: str) -> tuple[Path, str]:
     if "/" not in ref and run_summary.exists():
         summary = json.loads(run_summary.read_text())
         outputs = [e for e in summary["stages"] if e.get("output") and e.get("name") != "data"
-                   and e.get("status") in ("completed", "cached")]
+                   and e.get("status") in (Status.COMPLETED, Status.CACHED)]
         if not outputs:
             raise LineageError(f"run {ref} produced no checkpoint")
         return Path(outputs[-1]["output"]), f"run {ref}: {outputs[-1]['label']}"
@@ -226,7 +227,7 @@ def markdown(nodes: list[Node]) -> str:
 def run_head(summary: dict) -> Path | None:
     """The last checkpoint a run produced (or reused)."""
     outputs = [e for e in summary.get("stages", []) if e.get("output") and e.get("name") != "data"
-               and e.get("status") in ("completed", "cached")]
+               and e.get("status") in (Status.COMPLETED, Status.CACHED)]
     return Path(outputs[-1]["output"]) if outputs else None
 
 
@@ -257,7 +258,7 @@ def describe_versions(summary: dict) -> None:
     c = tracking.client()
     for e in summary.get("stages", []):
         reg = e.get("registered") or {}
-        if e.get("status") != "completed" or not reg.get("name") or not e.get("output"):
+        if e.get("status") != Status.COMPLETED or not reg.get("name") or not e.get("output"):
             continue
         nodes = chain(Path(e["output"]))
         c.update_model_version(reg["name"], str(reg["version"]), description=version_description(e, nodes))

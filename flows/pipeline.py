@@ -16,6 +16,7 @@ from flows.step_runner import STAGE_FLOWS, RunInfo, StageFailed, describe_stop, 
 from tasks import tracking
 from tasks.paths import check_run_id
 from tasks.secrets import redact
+from tasks.stage import Status
 
 
 def resolve_input(cfg: PipelineConfig, from_ref: str | None) -> tuple[Path | None, str | None, str | None]:
@@ -33,7 +34,7 @@ def resolve_input(cfg: PipelineConfig, from_ref: str | None) -> tuple[Path | Non
     if prev is None:
         return None, None, None
     rec = runs.Index().get(prev.fingerprint)
-    if rec and rec.get("status") == "completed" and rec.get("output") and Path(rec["output"]).exists():
+    if rec and rec.get("status") == Status.COMPLETED and rec.get("output") and Path(rec["output"]).exists():
         return Path(rec["output"]), prev.produces, prev.fingerprint
     first = next(s for s in cfg.stages if s != "data")
     raise ConfigError(f"stage '{first}' needs an input checkpoint: pass --from PATH or name@alias, or run the "
@@ -161,7 +162,7 @@ def _open_run(cfg: PipelineConfig, steps: list, run_id: str | None,
     except Exception:
         pass
     summary = {"run_id": run_id, "mlflow_run_id": parent, "prefect_flow_run_id": flow_run_id, "run_dir": str(run_dir),
-               "config": cfg.name, "status": "running", "stages": []}
+               "config": cfg.name, "status": Status.RUNNING, "stages": []}
     return RunInfo(run_id, run_dir, parent, flow_run_id), summary
 
 
@@ -173,7 +174,7 @@ def _run_steps(cfg: PipelineConfig, steps: list, run: RunInfo, summary: dict, in
     failed = None
     for i, step in enumerate(steps):
         if failed:
-            summary["stages"].append({"name": step.name, "label": step.label, "status": "skipped",
+            summary["stages"].append({"name": step.name, "label": step.label, "status": Status.SKIPPED,
                                       "fingerprint": step.fingerprint})
             continue
         try:
@@ -181,10 +182,10 @@ def _run_steps(cfg: PipelineConfig, steps: list, run: RunInfo, summary: dict, in
         except StageFailed as e:
             failed = str(e)
             entry = e.entry or {"name": step.name, "label": step.label, "error": failed}
-            entry["status"] = "failed"
+            entry["status"] = Status.FAILED
         summary["stages"].append(entry)
         runs.write_summary(run.run_dir, summary)
-        if entry["status"] in ("completed", "cached"):
+        if entry["status"] in (Status.COMPLETED, Status.CACHED):
             if step.name == "data":
                 data_dir = entry.get("output")
             elif entry.get("output") and step.produces is not None:
@@ -210,7 +211,7 @@ def _lineage_markdown(summary: dict) -> str:
 
 def _close_run(run: RunInfo, summary: dict, failed: str | None) -> None:
     """summary.json and summary.md, the MLflow parent run's end, the Prefect summary artifact."""
-    summary["status"] = "failed" if failed else "completed"
+    summary["status"] = Status.FAILED if failed else Status.COMPLETED
     runs.write_summary(run.run_dir, summary)
     c = tracking.client()
     c.log_artifact(run.mlflow_parent, str(run.run_dir / "summary.json"))
@@ -231,13 +232,13 @@ def _close_cancelled(run: RunInfo, steps: list, summary: dict, e: BaseException)
     done = {s["label"] for s in summary["stages"]}
     index = runs.Index()
     for step in [s for s in steps if s.label not in done]:
-        entry = {"name": step.name, "label": step.label, "status": "skipped", "fingerprint": step.fingerprint}
-        if not any(s["status"] == "cancelled" for s in summary["stages"]):  # the step that was under way
+        entry = {"name": step.name, "label": step.label, "status": Status.SKIPPED, "fingerprint": step.fingerprint}
+        if not any(s["status"] == Status.CANCELLED for s in summary["stages"]):  # the step that was under way
             rec = index.get(step.fingerprint) or {}
-            ours = rec.get("run_id") == run.run_id and (rec.get("entry") or {}).get("status") == "cancelled"
-            entry = rec["entry"] if ours else {**entry, "status": "cancelled", "error": reason}
+            ours = rec.get("run_id") == run.run_id and (rec.get("entry") or {}).get("status") == Status.CANCELLED
+            entry = rec["entry"] if ours else {**entry, "status": Status.CANCELLED, "error": reason}
         summary["stages"].append(entry)
-    summary.update(status="cancelled", error=reason)
+    summary.update(status=Status.CANCELLED, error=reason)
     runs.write_summary(run.run_dir, summary)
     (run.run_dir / "summary.md").write_text(report.markdown(summary))
     c = tracking.client()

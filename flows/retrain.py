@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+from enum import StrEnum
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
@@ -36,9 +37,19 @@ from tasks.finetune.config import FinetuneConfig
 from tasks.serve import supervisor
 from tasks.serve.config import ServeConfig
 from tasks.serve.task import record_promotion
-from tasks.stage import Failure, StrictModel
+from tasks.stage import Failure, Status, StrictModel
 
 DECISION_TAG = "baton.retrain.decision"
+
+
+class Decision(StrEnum):
+    """What one retraining run decided (its MLflow tag and Prefect artifact say the same)."""
+
+    SKIPPED = Status.SKIPPED     # nothing new: the champion's data, or a candidate already judged on this data
+    PROMOTED = "promoted"   # the candidate beat the champion, passed its smoke test, and serves now
+    KEPT = "kept"           # the champion stays: the candidate failed a gate, the comparison or its smoke test
+    FAILED = Status.FAILED       # the run itself failed (a stage crashed, nothing registered)
+    ABORTED = "aborted"     # the promotion was refused mid-way (the alias moved under it)
 
 
 class RetrainPolicy(StrictModel):
@@ -96,7 +107,7 @@ def start_serving(base: PipelineConfig, serve: ServeConfig, path: str, version: 
     summary, error = run_pipeline(cfg, path, use_cache=False)
     entry = stage_entry(summary, "serve") or {}
     server = entry.get("server")
-    if error or entry.get("status") != "completed":
+    if error or entry.get("status") != Status.COMPLETED:
         stop_server(server, 10.0)
         return False, {"error": error or entry.get("error"), "run_id": (summary or {}).get("run_id")}
     state = {"version": version, "checkpoint": path, "server": server, "run_id": summary["run_id"],
@@ -145,7 +156,7 @@ def already_kept(c, cfg: PipelineConfig, champion_version: str, digest: str) -> 
     if exp is None:
         return None
     runs = c.search_runs([exp.experiment_id], max_results=1, run_view_type=ViewType.ACTIVE_ONLY,
-                         filter_string=f"tags.`{DECISION_TAG}` = 'kept' and tags.`baton.champion_version` = "
+                         filter_string=f"tags.`{DECISION_TAG}` = '{Decision.KEPT}' and tags.`baton.champion_version` = "
                                        f"'{champion_version}' and tags.`baton.data_digest` = '{digest}'")
     return runs[0].info.run_id if runs else None
 
@@ -162,7 +173,7 @@ def record(c, cfg: PipelineConfig, result: dict) -> None:
     for k, v in metrics.items():
         c.log_metric(run, f"eval/{k}", float(v))
     mlt.log_json(c, run, result, "decision.json")
-    mlt.end_run(c, run, result["decision"] != "failed")
+    mlt.end_run(c, run, result["decision"] != Decision.FAILED)
     result["mlflow_run_id"] = run
     if result.get("candidate_version"):
         c.set_model_version_tag(cfg.tracking.registered_model, result["candidate_version"], DECISION_TAG,
@@ -194,7 +205,8 @@ def _new_data(base: PipelineConfig, champ: dict, result: dict, force: bool) -> b
     result["data_digest"] = digest = data_digest(stage_entry(summary, "data")["output"])
     result["data_revision"] = base.data.revision
     if digest == champ["data_digest"] and not force:
-        result.update(decision="skipped", reason=f"data digest {digest[:12]} is the champion's lineage: nothing new")
+        result.update(decision=Decision.SKIPPED,
+                      reason=f"data digest {digest[:12]} is the champion's lineage: nothing new")
         return False
     return True
 
@@ -212,7 +224,8 @@ def _train_candidate(base: PipelineConfig, champ: dict, result: dict) -> str | N
         result["candidate_path"] = conv.get("output")
     if error:
         gate_failure = Failure.GATE in (ft.get("failure"), conv.get("failure"))
-        result.update(decision="kept" if gate_failure else "failed", reason=f"candidate not promoted: {error}")
+        result.update(decision=Decision.KEPT if gate_failure else Decision.FAILED,
+                      reason=f"candidate not promoted: {error}")
     return error
 
 
@@ -225,8 +238,9 @@ def _switch(c, base: PipelineConfig, serve: ServeConfig, policy: RetrainPolicy, 
     if policy.serve:
         candidate = serve_candidate(base, serve, result["candidate_path"], result["candidate_version"])
         if candidate.get("error"):
-            result.update(decision="kept", serving=candidate, reason="candidate failed its serving smoke test on a "
-                          f"side port ({candidate['error']}); champion and its server unchanged")
+            result.update(decision=Decision.KEPT, serving=candidate,
+                          reason=f"candidate failed its serving smoke test on a side port ({candidate['error']}); "
+                                 "champion and its server unchanged")
             return
     try:
         promoted = mlt.promote_champion(c, name, result["candidate_version"], expected=champ["version"],
@@ -235,9 +249,9 @@ def _switch(c, base: PipelineConfig, serve: ServeConfig, policy: RetrainPolicy, 
     except mlt.AliasMoved as e:
         if candidate:
             drop_candidate()
-        result.update(decision="aborted", reason=str(e))
+        result.update(decision=Decision.ABORTED, reason=str(e))
         return
-    result.update(decision="promoted", previous_champion=promoted["previous"],
+    result.update(decision=Decision.PROMOTED, previous_champion=promoted["previous"],
                   reason=f"candidate {result['metric']} {result['candidate_score']} ≥ champion's "
                          f"{result['champion_score']} + {policy.margin}")
     if candidate:
@@ -324,9 +338,10 @@ def retrain(data: DataConfig = DataConfig(), finetune: FinetuneConfig = Finetune
         return result
     earlier = None if policy.force else already_kept(c, base, str(champ["version"]), result["data_digest"])
     if earlier:
-        result.update(decision="skipped", reason=f"a candidate trained on data {result['data_digest'][:12]} from "
-                                                 f"champion version {champ['version']} was already kept (decision "
-                                                 f"run {earlier}); set policy.force to retrain anyway")
+        result.update(decision=Decision.SKIPPED,
+                      reason=f"a candidate trained on data {result['data_digest'][:12]} from champion version "
+                             f"{champ['version']} was already kept (decision run {earlier}); set policy.force to "
+                             "retrain anyway")
         record(c, base, result)
         return result
     get_run_logger().info("new data (digest %s, champion trained on %s): fine-tuning version %s",
@@ -334,13 +349,14 @@ def retrain(data: DataConfig = DataConfig(), finetune: FinetuneConfig = Finetune
     error = _train_candidate(base, champ, result)
     if error is None and not better(result["candidate_score"], result["champion_score"], policy.margin,
                                     result["metric"]):
-        result.update(decision="kept", reason=f"candidate {result['metric']} {result['candidate_score']} is not better "
-                                              f"than the champion's {result['champion_score']} by {policy.margin}")
+        result.update(decision=Decision.KEPT,
+                      reason=f"candidate {result['metric']} {result['candidate_score']} is not better than the "
+                             f"champion's {result['champion_score']} by {policy.margin}")
     elif error is None and not result.get("candidate_version"):
-        result.update(decision="failed", reason="the converted candidate was not registered")
+        result.update(decision=Decision.FAILED, reason="the converted candidate was not registered")
     elif error is None:
         _switch(c, base, serve, policy, champ, result)
     record(c, base, result)
-    if result["decision"] == "failed":
+    if result["decision"] == Decision.FAILED:
         raise RetrainFailed(result["reason"])
     return result

@@ -15,6 +15,7 @@ import psutil
 
 from conversions import durable
 from tasks.tracking import baton_home
+from tasks.stage import Status
 
 log = logging.getLogger("baton.runs")
 
@@ -150,8 +151,8 @@ def _age(run_id: str) -> str:
     return f"{s // 86400}d" if s >= 86400 else f"{s // 3600}h" if s >= 3600 else f"{s // 60}m" if s >= 60 else f"{s}s"
 
 
-_STATUS = {"completed": "ok", "cached": "cached", "failed": "FAILED", "skipped": "skipped", "running": "running",
-           "cancelled": "cancelled", "crashed": "CRASHED"}
+_STATUS = {Status.COMPLETED: "ok", Status.CACHED: "cached", Status.FAILED: "FAILED", Status.SKIPPED: "skipped",
+           Status.RUNNING: "running", Status.CANCELLED: "cancelled", Status.CRASHED: "CRASHED"}
 
 
 def runs_table(rows: list[dict], champions: set[str]) -> str:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from conversions import durable
 from tasks.registry import TRAINING_STAGES
+from tasks.stage import Status
 
 SMOKE_STEPS = 4
 # Gate checks that need the full run's steps: held-out improvement, and non-empty greedy generation (after 4
@@ -64,7 +65,7 @@ def record(cfg, summary: dict) -> Path:
     path = _record_path(cfg)
     path.parent.mkdir(parents=True, exist_ok=True)
     body = {"fingerprint": fingerprint(cfg), "run_id": summary.get("run_id"), "run_dir": summary.get("run_dir"),
-            "passed": summary.get("status") == "completed"}
+            "passed": summary.get("status") == Status.COMPLETED}
     return durable.write_json(path, body, indent=2)
 
 

@@ -22,7 +22,7 @@ from tasks import chat_template, events, streaming, tracking
 from tasks.launch import LaunchError
 from tasks import memory_plan as mp
 from tasks.registry import STAGES, TRAINING_STAGES
-from tasks.stage import Failure, StageContext, StageOutput
+from tasks.stage import Failure, StageContext, StageOutput, Status
 
 
 class StageFailed(RuntimeError):
@@ -46,7 +46,7 @@ class RunInfo:
 
 def _cached(index: Index, step: Step) -> dict | None:
     rec = index.get(step.fingerprint)
-    if not rec or rec.get("status") != "completed":
+    if not rec or rec.get("status") != Status.COMPLETED:
         return None
     out = rec.get("output")
     if out:
@@ -57,7 +57,7 @@ def _cached(index: Index, step: Step) -> dict | None:
     return rec
 
 
-RESUMABLE = ("running", "failed", "cancelled")  # index states whose work dir a new attempt resumes from
+RESUMABLE = (Status.RUNNING, Status.FAILED, Status.CANCELLED)  # index states whose work dir a new attempt resumes from
 
 
 def _work_dir(index: Index, step: Step, run: RunInfo, position: int) -> Path:
@@ -221,11 +221,11 @@ def check_free_space(cfg: PipelineConfig, step: Step, work: Path) -> None:
 
     if problem := durable.free_space_problem(work, disk_needed(cfg, step)):
         raise StageFailed(f"{step.label}: {problem}; not started",
-                          {**_new_entry(step), "status": "failed", "error": problem, "failure": Failure.NO_ROOM})
+                          {**_new_entry(step), "status": Status.FAILED, "error": problem, "failure": Failure.NO_ROOM})
 
 
 def _new_entry(step: Step) -> dict:
-    entry = {"name": step.name, "label": step.label, "status": "running", "fingerprint": step.fingerprint,
+    entry = {"name": step.name, "label": step.label, "status": Status.RUNNING, "fingerprint": step.fingerprint,
              "implicit": step.implicit, "prefect_flow_run_id": prefect_flow_run.get_id()}
     if step.name == "convert":
         entry.update(step.extra)
@@ -235,7 +235,7 @@ def _new_entry(step: Step) -> dict:
 def _reuse(rec: dict, entry: dict) -> dict:
     get_run_logger().info("=== %s: unchanged inputs and config; reusing %s ===", entry["label"], rec.get("output"))
     cached = dict(rec["entry"])
-    cached.update(status="cached", prefect_flow_run_id=entry["prefect_flow_run_id"], cached_from=rec.get("run_id"))
+    cached.update(status=Status.CACHED, prefect_flow_run_id=entry["prefect_flow_run_id"], cached_from=rec.get("run_id"))
     streaming.step_finished(entry["label"], cached)
     return cached
 
@@ -349,7 +349,7 @@ def _apply_gate(out: StageOutput, step: Step, entry: dict, smoke: bool = False) 
         return
     if not out.gate.get("passed"):
         failed = [chk["name"] for chk in out.gate.get("checks", []) if not chk["passed"]]
-        entry.update(status="failed", error=f"gate failed: {', '.join(failed)}", failure=Failure.GATE)
+        entry.update(status=Status.FAILED, error=f"gate failed: {', '.join(failed)}", failure=Failure.GATE)
         raise StageFailed(f"{step.label}: {entry['error']} (checkpoint not promoted)", entry)
 
 
@@ -376,13 +376,13 @@ def _failure(step: Step, entry: dict, e: Exception) -> StageFailed:
     if isinstance(e, StageFailed):
         return e
     if isinstance(e, LaunchError):
-        entry.update(status="failed", error=str(e).splitlines()[0], log_tail=e.tail[-20:], failure=Failure.ENGINE)
+        entry.update(status=Status.FAILED, error=str(e).splitlines()[0], log_tail=e.tail[-20:], failure=Failure.ENGINE)
         return StageFailed(f"{step.label}: {e}", entry)
     if isinstance(e, Refused):  # expected: the user's input, named in one line; no traceback of baton's frames
-        entry.update(status="failed", error=str(e), failure=Failure.REFUSED)
+        entry.update(status=Status.FAILED, error=str(e), failure=Failure.REFUSED)
         get_run_logger().error("%s refused: %s", step.label, e)
         return StageFailed(f"{step.label}: {e}", entry)
-    entry.update(status="failed", error=f"{type(e).__name__}: {e}", failure=Failure.BUG)
+    entry.update(status=Status.FAILED, error=f"{type(e).__name__}: {e}", failure=Failure.BUG)
     get_run_logger().error("%s failed:\n%s", step.label, traceback.format_exc())
     return StageFailed(f"{step.label}: {type(e).__name__}: {e}", entry)
 
@@ -393,7 +393,7 @@ def _close(c, mlflow_run: str, monitor, entry: dict, ok: bool, log_path: Path) -
             monitor.finish()
         except Exception:
             pass
-    cancelled = entry["status"] == "cancelled"
+    cancelled = entry["status"] == Status.CANCELLED
     if cancelled:  # first: Prefect SIGKILLs a cancelled flow's process 30 s after its SIGTERM
         tracking.end_run(c, mlflow_run, ok, cancelled=True)
     tracking.log_json(c, mlflow_run, entry, "stage.json")
@@ -419,9 +419,10 @@ def _close_dead_attempt(dead_run_id: str | None, step: Step, run: RunInfo) -> No
         run_dir = runs_root() / check_run_id(dead_run_id)
         summary_path = run_dir / "summary.json"
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else {
-            "run_id": dead_run_id, "run_dir": str(run_dir), "status": "running", "stages": []}  # died in its 1st step
-        if run_dir.exists() and summary.get("status") == "running":
-            summary.update(status="crashed", error=note)
+            "run_id": dead_run_id, "run_dir": str(run_dir), "status": Status.RUNNING,
+            "stages": []}  # died in its first step
+        if run_dir.exists() and summary.get("status") == Status.RUNNING:
+            summary.update(status=Status.CRASHED, error=note)
             write_summary(run_dir, summary)
         c = tracking.client()
         experiments = [e.experiment_id for e in c.search_experiments()]
@@ -456,7 +457,7 @@ def _execute_locked(step: Step, cfg: PipelineConfig, run: RunInfo, position: int
     mlflow_run = entry["mlflow_run_id"] = _start_stage_run(c, cfg, step, run, entry)
     monitor = tracking.system_metrics(mlflow_run)
     work = _work_dir(index, step, run, position)
-    index.put(step.fingerprint, status="running", work_dir=str(work), run_id=run.run_id, output=None, entry=entry)
+    index.put(step.fingerprint, status=Status.RUNNING, work_dir=str(work), run_id=run.run_id, output=None, entry=entry)
     ctx = _context(cfg, step, run, work, mlflow_run, input_path, input_format, data_dir)
     t0, ok = time.time(), False
     with streaming.step_log(step.label, work) as log_path:
@@ -469,12 +470,12 @@ def _execute_locked(step: Step, cfg: PipelineConfig, run: RunInfo, position: int
             _apply_gate(out, step, entry, smoke=cfg.smoke)
             if out.output and not cfg.smoke:  # a smoke run's checkpoints are never registered
                 entry["registered"] = _register(c, cfg, step, Path(out.output), run.run_id, mlflow_run, data_dir)
-            entry["status"], ok = "completed", True
+            entry["status"], ok = Status.COMPLETED, True
         except Exception as e:
             raise _failure(step, entry, e) from (None if isinstance(e, (StageFailed, LaunchError)) else e)
         except BaseException as e:  # the engine's process tree is already down (tasks.launch kills it on the way out)
             if stopped_from_outside(e):
-                entry.update(status="cancelled", error=describe_stop(e))
+                entry.update(status=Status.CANCELLED, error=describe_stop(e))
             raise
         finally:
             entry["seconds"] = round(time.time() - t0, 2)

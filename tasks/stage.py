@@ -20,6 +20,19 @@ from conversions import sealed
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+class Status(StrEnum):
+    """A step's (and a run's) state in summary.json, the run index and the terminal view."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    CACHED = "cached"         # an identical earlier step's output reused
+    FAILED = "failed"
+    CANCELLED = "cancelled"   # stopped from outside: Prefect's cancel, a SIGTERM, Ctrl-C
+    SKIPPED = "skipped"       # not run: an earlier step failed or was cancelled
+    CRASHED = "crashed"       # the run's process died; found and recorded by a later run
+
+
 class Failure(StrEnum):
     """Why a stage failed (its summary entry's `failure`): what the terminal shows and what retraining decides on."""
 

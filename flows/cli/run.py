@@ -6,6 +6,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from tasks.stage import Status
 
 
 def _prepare_run(args):
@@ -182,7 +183,7 @@ def _report_run(out, run_dir: Path, error: Exception | None) -> int:
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {"stages": []}
     lines = views.summary_lines(summary, _terminal_width(out))
-    failed = [s for s in summary["stages"] if s.get("status") == "failed"]
+    failed = [s for s in summary["stages"] if s.get("status") == Status.FAILED]
     for entry in failed:
         lines += [""] + views.failure_report(entry)
     if error is not None and not failed:
@@ -239,7 +240,7 @@ def cmd_config(args) -> int:
     index = Index()
     for st in steps:
         rec = index.get(st.fingerprint) or {}
-        state = "cached" if rec.get("status") == "completed" else "to run"
+        state = Status.CACHED if rec.get("status") == Status.COMPLETED else "to run"
         formats = f"{st.consumes or '-'} -> {st.produces or '-'}"
         print(f"#   {st.label:<28} {formats:<38} {st.fingerprint[:12]}  {state}")
     return 0

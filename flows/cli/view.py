@@ -15,18 +15,18 @@ from pathlib import Path
 from typing import TextIO
 
 from tasks import events, launch, streaming
-from tasks.stage import Failure
+from tasks.stage import Failure, Status
 
 FAILURE_TAIL_LINES = 30
 _EXCEPTION_LINE = re.compile(r"\b[A-Z]\w*(Error|Exception|Exit|Interrupt)\b:?\s")
-_MARKS = {"pending": "·", "running": "▶", "completed": "✓", "cached": "✓", "failed": "✗", "skipped": "-",
-          "cancelled": "■"}
+_MARKS = {Status.PENDING: "·", Status.RUNNING: "▶", Status.COMPLETED: "✓", Status.CACHED: "✓", Status.FAILED: "✗",
+          Status.SKIPPED: "-", Status.CANCELLED: "■"}
 
 
 @dataclass
 class StepState:
     label: str
-    status: str = "pending"
+    status: str = Status.PENDING
     started: float | None = None
     ended: float | None = None
     step: int = 0
@@ -67,7 +67,7 @@ class View:
 
     def step_started(self, label: str, log_path: Path | None) -> None:
         st = self._state(label)
-        st.status, st.started, st.log_path = "running", time.time(), log_path
+        st.status, st.started, st.log_path = Status.RUNNING, time.time(), log_path
         self.changed(st, "started")
 
     def step_progress(self, label: str, step: int, total: int) -> None:
@@ -103,11 +103,11 @@ def describe(st: StepState) -> str:
     parts = [f"{st.label:<26}", f"{st.status:<9}", f"{fmt_seconds(st.elapsed()):>6}"]
     if st.total:
         parts.append(f"{st.step}/{st.total}")
-        if st.status == "running" and st.eta() is not None:
+        if st.status == Status.RUNNING and st.eta() is not None:
             parts.append(f"eta {fmt_seconds(st.eta())}")
     if st.loss is not None:
         parts.append(f"loss {st.loss:.4g}")
-    if st.status == "failed" and st.entry.get("error"):
+    if st.status == Status.FAILED and st.entry.get("error"):
         parts.append(st.entry["error"].splitlines()[0][:120])
     return "  ".join(parts)
 
@@ -139,12 +139,13 @@ class PlainView(View):
 _GAP = 1
 _BAR_MIN, _BAR_MAX = 8, 24
 _LABEL_MIN = 8
-_STYLES = {"running": "cyan", "completed": "green", "cached": "blue", "failed": "bold red", "cancelled": "yellow"}
+_STYLES = {Status.RUNNING: "cyan", Status.COMPLETED: "green", Status.CACHED: "blue", Status.FAILED: "bold red",
+           Status.CANCELLED: "yellow"}
 
 
 def _row_fields(st: StepState) -> dict:
     """The words of a step's live row."""
-    eta = st.eta() if st.status == "running" else None
+    eta = st.eta() if st.status == Status.RUNNING else None
     return {"label": f"{_MARKS.get(st.status, '?')} {st.label}", "status": st.status,
             "elapsed": fmt_seconds(st.elapsed()) if st.started else "",
             "counts": f"{st.step}/{st.total}" if st.total else "",
@@ -210,7 +211,7 @@ class LiveView(View):
         widths = _field_widths(rows, self.console.width)
         parts = [Text(self.title, style="bold", no_wrap=True, overflow="ellipsis")]
         parts += [_live_row(st, fields, widths) for st, fields in zip(steps, rows)]
-        if all(st.status == "pending" for st in steps):
+        if all(st.status == Status.PENDING for st in steps):
             parts.append(Text("starting Prefect and MLflow …", style="dim"))
         return Group(*parts)
 
