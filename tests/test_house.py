@@ -263,3 +263,20 @@ def test_the_training_workers_share_one_spec_contract():
         calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)]
         assert not [n.lineno for n in calls if n.func.attr == "add_argument"], f"{path}: flags of its own"
         assert any(n.func.attr == "read_spec" for n in calls), f"{path}: does not read its spec with events.read_spec"
+
+
+def test_the_deployments_tiny_model_and_data_are_configs_tiny():
+    """prefect.yaml repeats configs/tiny.yaml's model (and the pipeline's data and tracking) because a deployment's
+    parameters must be literal: they may not drift from the config file the README runs."""
+    import yaml
+
+    tiny = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
+    deployments = yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]
+    assert deployments
+    for d in deployments:
+        params = d.get("parameters") or {}
+        model = params.get("model") or (params.get("config") or {}).get("model")
+        assert model == tiny["model"], (d["entrypoint"], model)
+        if "config" in params:
+            for key in ("name", "seed", "stages", "data", "tracking"):
+                assert params["config"][key] == tiny[key], (d["entrypoint"], key)
