@@ -20,6 +20,17 @@ from conversions import sealed
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+# Every worker process (training engines, converters, servers): offline hubs, no advisory chatter, unbuffered output.
+WORKER_QUIET_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+                    "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+
+
+def training_engine_env(device: str) -> dict:
+    """What a training or conversion engine adds: one OpenMP thread per rank (the ranks share the cores; servers keep
+    theirs), and on CPU no TorchDynamo (compiling costs more than it saves there)."""
+    return {"OMP_NUM_THREADS": "1", **({"TORCHDYNAMO_DISABLE": "1"} if device == "cpu" else {})}
+
+
 class Status(StrEnum):
     """A step's (and a run's) state in summary.json, the run index and the terminal view."""
 
@@ -130,8 +141,7 @@ class StageContext:
         """Environment for worker processes: this checkout importable (workers import `conversions`), quiet hubs."""
         env = {
             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
-            "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
+            **WORKER_QUIET_ENV,
             sealed.KEY_ENV: str(sealed.ensure_key()),  # the path only: workers seal and check their checkpoints
         }
         env.update({k: str(v) for k, v in more.items()})

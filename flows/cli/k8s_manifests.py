@@ -31,7 +31,7 @@ import yaml
 from flows import chain_planner as planning
 from flows.config import ConfigError, PipelineConfig
 from tasks import chat_template
-from tasks.stage import REPO_ROOT, StageContext
+from tasks.stage import REPO_ROOT, WORKER_QUIET_ENV, StageContext, training_engine_env
 from tasks.registry import TRAINING_STAGES
 
 IMAGE_ROOT = PurePosixPath("/opt/baton")  # WORKDIR of infra/docker/train.Dockerfile: this checkout inside the image
@@ -121,11 +121,7 @@ class Layout:
 
 
 def _base_env(device: str) -> dict[str, str]:
-    env = {"PYTHONPATH": str(IMAGE_ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-    if device == "cpu":
-        env["TORCHDYNAMO_DISABLE"] = "1"
-    return env
+    return {"PYTHONPATH": str(IMAGE_ROOT), **WORKER_QUIET_ENV, **training_engine_env(device)}
 
 
 def pretrain_job(cfg: PipelineConfig, ctx: StageContext) -> StageJob:

@@ -9,7 +9,7 @@ from prefect.cache_policies import NO_CACHE
 
 from conversions import durable, probe, sealed, verify
 from tasks.convert.config import ConvertConfig
-from tasks.stage import StageContext, StageOutput
+from tasks.stage import StageContext, StageOutput, training_engine_env
 
 WORKER = Path(__file__).with_name("worker.py")
 
@@ -45,7 +45,7 @@ def run_convert(ctx: StageContext, cfg: ConvertConfig) -> StageOutput:
         cmd += ["--from-format", ctx.input_format]
     if ctx.extra.get("source_stage") and ctx.input_format in sealed.MARKERS:
         cmd += ["--require-seal"]  # a training stage of this run sealed it with this BATON_HOME's key
-    res = ctx.launch(cmd, name="convert", timeout=cfg.timeout_s, env={"OMP_NUM_THREADS": "1"})
+    res = ctx.launch(cmd, name="convert", timeout=cfg.timeout_s, env=training_engine_env("cpu"))
     g = gate(tmp, ctx.input, to_format)
     if g.get("passed"):  # published only once its gate passed: a folder named `checkpoint` is always a good one
         durable.publish_dir(tmp, out)

@@ -7,6 +7,8 @@ import platform
 import sys
 from pathlib import Path
 
+from tasks.stage import training_engine_env
+
 CACHE_ROOT = Path(os.environ.get("BATON_CACHE", Path.home() / ".cache" / "baton"))
 
 
@@ -44,7 +46,7 @@ def libaio_available() -> bool:
 
 
 def worker_env(accelerator: str = "cpu") -> dict:
-    env = {"TORCH_EXTENSIONS_DIR": str(torch_extensions_dir()), "OMP_NUM_THREADS": "1"}
+    env = {"TORCH_EXTENSIONS_DIR": str(torch_extensions_dir()), **training_engine_env(accelerator)}
     if accelerator == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
     return env

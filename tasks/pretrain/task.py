@@ -16,7 +16,7 @@ from conversions.refusal import Refused
 from tasks.pretrain.config import PretrainConfig, resolved_device
 from tasks import events
 from tasks.distributed import Launch, LaunchConfigError, engine_command, stage_runtime
-from tasks.stage import StageContext, StageOutput
+from tasks.stage import StageContext, StageOutput, training_engine_env
 
 WORKER = Path(__file__).with_name("worker.py")
 SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
@@ -140,7 +140,7 @@ def backend(cfg: PretrainConfig, device: str) -> str:
 
 
 def engine_env(device: str) -> dict:
-    return {"OMP_NUM_THREADS": "1", **({"TORCHDYNAMO_DISABLE": "1"} if device == "cpu" else {})}
+    return training_engine_env(device)
 
 
 def _median(values):

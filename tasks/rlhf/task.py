@@ -21,7 +21,7 @@ from tasks import chat_template, events, gates
 from tasks.distributed import Launch, LaunchConfigError, engine_command, runtime_kind, stage_runtime
 from tasks.rlhf import checks, nemo_rl
 from tasks.rlhf.config import RlhfConfig
-from tasks.stage import StageContext, StageOutput
+from tasks.stage import StageContext, StageOutput, training_engine_env
 
 WORKER = Path(__file__).with_name("worker.py")
 POLICY_LEVELS = ("L0", "preflight", "L1", "L3")
@@ -180,7 +180,7 @@ def run_trl(ctx: StageContext, cfg: RlhfConfig) -> StageOutput:
     # one intra-op thread per rank, as pretrain and finetune: on the shared 2-core machine a single rank with torch's
     # default 2 threads ran 12 DPO steps + evaluation in 16.2 s, with 1 in 5.1 s (same numbers; load 2.7)
     res = ctx.launch(worker_command(ctx, cfg, partial, template), name=f"rlhf-trl-{cfg.algorithm}",
-                     timeout=cfg.timeout_s, env={"OMP_NUM_THREADS": "1"})
+                     timeout=cfg.timeout_s, env=training_engine_env(cfg.resolved_device()))
     # TRL's checkpoints outlive a failed attempt (the next one resumes from them), not a finished one
     shutil.rmtree(work / f"{partial.name}.trl", ignore_errors=True)
     partial.rename(trained)
