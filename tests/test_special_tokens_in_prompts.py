@@ -179,3 +179,44 @@ def test_a_stage_output_that_changes_template_or_stop_tokens_says_so(chatml_dir,
     assert [c.split(":")[0] for c in changed] == ["chat_template_sha256", "generation_config.eos_token_id",
                                                   "stop_token_ids"], changed
     assert f"stop_token_ids: [{gen['eos_token_id']}] → [0, {gen['eos_token_id']}]" in changed
+
+
+@pytest.mark.fast
+def test_a_serving_contract_change_nobody_asked_for_fails_the_gate_naming_the_field(chatml_dir, tmp_path):
+    import json
+    import shutil
+
+    from conftest import TINY
+    from flows.config import load
+    from flows.step_runner import serving_contract_check
+
+    parent = tmp_path / "parent"
+    shutil.copytree(chatml_dir, parent)
+    _seal(parent)
+    assert serving_contract_check(parent, load(TINY)) is None  # no parent: nothing to compare
+    same = _child(parent, tmp_path / "same")
+    _seal(same, parent)
+    assert serving_contract_check(same, load(TINY))["passed"]
+
+    template_drift = _child(parent, tmp_path / "template")
+    (template_drift / "chat_template.jinja").unlink(missing_ok=True)
+    tok_cfg = json.loads((template_drift / "tokenizer_config.json").read_text())
+    (template_drift / "tokenizer_config.json").write_text(
+        json.dumps(dict(tok_cfg, chat_template=CHATML.replace("assistant", "bot"))))
+    _seal(template_drift, parent)
+    failed = serving_contract_check(template_drift, load(TINY))
+    assert not failed["passed"] and failed["name"] == "contract.serving"
+    assert failed["detail"].startswith("changed without the config asking: chat_template_sha256: "), failed
+    (tmp_path / "chatml.jinja").write_text(CHATML)
+    asking = [f"model.chat_template={tmp_path / 'chatml.jinja'}"]
+    asked = serving_contract_check(template_drift, load(TINY, asking))
+    assert asked["passed"] and "(model.chat_template)" in asked["detail"], asked
+
+    eos_drift = _child(parent, tmp_path / "eos")
+    tok_cfg = json.loads((eos_drift / "tokenizer_config.json").read_text())
+    (eos_drift / "tokenizer_config.json").write_text(json.dumps(dict(tok_cfg, eos_token="<|im_start|>")))
+    _seal(eos_drift, parent)
+    for cfg in (load(TINY), load(TINY, asking)):  # a template asks for no new eos
+        failed = serving_contract_check(eos_drift, cfg)
+        assert not failed["passed"], failed
+        assert "special_tokens.eos_token: '<|im_end|>' → '<|im_start|>'" in failed["detail"], failed
