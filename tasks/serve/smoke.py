@@ -125,16 +125,16 @@ def regex(ep: Endpoint, n: int, max_tokens: int) -> dict:
                  (f"; e.g. {bad[0]!r:.60}" if bad else ""))
 
 
-def greedy_ids(ep: Endpoint, prompt_ids: list[int], n_tokens: int) -> list[int]:
+def greedy_ids(ep: Endpoint, prompt_ids: list[int], n_tokens: int, **sampling) -> list[int]:
     """Greedy continuation of token ids, EOS ignored, as token ids (each engine has its own field for them)."""
     if ep.engine == "sglang":
         body = {"input_ids": prompt_ids, "sampling_params": {"max_new_tokens": n_tokens, "temperature": 0,
-                                                             "ignore_eos": True}}
+                                                             "ignore_eos": True, **sampling}}
         r = ep.post("/generate", body)
         r.raise_for_status()
         return list(r.json()["output_ids"])
     body = {"model": ep.model, "prompt": prompt_ids, "max_tokens": n_tokens, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True}
+            "return_token_ids": True, **sampling}
     r = ep.post("/v1/completions", body)
     r.raise_for_status()
     return list(r.json()["choices"][0]["token_ids"])
@@ -238,6 +238,9 @@ def template_markers(tokenizer) -> list[str]:
 
 
 STOP_PROBE = "Classify the word: apple"
+# Greedy is argmax only when no penalty applies: the engines apply generation_config.json's penalties to chat
+# completions (and vLLM to completions too), SGLang's /generate does not; neutral ones make both calls the same decode.
+NO_PENALTIES = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
 
 
 def stops_at_end_of_turn(ep: Endpoint, tokenizer, stop_ids: list[int], budget: int = 32) -> dict:
@@ -246,9 +249,9 @@ def stops_at_end_of_turn(ep: Endpoint, tokenizer, stop_ids: list[int], budget: i
     stop token within `budget` tokens gets the leakage part only, and the detail says so."""
     from tasks.serve.reference import chat_prompt_ids
 
-    free = greedy_ids(ep, chat_prompt_ids(tokenizer, STOP_PROBE), budget)
+    free = greedy_ids(ep, chat_prompt_ids(tokenizer, STOP_PROBE), budget, **NO_PENALTIES)
     at = next((i for i, t in enumerate(free) if t in stop_ids), None)
-    res = ep.chat(STOP_PROBE, max_tokens=(at + 8 if at is not None else budget), temperature=0)
+    res = ep.chat(STOP_PROBE, max_tokens=(at + 8 if at is not None else budget), temperature=0, **NO_PENALTIES)
     choice = res["choices"][0]
     answer, finish = choice["message"].get("content") or "", choice.get("finish_reason")
     leaked = [m for m in template_markers(tokenizer) if m in answer]
@@ -295,6 +298,9 @@ def generation_defaults(engine: str, server_log: str, generation_config: dict | 
     if want == got:
         what = f"{got}" if got else "none (generation_config.json sets no sampling default the engine takes)"
         return check("smoke.generation_defaults", True, f"{engine} applies the checkpoint's sampling defaults: {what}")
+    def shown(d: dict, k: str) -> str:
+        return repr(d[k]) if k in d else "not set"
+
     fields = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
-    return check("smoke.generation_defaults", False,
-                 "; ".join(f"{k}: server {got.get(k)!r}, generation_config.json {want.get(k)!r}" for k in fields))
+    return check("smoke.generation_defaults", False, "; ".join(
+        f"{k}: server default {shown(got, k)}, generation_config.json {shown(want, k)}" for k in fields))
