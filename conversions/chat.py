@@ -5,6 +5,7 @@ The data stage writes canonical rows (tasks/data/formats.py); the training worke
                                                           closing eos) learned, everything else context
     encode(tok, messages, max_len, overlong) -> Encoded    token ids and labels (-100 where not learned)
     completion(tok, prompt, reply) -> (prompt_text, reply_text)   preference pairs as TRL's standard strings
+    reply_context_ids(tok, messages) -> ids                 what the model saw before its reply (serving must match)
 Segments are tokenized one by one, as a server tokenizes a rendered prompt and then generates the reply.
 """
 from __future__ import annotations
@@ -72,6 +73,14 @@ def encode(tok, messages: list[dict], max_len: int, overlong: str = "drop") -> E
     if overlong != "truncate" or all(x == IGNORE for x in labels[:max_len]):
         return None
     return Encoded(ids[:max_len], labels[:max_len], truncated=True)
+
+
+def reply_context_ids(tok, messages: list[dict]) -> list[int]:
+    """The ids training puts before the model's reply to `messages` (through the generation prompt), tokenized segment
+    by segment as encode() does: what a server's own rendering of the same conversation must equal."""
+    segments = render_segments(tok, messages + [{"role": "assistant", "content": "reply"}])
+    reply = max(i for i, (_, learned) in enumerate(segments) if learned)
+    return [t for text, _ in segments[:reply] for t in tok(text, add_special_tokens=False)["input_ids"]]
 
 
 def prompt_text(tok, prompt: list[dict]) -> str:

@@ -296,7 +296,7 @@ def _record_output(c, mlflow_run: str, step: Step, work: Path, out: StageOutput,
                  manifest=str(Path(out.output) / mf.MANIFEST_NAME) if out.output else None,
                  gate=out.gate, metrics=_metric_summary(out, history), eval=out.eval, **out.extra)
     changed = serving_changes(out.output)
-    if changed:  # said, not failed: a new template or stop token may be what the run was for
+    if changed:  # the gate's contract.serving check decides whether the change was asked for
         entry["serving_contract_changed"] = changed
         get_run_logger().warning("%s changed the serving contract: %s", step.label, "; ".join(changed))
     tracking.log_json(c, mlflow_run, out.gate, "gate.json")
@@ -322,6 +322,46 @@ def _with_finite_check(out: StageOutput) -> None:
     except Exception as e:  # unreadable weights are not verified weights
         checks = [verify.check("weights.finite", False, f"{type(e).__name__}: {e}")]
     out.gate = verify.report(out.gate.get("checks", []) + checks, out.gate.get("seconds"))
+
+
+# What a config can ask a stage to change in the serving contract: model.chat_template renders a new template.
+ASKED_BY = {"chat_template_sha256": "model.chat_template"}
+
+
+def serving_contract_check(output, cfg: PipelineConfig) -> dict | None:
+    """contract.serving: the stage kept its parent's tokenizer, chat template, special tokens, stop tokens and
+    generation defaults, or changed only what its config asked for (None: no parent to compare with)."""
+    m = None
+    try:
+        m = mf.read(Path(output)) if output else None
+    except mf.ManifestError:
+        pass
+    if not m or not (m.get("parent") or {}).get("path"):
+        return None
+    changed = serving_changes(output)
+    asked = [c for c in changed if _asked_for(c.split(":")[0], cfg)]
+    unasked = [c for c in changed if c not in asked]
+    if unasked:
+        return verify.check("contract.serving", False, "changed without the config asking: " + "; ".join(unasked))
+    if asked:
+        return verify.check("contract.serving", True, "changed as the config asks: " + "; ".join(
+            f"{c} ({ASKED_BY[c.split(':')[0]]})" for c in asked))
+    return verify.check("contract.serving", True, "tokenizer, chat template, special tokens, stop tokens and "
+                                                  "generation defaults as in the parent checkpoint")
+
+
+def _asked_for(field: str, cfg: PipelineConfig) -> bool:
+    setting = ASKED_BY.get(field)
+    return setting == "model.chat_template" and cfg.model.chat_template is not None
+
+
+def _with_serving_contract_check(out: StageOutput, cfg: PipelineConfig) -> None:
+    """Every gate of a stage that derives a checkpoint also checks its serving contract against the parent's."""
+    if not out.output or any(c["name"] == "contract.serving" for c in out.gate.get("checks", [])):
+        return
+    chk = serving_contract_check(out.output, cfg)
+    if chk is not None:
+        out.gate = verify.report(out.gate.get("checks", []) + [chk], out.gate.get("seconds"))
 
 
 def _memory_vs_plan(c, mlflow_run: str, cfg: PipelineConfig, step: Step, entry: dict) -> None:
@@ -465,6 +505,7 @@ def _execute_locked(step: Step, cfg: PipelineConfig, run: RunInfo, position: int
         try:
             out = _run_with_retries(step, ctx, cfg.stage_config(step.name))
             _with_finite_check(out)
+            _with_serving_contract_check(out, cfg)
             _record_output(c, mlflow_run, step, work, out, entry)
             _memory_vs_plan(c, mlflow_run, cfg, step, entry)
             _apply_gate(out, step, entry, smoke=cfg.smoke)

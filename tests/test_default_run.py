@@ -17,7 +17,8 @@ from conftest import TINY, baton, cli
 pytestmark = pytest.mark.ops
 
 CHAIN = ["data", "pretrain", "convert-megatron-to-hf", "rlhf", "finetune", "convert-zero-to-hf", "serve"]
-SMOKE = ["server", "smoke.models", "smoke.auth_401", "smoke.chat", "smoke.json_schema", "smoke.regex",
+SMOKE = ["server", "smoke.models", "smoke.auth_401", "smoke.chat", "smoke.chat_template_parity",
+         "smoke.stops_at_end_of_turn", "smoke.generation_defaults", "smoke.json_schema", "smoke.regex",
          "smoke.greedy_parity"]
 
 

@@ -179,3 +179,86 @@ def test_a_stage_output_that_changes_template_or_stop_tokens_says_so(chatml_dir,
     assert [c.split(":")[0] for c in changed] == ["chat_template_sha256", "generation_config.eos_token_id",
                                                   "stop_token_ids"], changed
     assert f"stop_token_ids: [{gen['eos_token_id']}] → [0, {gen['eos_token_id']}]" in changed
+
+
+@pytest.mark.fast
+def test_a_serving_contract_change_nobody_asked_for_fails_the_gate_naming_the_field(chatml_dir, tmp_path):
+    import json
+    import shutil
+
+    from conftest import TINY
+    from flows.config import load
+    from flows.step_runner import serving_contract_check
+
+    parent = tmp_path / "parent"
+    shutil.copytree(chatml_dir, parent)
+    _seal(parent)
+    assert serving_contract_check(parent, load(TINY)) is None  # no parent: nothing to compare
+    same = _child(parent, tmp_path / "same")
+    _seal(same, parent)
+    assert serving_contract_check(same, load(TINY))["passed"]
+
+    template_drift = _child(parent, tmp_path / "template")
+    (template_drift / "chat_template.jinja").unlink(missing_ok=True)
+    tok_cfg = json.loads((template_drift / "tokenizer_config.json").read_text())
+    (template_drift / "tokenizer_config.json").write_text(
+        json.dumps(dict(tok_cfg, chat_template=CHATML.replace("assistant", "bot"))))
+    _seal(template_drift, parent)
+    failed = serving_contract_check(template_drift, load(TINY))
+    assert not failed["passed"] and failed["name"] == "contract.serving"
+    assert failed["detail"].startswith("changed without the config asking: chat_template_sha256: "), failed
+    (tmp_path / "chatml.jinja").write_text(CHATML)
+    asking = [f"model.chat_template={tmp_path / 'chatml.jinja'}"]
+    asked = serving_contract_check(template_drift, load(TINY, asking))
+    assert asked["passed"] and "(model.chat_template)" in asked["detail"], asked
+
+    eos_drift = _child(parent, tmp_path / "eos")
+    tok_cfg = json.loads((eos_drift / "tokenizer_config.json").read_text())
+    (eos_drift / "tokenizer_config.json").write_text(json.dumps(dict(tok_cfg, eos_token="<|im_start|>")))
+    _seal(eos_drift, parent)
+    for cfg in (load(TINY), load(TINY, asking)):  # a template asks for no new eos
+        failed = serving_contract_check(eos_drift, cfg)
+        assert not failed["passed"], failed
+        assert "special_tokens.eos_token: '<|im_end|>' → '<|im_start|>'" in failed["detail"], failed
+
+
+# ---- the serving contract on a live server: what its checks compare with --------------------------------------------
+@pytest.mark.fast
+def test_the_training_rendering_a_server_must_match_is_the_trainers_context_with_one_bos(chatml_dir):
+    from transformers import AutoTokenizer
+
+    from conversions.chat import encode, reply_context_ids
+    from tasks.serve.smoke import CONVERSATIONS
+
+    for tok in (AutoTokenizer.from_pretrained(str(chatml_dir)), bos_adding_tokenizer()):
+        for messages in CONVERSATIONS.values():
+            ids = reply_context_ids(tok, messages)
+            trained = encode(tok, messages + [{"role": "assistant", "content": "fruit: kiwi"}], max_len=512)
+            assert trained.ids[:len(ids)] == ids and trained.labels[len(ids) - 1] == -100
+            assert trained.labels[len(ids)] != -100  # the reply starts right after: ids are its whole context
+            assert ids == tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+            assert ids.count(tok.bos_token_id) == (tok.bos_token_id is not None)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("engine, logged_in, fields_in", [
+    ("vllm", "vllm/config/model.py", "vllm/config/model.py"),
+    ("sglang", "sglang/srt/entrypoints/openai/serving_chat.py", "sglang/srt/configs/model_config.py")])
+def test_the_sampling_defaults_line_read_from_the_server_log_is_the_engines_own(engine, logged_in, fields_in):
+    """smoke.generation_defaults reads what each engine logs when it takes generation_config.json's sampling defaults:
+    the message is the one in the built runtime's source (read, not imported), so an engine upgrade that rewords it
+    fails here rather than passing the check with nothing found."""
+    from tasks.runtimes import runtime_dir
+    from tasks.serve import smoke
+
+    def source(rel: str) -> str:
+        found = sorted(runtime_dir(engine).glob(f"lib/python*/site-packages/{rel}"))
+        if not found:
+            pytest.skip(f"the {engine} runtime is not built (make runtimes)")
+        return found[0].read_text()
+
+    prefix = smoke.DEFAULTS_REPORTED[engine].pattern.split("(")[0].split(".*?")[0].replace("\\", "")
+    assert prefix.strip() and prefix in source(logged_in), prefix
+    fields = source(fields_in)
+    for field in smoke.DEFAULT_FIELDS[engine]:
+        assert f'"{field}"' in fields, field

@@ -46,7 +46,7 @@ def vllm_command(cfg: ServeConfig, python: str, model_dir: Path, port: int, serv
     # `vllm serve` through its module, so any runtime's python works (the CPU dist needs vllm.post.sh's alias).
     cmd = [python, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir), "--host", cfg.host,
            "--port", str(port), "--served-model-name", served_name, "--dtype", cfg.engine_dtype(), "--tensor-parallel-size", str(cfg.tensor_parallel),
-           "--generation-config", "vllm",  # sampling defaults from the request, not from generation_config.json
+           "--generation-config", "auto",  # requests default to generation_config.json's sampling, as on SGLang
            # xgrammar let raw control characters into JSON strings on CPU; guidance without whitespace did not.
            "--structured-outputs-config", json.dumps({"backend": "guidance", "disable_any_whitespace": True})]
     if cfg.max_model_len:
@@ -77,7 +77,8 @@ def sglang_command(cfg: ServeConfig, python: str, model_dir: Path, port: int, se
     cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model_dir), "--host", cfg.host,
            "--port", str(port), "--served-model-name", served_name, "--dtype", cfg.engine_dtype(),
            "--tp-size", str(cfg.tensor_parallel), "--config", str(sglang_key_config(api_key, secrets_dir)),
-           "--grammar-backend", cfg.sglang_grammar_backend, "--constrained-json-disable-any-whitespace"]
+           "--grammar-backend", cfg.sglang_grammar_backend, "--constrained-json-disable-any-whitespace",
+           "--sampling-defaults", "model"]  # requests default to generation_config.json's sampling, as on vLLM
     if cfg.max_model_len:
         cmd += ["--context-length", str(cfg.max_model_len)]
     env: dict = {}

@@ -125,16 +125,16 @@ def regex(ep: Endpoint, n: int, max_tokens: int) -> dict:
                  (f"; e.g. {bad[0]!r:.60}" if bad else ""))
 
 
-def greedy_ids(ep: Endpoint, prompt_ids: list[int], n_tokens: int) -> list[int]:
+def greedy_ids(ep: Endpoint, prompt_ids: list[int], n_tokens: int, **sampling) -> list[int]:
     """Greedy continuation of token ids, EOS ignored, as token ids (each engine has its own field for them)."""
     if ep.engine == "sglang":
         body = {"input_ids": prompt_ids, "sampling_params": {"max_new_tokens": n_tokens, "temperature": 0,
-                                                             "ignore_eos": True}}
+                                                             "ignore_eos": True, **sampling}}
         r = ep.post("/generate", body)
         r.raise_for_status()
         return list(r.json()["output_ids"])
     body = {"model": ep.model, "prompt": prompt_ids, "max_tokens": n_tokens, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True}
+            "return_token_ids": True, **sampling}
     r = ep.post("/v1/completions", body)
     r.raise_for_status()
     return list(r.json()["choices"][0]["token_ids"])
@@ -177,3 +177,130 @@ def performance(ep: Endpoint, max_tokens: int = 64) -> dict:
     seconds = time.perf_counter() - t0
     tokens = r.json().get("usage", {}).get("completion_tokens") or max_tokens
     return {"ttft_s": ttft, "tokens_per_s": tokens / seconds, "latency_s": seconds}
+
+
+# ---- the serving contract: the server renders, stops and samples as the checkpoint was trained and configured -------
+CONVERSATIONS = {
+    "system+user": [{"role": "system", "content": "You sort words into categories."},
+                    {"role": "user", "content": "Classify the word: apple"}],
+    "user": [{"role": "user", "content": "Name a fruit."}],
+    "multi-turn": [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "fruit: mango"},
+                   {"role": "user", "content": "And a city?"}],
+}
+# Each engine's tokenize route renders messages as its chat completions do (vLLM: generation prompt on, no extra
+# special tokens by default; SGLang: "omitted, messages are rendered as for a chat completion").
+TOKENIZE_PATH = {"vllm": "/tokenize", "sglang": "/v1/tokenize"}
+
+
+def first_difference(a: list, b: list) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def served_rendering(ep: Endpoint, messages: list[dict]) -> list[int]:
+    r = ep.post(TOKENIZE_PATH[ep.engine], {"model": ep.model, "messages": messages})
+    r.raise_for_status()
+    return list(r.json()["tokens"])
+
+
+def chat_template_parity(ep: Endpoint, tokenizer) -> dict:
+    """The engine's own rendering of fixed conversations equals the training rendering, token for token (a template
+    without a system role skips the system conversation)."""
+    from jinja2.exceptions import TemplateError
+
+    from conversions.chat import reply_context_ids
+
+    compared, skipped = [], []
+    for name, messages in CONVERSATIONS.items():
+        try:
+            want = reply_context_ids(tokenizer, messages)
+        except TemplateError:
+            if messages[0]["role"] != "system":
+                raise
+            skipped.append(name)
+            continue
+        got = served_rendering(ep, messages)
+        if got != want:
+            k = first_difference(got, want)
+            return check("smoke.chat_template_parity", False,
+                         f"{name}: first difference at token {k} (server {got[k:k + 3]}, training {want[k:k + 3]}; "
+                         f"{len(got)} vs {len(want)} tokens)")
+        compared.append(f"{name} ({len(want)} tokens)")
+    return check("smoke.chat_template_parity", True,
+                 f"{ep.engine}'s rendering of {', '.join(compared)} identical to training's" +
+                 (f"; {', '.join(skipped)} skipped: the template has no system role" if skipped else ""))
+
+
+def template_markers(tokenizer) -> list[str]:
+    """The special tokens the chat template writes (<|im_start|>, <|im_end|>, <start_of_turn>...)."""
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+    tokens = set(tokenizer.all_special_tokens) | {t.content for t in tokenizer.added_tokens_decoder.values()}
+    return sorted(t for t in tokens if t and t in template)
+
+
+STOP_PROBE = "Classify the word: apple"
+# Greedy is argmax only when no penalty applies: the engines apply generation_config.json's penalties to chat
+# completions (and vLLM to completions too), SGLang's /generate does not; neutral ones make both calls the same decode.
+NO_PENALTIES = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+
+
+def stops_at_end_of_turn(ep: Endpoint, tokenizer, stop_ids: list[int], budget: int = 32) -> dict:
+    """A greedy chat completion ends with finish_reason 'stop' at the model's first stop token (found in the engine's
+    own greedy continuation with EOS ignored), and no template text leaks into the answer. A model that emits no
+    stop token within `budget` tokens gets the leakage part only, and the detail says so."""
+    from tasks.serve.reference import chat_prompt_ids
+
+    free = greedy_ids(ep, chat_prompt_ids(tokenizer, STOP_PROBE), budget, **NO_PENALTIES)
+    at = next((i for i, t in enumerate(free) if t in stop_ids), None)
+    res = ep.chat(STOP_PROBE, max_tokens=(at + 8 if at is not None else budget), temperature=0, **NO_PENALTIES)
+    choice = res["choices"][0]
+    answer, finish = choice["message"].get("content") or "", choice.get("finish_reason")
+    leaked = [m for m in template_markers(tokenizer) if m in answer]
+    leak = f"template text {leaked} in the answer" if leaked else "no template text in the answer"
+    if at is None:
+        return check("smoke.stops_at_end_of_turn", not leaked,
+                     f"greedy decoding reaches no stop token {stop_ids} within {budget} tokens, so only leakage was "
+                     f"checked: {leak} (finish {finish}, answer {answer!r:.60})")
+    ok = finish == "stop" and not leaked
+    return check("smoke.stops_at_end_of_turn", ok,
+                 f"the greedy reply reaches stop token {free[at]} after {at} tokens: finish_reason {finish!r} "
+                 f"(max_tokens {at + 8}), {leak} (answer {answer!r:.60})")
+
+
+# The generation_config.json fields each engine applies as request defaults, and the line where it says which it took
+# (vLLM 0.32 ModelConfig.get_diff_sampling_param; SGLang 0.5 ModelConfig.get_default_sampling_params).
+DEFAULT_FIELDS = {"vllm": ("repetition_penalty", "presence_penalty", "frequency_penalty", "temperature", "top_k",
+                           "top_p", "min_p", "max_new_tokens"),
+                  "sglang": ("repetition_penalty", "temperature", "top_k", "top_p", "min_p")}
+DEFAULTS_REPORTED = {"vllm": re.compile(r"Default vLLM sampling parameters have been overridden by .*?: `(\{.*\})`"),
+                     "sglang": re.compile(r"Using default chat sampling params from model generation config: (\{.*\})")}
+
+
+def expected_defaults(engine: str, generation_config: dict | None) -> dict:
+    gen = generation_config or {}
+    want = {k: gen[k] for k in DEFAULT_FIELDS[engine] if gen.get(k) is not None}
+    if "max_new_tokens" in want:  # vLLM's name for it
+        want["max_tokens"] = want.pop("max_new_tokens")
+    return want
+
+
+def reported_defaults(engine: str, server_log: str) -> dict:
+    """The sampling defaults the engine says it applies ({} when it reports none: it applies its own neutral ones)."""
+    import ast
+
+    found = DEFAULTS_REPORTED[engine].findall(server_log)
+    return ast.literal_eval(found[-1]) if found else {}
+
+
+def generation_defaults(engine: str, server_log: str, generation_config: dict | None) -> dict:
+    """The sampling defaults the engine applies to requests equal the checkpoint's generation_config.json (as its
+    manifest records it), for the fields the engine takes."""
+    want, got = expected_defaults(engine, generation_config), reported_defaults(engine, server_log)
+    if want == got:
+        what = f"{got}" if got else "none (generation_config.json sets no sampling default the engine takes)"
+        return check("smoke.generation_defaults", True, f"{engine} applies the checkpoint's sampling defaults: {what}")
+    def shown(d: dict, k: str) -> str:
+        return repr(d[k]) if k in d else "not set"
+
+    fields = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
+    return check("smoke.generation_defaults", False, "; ".join(
+        f"{k}: server default {shown(got, k)}, generation_config.json {shown(want, k)}" for k in fields))

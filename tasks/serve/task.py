@@ -167,7 +167,7 @@ def primary_score(scores: dict) -> float | None:
 
 
 def serve_engine(ctx: StageContext, cfg: ServeConfig, engine: str, ident: dict, key: str, key_file: Path,
-                 reference: list[dict], tokenizer, *, evaluate: bool, keep: bool, detach: bool) -> dict:
+                 reference: list[dict], tokenizer, serving: dict, *, evaluate: bool, keep: bool, detach: bool) -> dict:
     """Start one engine's server, run every smoke check against it, stop it unless keep (detach: let it outlive
     this process). Returns {"checks", "metrics", "server", "eval"}."""
     log = _logger()
@@ -197,7 +197,8 @@ def serve_engine(ctx: StageContext, cfg: ServeConfig, engine: str, ident: dict, 
     try:
         checks = [_guarded("smoke.models", smoke.models, ep),
                   _guarded("smoke.auth_401", smoke.unauthorized, ep),
-                  _guarded("smoke.chat", smoke.chat, ep, tokenizer, s.max_tokens)]
+                  _guarded("smoke.chat", smoke.chat, ep, tokenizer, s.max_tokens)] + contract_checks(
+                      ep, server, tokenizer, serving)
         try:
             chk, rate = smoke.json_schema(ep, s.json_requests, s.max_tokens)
             out["metrics"]["json_valid_rate"] = rate
@@ -218,6 +219,15 @@ def serve_engine(ctx: StageContext, cfg: ServeConfig, engine: str, ident: dict, 
         if not keep:
             server.stop()
     return out
+
+
+def contract_checks(ep: smoke.Endpoint, server: Server, tokenizer, serving: dict) -> list[dict]:
+    """The serving contract on the live server: its chat rendering, its stop at the end of a turn, its defaults."""
+    stop_ids = serving.get("stop_token_ids") or [tokenizer.eos_token_id]
+    return [_guarded("smoke.chat_template_parity", smoke.chat_template_parity, ep, tokenizer),
+            _guarded("smoke.stops_at_end_of_turn", smoke.stops_at_end_of_turn, ep, tokenizer, stop_ids),
+            _guarded("smoke.generation_defaults", smoke.generation_defaults, ep.engine,
+                     server.log_path.read_text(errors="replace"), serving.get("generation_config"))]
 
 
 def sgl_frontend(ctx: StageContext, base_url: str, key_file: Path) -> dict:
@@ -265,12 +275,13 @@ def _serve_engines(ctx: StageContext, cfg: ServeConfig, ident: dict, key: str, k
 
     tokenizer = AutoTokenizer.from_pretrained(str(ctx.input))
     reference = greedy_reference(ctx.input, cfg.smoke.parity_prompts, cfg.smoke.parity_tokens)
+    serving = (mf.read(ctx.input) or {}).get("serving") or mf.serving_contract(ctx.input)
     checks, metrics, results, eval_done = [], {}, {}, False
     names = cfg.engines()
     for i, engine in enumerate(names):
         last = i == len(names) - 1
         t0 = time.time()
-        r = serve_engine(ctx, cfg, engine, ident, key, key_file, reference, tokenizer,
+        r = serve_engine(ctx, cfg, engine, ident, key, key_file, reference, tokenizer, serving,
                          evaluate=cfg.lm_eval.enabled and not eval_done, keep=last and (cfg.keep_alive or hold),
                          detach=last and cfg.keep_alive and not hold)
         results[engine] = r
