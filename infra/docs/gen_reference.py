@@ -155,13 +155,20 @@ def default_text(field) -> str:
 # ---- CLI reference ----------------------------------------------------------------------------------------------
 
 def cli_page() -> str:
-    os.environ["COLUMNS"] = "120"  # argparse wraps usage lines to the terminal: a fixed width keeps the page stable
     from flows.cli import build_parser
 
     parser = build_parser()
     lines = [HEADER, "# CLI reference", "", f"`baton`: {first_line(parser.description).removeprefix('`baton`: ')} "
              "Each subcommand below, with its arguments, from the parser itself (`flows.cli.build_parser`).", ""]
-    lines += subcommand_sections(parser, "baton", level=2)
+    columns = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "120"  # argparse wraps usage lines to the terminal: a fixed width keeps the page stable
+    try:
+        lines += subcommand_sections(parser, "baton", level=2)
+    finally:
+        if columns is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = columns
     return "\n".join(lines) + "\n"
 
 
