@@ -10,7 +10,7 @@ export DO_NOT_TRACK ?= true
 export MLFLOW_DISABLE_TELEMETRY ?= true
 PYTEST_ARGS ?=
 
-.PHONY: setup system-deps runtimes lock demo test test-fast test-long test-multinode reliability clean up down gpu-wheels gpu-check bench
+.PHONY: setup system-deps runtimes lock demo docs test test-fast test-long test-multinode reliability clean up down gpu-wheels gpu-check bench
 
 # The main venv: an overlay over the cached runtime built from infra/runtimes/main.txt (see infra/runtimes/build.py).
 setup: $(VENV)/.baton-overlay
@@ -35,6 +35,12 @@ lock:
 
 demo: setup runtimes
 	$(VENV)/bin/baton run configs/tiny.yaml
+
+# The docs site (mkdocs.yml, docs/): regenerate the config and CLI references from the code, then build strictly
+# (a broken link fails) into site/. tests/test_docs.py does the same into a scratch folder in `make test`.
+docs: setup
+	$(VENV)/bin/python infra/docs/gen_reference.py docs/reference
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/python -m mkdocs build --strict
 
 # Everything but the multi-node and the longest engine tests (their own targets below), in ~25 min on 2 cores: one run
 # of the README's default chain feeds every test that only reads a finished run (tests/default_run.py). Every test

@@ -11,7 +11,7 @@
    process; its peak RSS is its own ru_maxrss.
 3. L0 hashing of the largest checkpoint's files: read bandwidth vs the old serial 1 MiB sha256 loop vs the streamed,
    parallel `manifest.sha256_files`, and a second pass that this run's digests let skip.
-Results: benchmarks/results/bench.json + bench.md, the README's Performance table, an MLflow run in `baton-benchmarks`.
+Results: benchmarks/results/bench.json + bench.md, the docs' performance table (docs/performance.md), an MLflow run in `baton-benchmarks`.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 RESULTS = REPO / "benchmarks" / "results"
-README = REPO / "README.md"
+PERFORMANCE_PAGE = REPO / "docs" / "performance.md"  # its table between the bench markers
 VOCAB = 32000
 # Llama-shaped sizes: (layers, hidden, heads, KV groups, FFN) with a 32k vocabulary, untied embeddings
 SIZES = {"S": (8, 512, 8, 4, 1408), "M": (12, 768, 12, 4, 2048), "L": (24, 1024, 16, 8, 2816)}
@@ -427,12 +427,13 @@ def _scale(o: dict) -> int:
 
 
 def update_readme(table: str) -> None:
-    text = README.read_text()
+    """The table between the bench markers of the docs' performance page (appended when the markers are missing)."""
+    text = PERFORMANCE_PAGE.read_text()
     begin, end = "<!-- bench:begin -->", "<!-- bench:end -->"
     block = f"{begin}\n{table}{end}"
     text = re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: block, text, flags=re.S) \
-        if begin in text else text.replace("## Operations:", f"## Performance\n{block}\n\n## Operations:", 1)
-    README.write_text(text)
+        if begin in text else f"{text.rstrip()}\n\n{block}\n"
+    PERFORMANCE_PAGE.write_text(text)
 
 
 def perf_name(conv: dict, key: str, quantity: str) -> str:
@@ -519,7 +520,7 @@ def main(argv=None) -> int:
 
 
 def publish(res: dict) -> str:
-    """bench.json, bench.md and the README table, rewritten after every measurement."""
+    """bench.json, bench.md and the docs' performance table, rewritten after every measurement."""
     formats = sorted({c["format"] for c in res["conversions"]})
     res["exponents"] = {f: {"time": exponent([(c["parameters"], c["baton_warm"]["seconds"]["median"])
                                               for c in res["conversions"] if c["format"] == f]),

@@ -30,18 +30,18 @@ class ConfigError(Refused):
 class ModelConfig(StrictModel):
     """Llama-style decoder architecture, shared by every engine."""
 
-    arch: Literal["llama"] = "llama"
-    num_layers: int = Field(4, ge=1)
-    hidden_size: int = Field(128, ge=8)
-    num_attention_heads: int = Field(4, ge=1)
-    num_query_groups: int = Field(2, ge=1)
-    ffn_hidden_size: int = Field(344, ge=1)
-    seq_length: int = Field(128, ge=8)
+    arch: Literal["llama"] = Field("llama", description="architecture family (a Llama-style decoder)")
+    num_layers: int = Field(4, ge=1, description="transformer layers")
+    hidden_size: int = Field(128, ge=8, description="width of the hidden states")
+    num_attention_heads: int = Field(4, ge=1, description="attention (query) heads")
+    num_query_groups: int = Field(2, ge=1, description="key/value heads (GQA groups); divides num_attention_heads")
+    ffn_hidden_size: int = Field(344, ge=1, description="inner size of the SwiGLU MLP")
+    seq_length: int = Field(128, ge=8, description="longest sequence the model takes (tokens)")
     vocab_size: int = Field(512, ge=300, description="tokenizer vocabulary size the data stage trains")
-    tie_word_embeddings: bool = False
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    init_std: float = 0.02
+    tie_word_embeddings: bool = Field(False, description="the output layer (lm_head) shares the input embedding")
+    rope_theta: float = Field(10000.0, description="RoPE base frequency")
+    norm_eps: float = Field(1e-5, description="RMSNorm epsilon")
+    init_std: float = Field(0.02, description="standard deviation of the random weight initialisation")
     chat_template: str | None = Field(
         None, description="a Jinja chat template, or a path to a template file, used when the input HF checkpoint has "
                           "none: written into the tokenizer the data, rlhf and finetune stages use and their outputs")
@@ -65,8 +65,9 @@ class ModelConfig(StrictModel):
 
 
 class TrackingConfig(StrictModel):
-    experiment: str = "baton"
-    registered_model: str = "baton-tiny"
+    experiment: str = Field("baton", description="MLflow experiment of the pipeline's runs")
+    registered_model: str = Field("baton-tiny", description="MLflow registered model the gated checkpoints become "
+                                                            "versions of (aliases candidate, champion)")
     upload_weights: bool = Field(False, description="also upload checkpoint weights as MLflow artifacts")
 
     _plain = field_validator("registered_model")(classmethod(lambda cls, v: paths.plain_name(v)))
@@ -82,18 +83,22 @@ class RuntimeConfig(StrictModel):
     sbatch job) or `ray` (a Ray cluster at `address`). The python path must exist on every node (shared filesystem or
     the container image). `container`: NeMo-RL's container (runtimes.nemo_rl)."""
 
-    kind: Literal["local", "venv", "slurm", "ray", "container"] = "venv"
-    python: str | None = None        # use this interpreter instead of the cached runtime
-    path: str | None = None          # an engine checkout (e.g. NeMo-RL) the runtime runs from
-    image: str | None = None         # the container image (slurm: pyxis --container-image)
-    nodes: int = Field(1, ge=1)      # NeMo-RL's cluster.num_nodes (training stages use their own nnodes)
-    srun_args: list[str] = Field(default_factory=list)    # slurm: extra srun flags (e.g. --partition=gpu)
-    sbatch_args: list[str] = Field(default_factory=list)  # slurm outside an allocation: extra #SBATCH lines
-    address: str | None = None       # ray: the cluster address (host:6379, ray://host:10001, or auto)
-    resources_per_node: dict[str, float] = Field(default_factory=lambda: {"CPU": 1})  # ray: one bundle per node
-    # set on every node (GLOO/NCCL_SOCKET_IFNAME are found alone). Values are secrets (tokens live here): Prefect's
-    # stored parameters, MLflow params, config.yaml and `baton config` show '**********'; engine_spec() reveals them.
-    env: dict[str, EnvValue] = Field(default_factory=dict)
+    kind: Literal["local", "venv", "slurm", "ray", "container"] = Field(
+        "venv", description="local (alias venv): this host; slurm: srun in an allocation, else sbatch; ray: a Ray "
+                            "cluster at address; container: NeMo-RL's container")
+    python: str | None = Field(None, description="use this interpreter instead of the cached runtime")
+    path: str | None = Field(None, description="an engine checkout (e.g. NeMo-RL) the runtime runs from")
+    image: str | None = Field(None, description="the container image (slurm: pyxis --container-image)")
+    nodes: int = Field(1, ge=1, description="NeMo-RL's cluster.num_nodes (training stages use their own nnodes)")
+    srun_args: list[str] = Field(default_factory=list, description="slurm: extra srun flags (e.g. --partition=gpu)")
+    sbatch_args: list[str] = Field(default_factory=list, description="slurm outside an allocation: extra #SBATCH lines")
+    address: str | None = Field(None, description="ray: the cluster address (host:6379, ray://host:10001, or auto)")
+    resources_per_node: dict[str, float] = Field(default_factory=lambda: {"CPU": 1},
+                                                 description="ray: one placement-group bundle per node")
+    # Values are secrets (tokens live here): Prefect's stored parameters, MLflow params, config.yaml and `baton config`
+    # show '**********'; engine_spec() reveals them.
+    env: dict[str, EnvValue] = Field(default_factory=dict, description="environment set on every node (GLOO/NCCL_"
+                                     "SOCKET_IFNAME are found alone); values are secrets, shown as '**********'")
 
     def engine_spec(self) -> dict:
         """Plain data for the stage that launches an engine, env values revealed (it never crosses a Prefect
@@ -120,9 +125,12 @@ StageName = Literal["data", "pretrain", "rlhf", "finetune", "serve", "convert"]
 
 
 class PipelineConfig(StrictModel):
-    name: str = "tiny"
-    seed: int = 0
-    stages: list[StageName] = Field(default_factory=lambda: list(DEFAULT_CHAIN))
+    name: str = Field("tiny", description="the config's name: Prefect flow runs are `<name>-<run id>`, tagged "
+                                          "config:<name>")
+    seed: int = Field(0, description="random seed of every stage, part of every step's fingerprint")
+    stages: list[StageName] = Field(default_factory=lambda: list(DEFAULT_CHAIN),
+                                    description="the stages to run, in chain order; convert steps are inserted where "
+                                                "two neighbours' checkpoint formats differ")
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     pretrain: PretrainConfig = PretrainConfig()

@@ -28,6 +28,8 @@ SCORE_KEY = re.compile(r"^[^,\s]+,[^,\s]+$")  # lm-eval's "<metric>,<filter>" re
 
 
 class GateConfig(StrictModel):
+    """The stage's quality gate: the held-out metric its output must improve over the input checkpoint's."""
+
     metric: GateMetric = Field("auto", description="auto: heldout_loss for files/hub data, the stage's synthetic "
                                                    "metric (finetune exact_match, rlhf preference_accuracy) otherwise")
     min_improvement: float = Field(0.0, ge=0, description="required improvement over the input checkpoint")

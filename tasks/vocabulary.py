@@ -34,10 +34,10 @@ class TrainingConfig(StrictModel):
     max_seq_length: int | None = Field(None, ge=8, description="tokens per training sequence (default: model.seq_length)")
     checkpoint_every: int = Field(20, ge=1, description="steps between checkpoints (the last step always saves)")
     keep_checkpoints: int = Field(2, ge=1, description="newest complete checkpoints kept while training")
-    lr_schedule: LrSchedule = "cosine"
+    lr_schedule: LrSchedule = Field("cosine", description="learning-rate schedule after the warm-up")
     warmup_steps: int = Field(0, ge=0, description="linear warm-up steps before the schedule")
     grad_clip: float = Field(1.0, ge=0, description="max global gradient norm; 0 disables clipping")
-    weight_decay: float = Field(0.0, ge=0)
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     precision: Precision = Field("fp32", description="fp32 | bf16 | fp16 (mixed precision on GPU)")
     device: Device = Field("auto", description="auto: cuda when GPUs are visible, else cpu")
     timeout_s: float = Field(3600, gt=0, description="wall-clock limit of the stage's engine")

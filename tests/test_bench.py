@@ -1,5 +1,5 @@
 """The pieces of `make bench` that decide its verdicts: the growth exponent, the read-bandwidth ceiling and the
-README table it regenerates."""
+docs performance table (docs/performance.md) it regenerates."""
 from __future__ import annotations
 
 import os

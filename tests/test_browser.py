@@ -3,7 +3,7 @@
 - The session's `baton run configs/tiny.yaml` against the stack (tests/default_run.py): the
   Prefect flow-run page is named `tiny-<run id>` and lists the stage subflows; the run summary artifact carries the
   lineage diagram; the MLflow model version page shows its gate report. These tests save the screenshots in docs/ that
-  the README shows.
+  the docs' concepts page shows.
 - The nightly retraining: the Prefect flow-run page shows its stage subflows and artifacts; MLflow shows the stage runs
   of the experiment and the registry's `champion` alias.
 """
@@ -22,7 +22,7 @@ from browser import Chromium
 pytestmark = pytest.mark.ops
 
 REPO = Path(__file__).resolve().parent.parent
-# The README's screenshots are refreshed only when asked (BATON_SCREENSHOTS=1); otherwise they go to a scratch folder
+# The docs' screenshots are refreshed only when asked (BATON_SCREENSHOTS=1); otherwise they go to a scratch folder
 # so a test run leaves the checkout as it was.
 DOCS = REPO / "docs" if os.environ.get("BATON_SCREENSHOTS") == "1" else Path(tempfile.mkdtemp(prefix="baton-shots-"))
 SHOT = {"width": 1280, "height": 800}

@@ -1,5 +1,5 @@
-"""The README's deployment command, run exactly as written (its text is read from README.md at test time, so the
-test breaks when the README drifts) in a fresh shell after `make up`: no PREFECT_API_URL, only the `baton` Prefect
+"""The docs' deployment command, run exactly as written (its text is read from docs/operations.md at test time, so
+the test breaks when the docs drift) in a fresh shell after `make up`: no PREFECT_API_URL, only the `baton` Prefect
 profile `make up` made active. Its champion is the cheapest one: a checkpoint registered as `baton-tiny@champion`."""
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ FINETUNE_COMMAND = re.compile(r"`([^`]*prefect deployment run 'baton-finetune/ti
 
 
 def readme_command() -> str:
-    (command,) = FINETUNE_COMMAND.findall((REPO / "README.md").read_text())
+    (command,) = FINETUNE_COMMAND.findall((REPO / "docs" / "operations.md").read_text())
     return command
 
 
@@ -31,7 +31,7 @@ def test_readme_finetune_deployment_command_runs_as_written(ops_stack, initial_c
     fr = ops_stack.wait_state(fr_id, {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}, timeout=1500)
     assert fr["state_type"] == "COMPLETED", ops_stack.logs_all(fr_id, min_level=30)[-4000:]
 
-    # what the README says it does: fine-tunes baton-tiny@champion for the given steps and registers the result
+    # what the docs say it does: fine-tunes baton-tiny@champion for the given steps and registers the result
     # (converted back to HF) as baton-tiny@candidate
     c = ops_stack.mlflow()
     children = runs_tagged(c, "prefect.pipeline_flow_run_id", fr_id)

@@ -80,9 +80,10 @@ def test_batch_sizes_derive_each_other_and_disagreement_is_named():
 
 
 def _readme_baton_commands() -> list[list[str]]:
-    """`baton run …` lines of the README's code blocks (the cheap-to-check ones: everything resolves offline)."""
-    text = (REPO / "README.md").read_text()
-    blocks = re.findall(r"```(?:bash)?\n(.*?)```", text, flags=re.S)
+    """`baton run …` lines of the code blocks of the README and the docs pages (the cheap-to-check ones: everything
+    resolves offline)."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+    blocks = [b for page in pages for b in re.findall(r"```(?:bash)?\n(.*?)```", page.read_text(), flags=re.S)]
     out = []
     for block in blocks:
         for line in block.splitlines():

@@ -15,10 +15,12 @@ class SourceConfig(StrictModel):
     """Where one dataset comes from: baton's synthetic generator, local files (jsonl/json/parquet, .txt/.md for
     pretraining), or a hub dataset; and its format (detected from the columns unless declared)."""
 
-    kind: Literal["synthetic", "files", "hub"] = "synthetic"
-    train: str | None = None          # files: path, glob or folder; hub: dataset id
-    heldout: str | None = None        # files: path, glob or folder; hub: split name (else split off the training rows)
-    split: str = "train"              # hub: training split
+    kind: Literal["synthetic", "files", "hub"] = Field(
+        "synthetic", description="synthetic: baton's generator; files: local files; hub: a Hugging Face dataset")
+    train: str | None = Field(None, description="files: path, glob or folder; hub: dataset id")
+    heldout: str | None = Field(None, description="files: path, glob or folder; hub: split name (else split off the "
+                                                  "training rows)")
+    split: str = Field("train", description="hub: training split")
     name: str | None = Field(None, description="hub: the dataset's config name")
     revision: str | None = Field(None, description="hub: a branch, tag or commit to pin")
     format: Format = Field("auto", description="auto: detected from the columns (tasks/data/formats.py)")
@@ -34,21 +36,23 @@ class SourceConfig(StrictModel):
 
 
 class DataConfig(StrictModel):
-    seed: int = 0
-    pretrain_docs: int = Field(3000, ge=10)
-    preference_pairs: int = Field(400, ge=10)
-    sft_examples: int = Field(600, ge=10)
-    heldout_fraction: float = Field(0.15, gt=0, lt=0.9)
+    seed: int = Field(0, description="seed of the synthetic generator and of the held-out split")
+    pretrain_docs: int = Field(3000, ge=10, description="synthetic pretraining documents")
+    preference_pairs: int = Field(400, ge=10, description="synthetic preference pairs")
+    sft_examples: int = Field(600, ge=10, description="synthetic instruction examples")
+    heldout_fraction: float = Field(0.15, gt=0, lt=0.9, description="rows held out (seeded) from a source without "
+                                                                   "heldout")
     label_noise: float = Field(0.0, ge=0, le=1, description="fraction of fine-tuning answers given a wrong category")
     max_bad_fraction: float = Field(0.0, ge=0, le=1, description="bad rows tolerated (skipped, counted) per split")
     tokenizer: Literal["auto", "model", "train"] = Field(
         "auto", description="auto: the input HF checkpoint's tokenizer when the run starts from one (--from), else "
                             "train a byte-level BPE; model: require the checkpoint's; train: always a new BPE")
-    revision: str = "v1"              # bump to mark a new data revision (scheduled retraining watches the digest)
+    revision: str = Field("v1", description="bump to mark a new data revision (scheduled retraining watches the "
+                                            "digest)")
     # one source, or a list of sources mixed into one dataset (each with its own format, columns and max_rows)
-    pretrain: one_or_list(SourceConfig) = SourceConfig()
-    preference: one_or_list(SourceConfig) = SourceConfig()
-    sft: one_or_list(SourceConfig) = SourceConfig()
+    pretrain: one_or_list(SourceConfig) = Field(SourceConfig(), description="pretraining text: one source or a list")
+    preference: one_or_list(SourceConfig) = Field(SourceConfig(), description="preference pairs: one source or a list")
+    sft: one_or_list(SourceConfig) = Field(SourceConfig(), description="instruction data: one source or a list")
 
     def sources(self, kind: str) -> list[tuple[str, SourceConfig]]:
         """(config key, source) of every source of one dataset: `data.sft` for one, `data.sft[1]` in a list."""

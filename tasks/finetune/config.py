@@ -32,9 +32,9 @@ class ZeroConfig(StrictModel):
     hpz_partition_size: int = Field(
         1, ge=1, description="ZeRO++ hpZ: ranks holding a secondary weight copy (ZeRO-3, more than one node; "
                              "usually nproc_per_node)")
-    overlap_comm: bool = False
-    contiguous_gradients: bool = True
-    reduce_bucket_size: int = Field(50_000_000, ge=1)
+    overlap_comm: bool = Field(False, description="overlap gradient communication with the backward pass")
+    contiguous_gradients: bool = Field(True, description="copy gradients into one contiguous buffer as produced")
+    reduce_bucket_size: int = Field(50_000_000, ge=1, description="elements reduced at a time")
     allgather_bucket_size: int = Field(50_000_000, ge=1, description="ZeRO-1/2")
     prefetch_bucket_size: int = Field(50_000_000, ge=1, description="ZeRO-3")
     init: bool = Field(True, description="ZeRO-3: build the model inside deepspeed.zero.Init() so no rank ever holds "
@@ -45,11 +45,12 @@ class ZeroConfig(StrictModel):
 class LoraConfig(StrictModel):
     """Optional LoRA adapters (peft); the checkpoint keeps them separate, the converter merges them."""
 
-    enabled: bool = False
-    r: int = Field(8, ge=1)
-    alpha: float = Field(16.0, gt=0)
+    enabled: bool = Field(False, description="train LoRA adapters instead of every weight")
+    r: int = Field(8, ge=1, description="adapter rank")
+    alpha: float = Field(16.0, gt=0, description="scaling: the adapters' update is multiplied by alpha / r")
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
-                                                               "gate_proj", "up_proj", "down_proj"])
+                                                               "gate_proj", "up_proj", "down_proj"],
+                                      description="names of the modules that get adapters")
 
 
 class FinetuneConfig(TrainingConfig):
@@ -63,7 +64,8 @@ class FinetuneConfig(TrainingConfig):
     zero: ZeroConfig = ZeroConfig()
     lora: LoraConfig = LoraConfig()
     nproc_per_node: int = Field(2, ge=1, description="data-parallel ranks per node (GPUs, or CPU processes)")
-    launcher: Literal["deepspeed", "torchrun"] = "deepspeed"
+    launcher: Literal["deepspeed", "torchrun"] = Field(
+        "deepspeed", description="deepspeed: its launcher (--num_gpus N, also on CPU); torchrun")
     activation_checkpointing: bool = Field(
         False, description="recompute each layer's activations in the backward pass (HF gradient checkpointing): "
                            "activations shrink to one layer's input per layer, at about a third more compute")
@@ -76,13 +78,14 @@ class FinetuneConfig(TrainingConfig):
     warmup_steps: int = Field(10, ge=0, description="linear warm-up steps before the schedule")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine: final lr / peak lr")
     checkpoint_every: int = Field(100, ge=1, description="steps between checkpoints (the last step always saves)")
-    eval_max_new_tokens: int = Field(16, ge=1)
+    eval_max_new_tokens: int = Field(16, ge=1, description="greedy tokens generated per held-out prompt "
+                                                           "(exact match)")
     gate: GateConfig = GateConfig()
     overlong: Literal["drop", "truncate"] = Field("drop", description="examples longer than max_seq_length")
     packing: bool = Field(False, description="pack examples into max_seq_length windows (no attention across "
                                              "examples; position ids restart per example): each micro batch row is "
                                              "then a window, so steps cover more examples and no padding is trained")
-    log_every: int = Field(1, ge=1)
+    log_every: int = Field(1, ge=1, description="steps between metric reports")
     master_port: int = Field(0, ge=0, le=65535, description="0: pick a free port")
 
 

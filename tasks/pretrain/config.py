@@ -28,12 +28,14 @@ class PretrainConfig(TrainingConfig):
     lr: float = Field(3e-3, gt=0, description="peak learning rate")
     min_lr: float = Field(3e-4, ge=0, description="floor of the lr schedule")
     warmup_steps: int = Field(6, ge=0, description="linear warm-up steps before the schedule")
-    weight_decay: float = Field(0.01, ge=0)
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    recompute_granularity: Literal["none", "selective", "full"] = "none"
+    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay")
+    adam_beta1: float = Field(0.9, description="Adam beta1")
+    adam_beta2: float = Field(0.95, description="Adam beta2")
+    recompute_granularity: Literal["none", "selective", "full"] = Field(
+        "none", description="--recompute-granularity: activation recompute in the backward pass")
     distributed_optimizer: bool = Field(False, description="shard optimizer state over DP (ZeRO-1 style)")
-    overlap_grad_reduce: bool = False
+    overlap_grad_reduce: bool = Field(False, description="overlap the data-parallel gradient reduce with the "
+                                                         "backward pass")
     overlap_param_gather: bool = Field(False, description="needs distributed_optimizer")
     sequence_parallel: bool = Field(False, description="needs tensor_parallel > 1")
     vocab_size: int | None = Field(None, ge=1, description="embedding rows before TP padding (default: the tokenizer's)")

@@ -13,12 +13,12 @@ class NemoRlConfig(StrictModel):
     """How the nemo_rl backend runs. Where NeMo-RL lives (checkout path, container image, Slurm) is the runtime
     `runtimes.nemo_rl` (kind venv = a checkout at `path`; container = `image`; slurm = `ray.sub` in `path`)."""
 
-    gpus_per_node: int = Field(8, ge=1)     # nodes: runtimes.nemo_rl.nodes
-    precision: Precision = "bf16"
-    micro_batch_size: int = Field(1, ge=1)
-    slurm_account: str | None = None
-    slurm_partition: str | None = None
-    slurm_time: str = "4:0:0"
+    gpus_per_node: int = Field(8, ge=1, description="GPUs per node (nodes: runtimes.nemo_rl.nodes)")
+    precision: Precision = Field("bf16", description="NeMo-RL's training precision")
+    micro_batch_size: int = Field(1, ge=1, description="NeMo-RL's own micro batch per GPU")
+    slurm_account: str | None = Field(None, description="slurm: the job's account")
+    slurm_partition: str | None = Field(None, description="slurm: the job's partition")
+    slurm_time: str = Field("4:0:0", description="slurm: the job's time limit")
     overrides: list[str] = Field(default_factory=list, description="extra NeMo-RL key=value overrides, passed last")
 
 
@@ -32,10 +32,13 @@ class RlhfConfig(TrainingConfig):
 
     backend: Literal["auto", "trl", "nemo_rl"] = Field(
         "auto", description="auto: nemo_rl when a GPU and a NeMo-RL runtime are present, else trl")
-    algorithm: Literal["dpo", "rm", "grpo"] = "dpo"
+    algorithm: Literal["dpo", "rm", "grpo"] = Field(
+        "dpo", description="dpo: DPO plus an SFT loss on the chosen replies; rm: a reward model saved beside, the "
+                           "policy unchanged; grpo: reward from the preference data")
     micro_batch_size: int = Field(32, ge=1, description="pairs (dpo, rm) or completions (grpo) per step and process")
     nproc_per_node: int = Field(1, ge=1, le=8, description="trl: CPU processes (torchrun, gloo) when > 1")
-    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    lr_schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="learning-rate schedule "
+                                                                                          "after the warm-up")
     beta: float = Field(0.1, description="dpo: preference temperature (> 0); grpo: KL penalty to the reference (>= 0)")
     sft_weight: float = Field(
         1.0, ge=0, description="dpo: weight of an SFT loss on the chosen replies added to the DPO loss (RPO; NeMo-RL "

@@ -13,7 +13,7 @@ class SmokeConfig(StrictModel):
 
     json_requests: int = Field(20, ge=1, description="JSON-schema requests; every answer must parse and validate")
     parity_prompts: int = Field(4, ge=1, description="prompts whose greedy token ids must equal HF generate")
-    parity_tokens: int = Field(16, ge=1)
+    parity_tokens: int = Field(16, ge=1, description="greedy tokens compared per parity prompt")
     max_tokens: int = Field(48, ge=8, description="cap for chat / JSON / regex answers")
 
 
@@ -22,14 +22,14 @@ class LmEvalConfig(StrictModel):
 
     renamed: ClassVar[dict[str, str]] = {"timeout": "timeout_s"}
 
-    enabled: bool = True
+    enabled: bool = Field(True, description="score the held-out task through the live server")
     tasks: list[str] = Field(default_factory=list,
                              description="lm-eval task names; empty: the data stage's held-out SFT task")
     include_path: Path | None = Field(None, description="folder with extra lm-eval task YAMLs")
     limit: int | None = Field(None, ge=1, description="evaluate at most this many documents per task")
     min_score: float = Field(0.0, ge=0.0, le=1.0, description="promotion needs exact_match >= this")
     no_regression: bool = Field(False, description="promotion also needs a score >= the current champion's")
-    timeout_s: float = Field(900, gt=0)
+    timeout_s: float = Field(900, gt=0, description="wall-clock limit of lm-eval")
 
 
 def _loopback(host: str) -> bool:
@@ -68,7 +68,7 @@ class ServeConfig(StrictModel):
     renamed: ClassVar[dict[str, str]] = {"dtype": "precision", "health_timeout": "health_timeout_s",
                                          "tensor_parallel_size": "tensor_parallel"}
 
-    engine: Literal["vllm", "sglang", "both"] = "both"
+    engine: Literal["vllm", "sglang", "both"] = Field("both", description="vllm, sglang, or both one at a time")
     device: Literal["cpu", "cuda"] = Field("cpu", description="cpu: the CPU runtimes and flags; cuda: GPU images")
     host: str = Field("127.0.0.1", description="address the server listens on; other than loopback needs allow_remote")
     allow_remote: bool = Field(False, description="let serve.host be reachable from other machines (API key only)")
