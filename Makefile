@@ -103,3 +103,4 @@ gpu-check:
 BENCH_ARGS ?=
 bench: setup
 	$(VENV)/bin/python benchmarks/bench.py $(BENCH_ARGS)
+	$(VENV)/bin/python benchmarks/packing_bench.py
