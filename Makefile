@@ -10,7 +10,7 @@ export DO_NOT_TRACK ?= true
 export MLFLOW_DISABLE_TELEMETRY ?= true
 PYTEST_ARGS ?=
 
-.PHONY: setup system-deps runtimes lock demo docs test test-fast test-long test-multinode reliability clean up down gpu-wheels gpu-check bench
+.PHONY: setup system-deps runtimes lock demo docs test test-fast test-long test-multinode reliability clean up down gpu-wheels gpu-check bench fuzz
 
 # The main venv: an overlay over the cached runtime built from infra/runtimes/main.txt (see infra/runtimes/build.py).
 setup: $(VENV)/.baton-overlay
@@ -104,3 +104,11 @@ BENCH_ARGS ?=
 bench: setup
 	$(VENV)/bin/python benchmarks/bench.py $(BENCH_ARGS)
 	$(VENV)/bin/python benchmarks/packing_bench.py
+
+# Mutated real checkpoints of every format (ZeRO torch.save, torch_dist, safetensors, manifest, seal) through baton's
+# readers in worker processes under a 3 GiB address-space limit, with a canary for executed code (benchmarks/fuzz.py;
+# ~5 min on the loaded 2-core machine). Prints format × outcome counts, writes benchmarks/results/fuzz.json; fails on
+# an executed payload, a worker killed by a signal or a hang. Not part of `make test` (tests/test_fuzz.py runs 600).
+FUZZ_ARGS ?= --cases 10000 --seed 1
+fuzz: setup
+	$(VENV)/bin/python benchmarks/fuzz.py --out $(BATON_HOME)/fuzz $(FUZZ_ARGS)

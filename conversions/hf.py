@@ -56,7 +56,10 @@ def read_header(path: Path) -> dict:
         if n > min(MAX_HEADER_BYTES, size - 8):
             raise ValueError(f"{path}: its header claims {n} bytes (the file has {size}, the limit is "
                              f"{MAX_HEADER_BYTES})")
-        header = json.loads(f.read(n))
+        try:
+            header = json.loads(f.read(n))
+        except RecursionError:  # nesting deeper than the parser goes: not a header any writer makes
+            raise ValueError(f"{path}: its header nests too deep") from None
     if not isinstance(header, dict):
         raise ValueError(f"{path}: its header is not a JSON object")
     return header

@@ -245,8 +245,8 @@ def read(root: Path) -> dict | None:
         return None
     try:
         m = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ManifestError(f"{path}: not valid JSON ({e})") from e
+    except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested deeper than the parser goes
+        raise ManifestError(f"{path}: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
     if m.get("schema") != SCHEMA:
         raise ManifestError(f"{path}: unknown manifest schema {m.get('schema')!r}")
     return m

@@ -109,7 +109,10 @@ class DistReader:
         self.root = Path(root)
         if not is_dist_checkpoint(self.root):
             raise MegatronCheckpointError(f"{root}: not a Megatron torch_dist checkpoint (.metadata / {METADATA_FILE})")
-        backend = json.loads((self.root / METADATA_FILE).read_text()).get("sharded_backend")
+        try:
+            backend = json.loads((self.root / METADATA_FILE).read_text()).get("sharded_backend")
+        except (ValueError, RecursionError, AttributeError):
+            raise MegatronCheckpointError(f"{root}: {METADATA_FILE} is not a JSON object") from None
         if backend != "torch_dist":
             raise MegatronCheckpointError(f"{root}: sharded backend {backend!r}; only torch_dist is supported")
         self.metadata = check_metadata(self.root)

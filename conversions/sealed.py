@@ -113,7 +113,7 @@ def seal(folder: Path, marker: str, **facts) -> dict:
 def read(folder: Path, marker: str) -> dict | None:
     try:
         body = json.loads((folder / marker).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # unreadable, not JSON, or nested deeper than the parser goes
         return None
     return body if isinstance(body, dict) else None
 
