@@ -311,3 +311,21 @@ def test_lazy_range_is_not_expanded_by_a_set(record_property):
             + b"\x85R\x85R.")
     with pytest.raises(torch_lazy.UnsafeCheckpointError, match="set of a range"):
         torch_lazy.safe_loads(data, "inline")
+
+
+def test_json_nested_deeper_than_the_parser_goes_is_refused_not_a_crash(tmp_path):
+    """Found by `make fuzz`: a 100,000-deep JSON document raised RecursionError out of four readers."""
+    import struct
+
+    from conversions import hf, manifest as mf, sealed
+
+    deep = "[" * 100_000 + "]" * 100_000
+    (tmp_path / mf.MANIFEST_NAME).write_text(deep)
+    with pytest.raises(mf.ManifestError, match="not valid JSON"):
+        mf.read(tmp_path)
+    (tmp_path / "baton_complete.json").write_text(deep)
+    assert sealed.read(tmp_path, "baton_complete.json") is None
+    header = deep.encode()
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    with pytest.raises(ValueError, match="nests too deep"):
+        hf.read_header(tmp_path / "model.safetensors")
