@@ -666,9 +666,10 @@ def main(argv=None) -> int:
     s = run(a.cases, a.seed, a.out, a.workers, a.timeout)
     print(format_table(s))
     a.result.parent.mkdir(parents=True, exist_ok=True)
-    a.result.write_text(json.dumps({"started": started, "seed": a.seed, "workers": a.workers,
-                                    "memory_limit_bytes": MEMORY_LIMIT, "case_timeout_s": a.timeout,
-                                    "machine_at_start": at_start, "machine_at_end": machine(), **s}, indent=1) + "\n")
+    text = json.dumps({"started": started, "seed": a.seed, "workers": a.workers, "memory_limit_bytes": MEMORY_LIMIT,
+                       "case_timeout_s": a.timeout, "machine_at_start": at_start, "machine_at_end": machine(), **s},
+                      indent=1)
+    a.result.write_text(text.replace(str(a.out.resolve()), "WORK_DIR") + "\n")  # the result names no local path
     print(f"result: {a.result}")
     canary_works = s["control_tripped"] == len(s["control"])
     return 0 if canary_works and not (s["executed"] or s["signals"] or s["worker_exits"] or s["hangs"]) else 1
