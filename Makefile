@@ -9,6 +9,10 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export DO_NOT_TRACK ?= true
 export MLFLOW_DISABLE_TELEMETRY ?= true
 PYTEST_ARGS ?=
+# Two pytest workers (pytest-xdist): while one waits on a server or a launcher, the other computes. Tests that read one
+# session-wide run stay on one worker (tests/conftest.py, SHARED_RUNS). WORKERS=1 runs everything in one process.
+WORKERS ?= 2
+XDIST = $(if $(filter-out 0 1,$(WORKERS)),-n $(WORKERS) --dist loadgroup)
 
 .PHONY: setup system-deps runtimes lock demo docs test test-fast test-long test-multinode reliability clean up down gpu-wheels gpu-check bench fuzz
 
@@ -30,8 +34,9 @@ runtimes: setup
 	@$(VENV)/bin/python -m tasks.serve.architectures  # the serving engines' model registries, read once per build
 
 # Regenerate every runtime's hash-locked set from its .txt (pip's resolver with this machine's pip configuration).
+# Pins already locked are kept (a new package adds only itself and what it needs); UPGRADE=1 resolves everything afresh.
 lock:
-	$(PYTHON) infra/runtimes/lock.py $$(ls infra/runtimes/*.txt | xargs -n1 basename | sed 's/\.txt$$//')
+	$(PYTHON) infra/runtimes/lock.py $(if $(UPGRADE),--upgrade) $$(ls infra/runtimes/*.txt | xargs -n1 basename | sed 's/\.txt$$//')
 
 demo: setup runtimes
 	$(VENV)/bin/baton run configs/tiny.yaml
@@ -46,14 +51,14 @@ docs: setup
 # of the README's default chain feeds every test that only reads a finished run (tests/default_run.py). Every test
 # has a time limit; under CI=true a skip for a reason not on tests/skip_policy.py's allowlist fails the session.
 test: setup system-deps runtimes
-	$(VENV)/bin/python -m pytest -m "not multinode and not long" $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -m "not multinode and not long" $(XDIST) $(PYTEST_ARGS)
 
 # The longest engine tests (marker `long`): ZeRO-Infinity with parameters on NVMe (with DeepSpeed's async_io JIT build
 # the first time), the batch finder's real-engine probes, the whole chain at --smoke size, the supervised vLLM server,
 # the GPU check's CPU dry run, LoRA on ZeRO-3, lm-eval as a gate, a flipped byte in a DeepSpeed checkpoint. CI runs them
 # after `make test`.
 test-long: setup system-deps runtimes
-	$(VENV)/bin/python -m pytest -m long -p no:cacheprovider $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -m long -p no:cacheprovider $(XDIST) $(PYTEST_ARGS)
 
 # The inner loop: config, planning, conversions and checks that start no engine, server or cluster (~1-2 min).
 test-fast: setup

@@ -192,10 +192,20 @@ def pytest_configure(config):
             config.pluginmanager.register(plugin, name)
 
 
+# `make test` runs two pytest-xdist workers (--dist loadgroup), each with its own session fixtures. The tests that read
+# one expensive session run are kept on one worker, so it runs once; every other test goes wherever a worker is free.
+SHARED_RUNS = {"default_run": "default-run", "retrain_outcomes": "retrain"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker and before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     base = float(config.getini("timeout") or 0)
     for item in items:
-        extra = sum(FIXTURE_SECONDS.get(name, 0) for name in getattr(item, "fixturenames", ()))
+        fixtures = set(getattr(item, "fixturenames", ()))
+        extra = sum(FIXTURE_SECONDS.get(name, 0) for name in fixtures)
+        groups = sorted(SHARED_RUNS[name] for name in fixtures & SHARED_RUNS.keys())
+        if groups:
+            item.add_marker(pytest.mark.xdist_group("+".join(groups)))
         mark = item.get_closest_marker("timeout")
         if extra and base:
             own = float(mark.args[0]) if mark and mark.args else base
