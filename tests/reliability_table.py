@@ -13,7 +13,8 @@ def pytest_runtest_logreport(report):
     if "reliability" not in report.keywords:
         return
     if report.when == "call" or (report.when == "setup" and not report.passed):
-        fault = dict(report.user_properties).get("fault") or report.nodeid.split("::")[-1].split("@")[0].removeprefix("test_")
+        name = report.nodeid.split("::")[-1].split("@")[0]  # xdist's loadgroup appends @group
+        fault = dict(report.user_properties).get("fault") or name.removeprefix("test_")
         row = _rows[fault]
         if report.skipped:
             row["skipped"] += 1
