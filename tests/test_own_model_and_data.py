@@ -226,6 +226,7 @@ tracking: {{experiment: cont, registered_model: cont-model}}
     assert r.returncode == 0, (r.stderr[-3000:], json.dumps(summary, indent=1)[-4000:])
     stages = {s["label"]: s for s in summary["stages"]}
     assert list(stages) == ["data", "convert-hf-to-megatron", "pretrain", "convert-megatron-to-hf"]
+    assert "input_rewritten" not in stages["pretrain"]  # the conversion's output is sealed: Megatron loads it as is
     assert stages["data"]["tokenizer"].startswith("model:")
     out = Path(stages["convert-megatron-to-hf"]["output"])
     from conversions import manifest as mf
