@@ -219,7 +219,7 @@ def run_trl(ctx: StageContext, cfg: RlhfConfig) -> StageOutput:
     margins = _series(res, "train/rewards_margins") or _series(res, "train/margin") or _series(res, "train/reward")
     metrics = {k: facts.get(k) for k in ("heldout_kl_to_reference", "train_pairs", "heldout_pairs",
                                          "overlong_dropped", "overlong_truncated", "heldout_loss_before",
-                                         "heldout_loss_after", "heldout_prompts")}
+                                         "heldout_loss_after", "train_prompts", "heldout_prompts")}
     metrics["wall_s"] = facts.get("seconds")
     metrics["peak_mem_mib"] = facts.get("peak_mem_mib")
     metrics["resumed_from_step"] = facts.get("resumed_from")
