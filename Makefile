@@ -58,7 +58,7 @@ test: setup system-deps runtimes
 # the GPU check's CPU dry run, LoRA on ZeRO-3, lm-eval as a gate, a flipped byte in a DeepSpeed checkpoint. CI runs them
 # after `make test`.
 test-long: setup system-deps runtimes
-	$(VENV)/bin/python -m pytest -m long -p no:cacheprovider $(XDIST) $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -m long -p no:cacheprovider $(PYTEST_ARGS)
 
 # The inner loop: config, planning, conversions and checks that start no engine, server or cluster (~1-2 min).
 test-fast: setup
