@@ -116,7 +116,7 @@ TEMPLATE_FROM_CONFIG = {"llama"}
 
 @pytest.mark.slow
 @pytest.mark.serve
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
+@pytest.mark.parametrize("family", [pytest.param("qwen2", marks=pytest.mark.long), "llama"])  # qwen2 serves: ~170 s
 def test_own_model_and_files_through_rlhf_finetune_convert(workspace, baton_home, family):
     tmp_path, files, texts = workspace
     ckpt = own_model(tmp_path / family, family, texts, hidden=128 if SERVED[family] else 64)
