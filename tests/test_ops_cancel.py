@@ -16,7 +16,7 @@ from flows.config import load
 from flows.runs import Index, StepLock
 from ops_stack import REPO, runs_tagged
 
-pytestmark = [pytest.mark.ops, pytest.mark.reliability]
+pytestmark = [pytest.mark.ops, pytest.mark.reliability, pytest.mark.long]  # ~5 min: three 2-rank launches through the stack
 
 FINETUNE = {"steps": 150, "nproc_per_node": 2, "checkpoint_every": 25, "keep_checkpoints": 1, "warmup_steps": 1,
             "timeout_s": 900}

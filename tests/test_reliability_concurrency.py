@@ -27,13 +27,22 @@ def _start(home, *args):
                             start_new_session=True)
 
 
-def _wait_for(pred, timeout, what):
+def _wait_for(pred, timeout, what, evidence=lambda: ""):
     deadline = time.time() + timeout
     while time.time() < deadline:
         if pred():
             return
         time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
+    raise AssertionError(f"timed out waiting for {what}\n{evidence()}")
+
+
+def _step_running(home) -> bool:
+    return any(json.loads(p.read_text()).get("status") == "running" for p in (home / "index").glob("*.json")) \
+        if (home / "index").exists() else False
+
+
+def _log_tails(home) -> str:
+    return "\n".join(f"== {log}\n{log.read_text(errors='replace')[-1500:]}" for log in (home / "runs").rglob("*.log"))
 
 
 def _owners(home):
@@ -54,13 +63,17 @@ def test_second_run_waits_refuses_and_takes_over_only_a_dead_owner(baton_home, r
     first = _start(baton_home)
     try:
         _wait_for(lambda: any(o["pid"] == first.pid for o in _owners(baton_home)), 300, "the first run's lock")
+        # frozen inside the step's work, not between the lock and its tracking writes: a process stopped mid-write to
+        # the local SQLite tracking store would hold every other writer of that store (the waiting run included)
+        _wait_for(lambda: _step_running(baton_home), 120, "the first run's step to start its work")
         os.kill(first.pid, signal.SIGSTOP)
         refused = baton("run", str(TINY), "--stages", "data", "--no-wait", home=baton_home, timeout=300)
         assert refused.returncode != 0
         assert f"being run by pid {first.pid}" in refused.stderr + refused.stdout
         assert len(list((baton_home / "runs").iterdir())) == 1  # refused before it wrote anything
         second = _start(baton_home)
-        _wait_for(lambda: _said_it_waits(baton_home, first.pid), 120, "the second run to wait on the lock")
+        _wait_for(lambda: _said_it_waits(baton_home, first.pid), 120, "the second run to wait on the lock",
+                  lambda: _log_tails(baton_home))
         assert second.poll() is None and all(o["pid"] == first.pid for o in _owners(baton_home))
         os.killpg(first.pid, signal.SIGKILL)  # the owner dies mid-step: its lock goes with it
         first.wait(60)
