@@ -6,9 +6,12 @@ from pathlib import Path
 
 
 def cmd_import(args) -> int:
+    import time
+
     from conversions import gguf
     from flows import gguf_import
 
+    started = time.monotonic()
     try:
         src = gguf_import.source_path(args.source)
         m = gguf_import.import_gguf(src, Path(args.dest))
@@ -19,7 +22,7 @@ def cmd_import(args) -> int:
     print(f"{Path(args.dest).resolve()}: {m['parameter_count']} parameters ({m['dtype']}) from {source['path']} "
           f"(sha256 {source['sha256'][:16]}…, {source['metadata'].get('file_type_name', 'GGUF')}); "
           f"bos/eos/pad ids {serving['token_ids']}; chat template "
-          f"{'yes' if m['tokenizer']['chat_template'] else 'none'}")
+          f"{'yes' if m['tokenizer']['chat_template'] else 'none'}; {time.monotonic() - started:.1f} s")
     return 0
 
 
