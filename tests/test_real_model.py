@@ -156,5 +156,5 @@ def test_vllm_serves_it_with_greedy_parity(imported, baton_home):
     TIMES["serve"] = time.monotonic() - started
     print(r.stdout[-3000:], f"\nbaton serve --check-only: {TIMES['serve']:.1f} s; times so far {TIMES}")
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
-    assert "[ok] smoke.greedy_parity" in r.stdout and "[ok] smoke.chat_template_parity" in r.stdout
+    assert "[ok] vllm.smoke.greedy_parity" in r.stdout and "[ok] vllm.smoke.chat_template_parity" in r.stdout
 
