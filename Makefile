@@ -58,10 +58,12 @@ test: setup system-deps runtimes
 real-models:
 	@$(PYTHON) infra/models/real_models.py
 
-# The longest engine tests (marker `long`): ZeRO-Infinity with parameters on NVMe (with DeepSpeed's async_io JIT build
-# the first time), the batch finder's real-engine probes, the whole chain at --smoke size, the supervised vLLM server,
-# the GPU check's CPU dry run, LoRA on ZeRO-3, lm-eval as a gate, a flipped byte in a DeepSpeed checkpoint. CI runs them
-# after `make test`.
+# The longest engine tests (marker `long`), on the same two workers: ZeRO-Infinity with parameters on NVMe (with
+# DeepSpeed's async_io JIT build the first time), the batch finder's real-engine probes, the whole chain at --smoke
+# size, the supervised vLLM server, the GPU check's CPU dry run, LoRA on ZeRO-3, lm-eval as a gate, a flipped byte in a
+# DeepSpeed checkpoint, ENOSPC in a DeepSpeed save, Megatron's interleaved PP2×VP2, your own Qwen2 model through to
+# vLLM, the stack on PostgreSQL, a real pretrained model (SmolLM2-135M from its GGUF file). CI runs them after
+# `make test`.
 test-long: setup system-deps runtimes
 	$(VENV)/bin/python -m pytest -m long -p no:cacheprovider $(XDIST) $(PYTEST_ARGS)
 

@@ -161,7 +161,8 @@ def run_converter(which: str, src: Path, dst: Path) -> dict:
     shutil.rmtree(dst, ignore_errors=True)
     code = ("import json, resource, sys, time; from pathlib import Path; SRC, DST = Path(sys.argv[1]), Path(sys.argv[2]);"
             " import torch; t0 = time.perf_counter(); " + CONTENDERS[which] + "; print('@@bench ' + json.dumps({'seconds': "
-            "time.perf_counter() - t0, 'rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))")
+            "time.perf_counter() - t0, 'rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "
+            "'dcp': 'torch.distributed.checkpoint' in sys.modules}))")
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     p = subprocess.run([sys.executable, "-c", code, str(src), str(dst)], env=env, capture_output=True, text=True)
     if p.returncode != 0:
@@ -216,6 +217,8 @@ def summarize(fmt: str, samples: dict, *, params: int, largest: int, files_bytes
                   "fraction_of_read_bandwidth": round(needed_bytes / 1e9 / ceiling / statistics.median(s), 3),
                   "rss_over_largest_tensor": round(statistics.median(rss) / (largest / 2**20), 2),
                   "rss_target_mb": round(1.5 * largest / 2**20 + 300, 1)}
+        if all("dcp" in x for x in samples[key]):  # whether the converter imported torch.distributed.checkpoint
+            r[key]["imported_dcp"] = any(x["dcp"] for x in samples[key])
     if samples.get("imports"):
         r["imports"] = {"seconds": stats([x["seconds"] for x in samples["imports"]]),
                         "peak_rss_mb": stats([x["rss_mb"] for x in samples["imports"]])}
@@ -309,7 +312,7 @@ def markdown(res: dict) -> str:
             f"| {c['size']} {c['format']} | {c['parameters'] / 1e6:.0f}M | {c['checkpoint_bytes'] / 1e9:.2f} | "
             f"{c['read_cold']['gb_per_s']:.2f} / {c['read_warm']['gb_per_s']:.2f} | "
             f"{c['write']['gb_per_s'] if 'write' in c else '–'} | {bc['seconds']['median']:.2f} / "
-            f"{bw['seconds']['median']:.2f} | {_imports(c, 'seconds', '{:.2f}')} | {bw['gb_per_s']:.2f} | "
+            f"{bw['seconds']['median']:.2f} | {_imports(c, 'seconds', '{:.2f}')}{_dcp(c)} | {bw['gb_per_s']:.2f} | "
             f"{bw['fraction_of_read_bandwidth']:.0%} / {_pct(bw.get('work_fraction_of_read_bandwidth'))} | "
             f"{_pct(bw.get('fraction_of_io_ceiling'))} / {_pct(bw.get('work_fraction_of_io_ceiling'))} | "
             f"{bw['peak_rss_mb']['median']:.0f} ({bw['rss_over_largest_tensor']:.1f}×; "
@@ -332,6 +335,15 @@ def markdown(res: dict) -> str:
 
 def _imports(c: dict, key: str, fmt: str) -> str:
     return fmt.format(c["imports"][key]["median"]) if "imports" in c else "–"
+
+
+def _dcp(c: dict) -> str:
+    """Megatron rows: whether the converter imported torch.distributed.checkpoint (baton's own torch_dist reader does
+    not; its loader would unpickle `.metadata` with plain pickle)."""
+    imported = c["baton_warm"].get("imported_dcp")
+    if not c["format"].startswith("megatron") or imported is None:
+        return ""
+    return " (imports torch.distributed.checkpoint)" if imported else " (no torch.distributed.checkpoint)"
 
 
 def _pct(x: float | None) -> str:

@@ -5,7 +5,8 @@ stacked on a leading axis: `decoder.layers.self_attention.linear_qkv.weight` is 
 hidden]. We read it with baton's own torch_dist reader (conversions/torch_dist: `.metadata` parsed once by the
 restricted loader, chunks read from the `.distcp` byte ranges) one output tensor's box at a time, streamed into the
 shards, so the conversion holds about 1.5 × the largest tensor plus one layer's qkv slice, whatever the shard size; no
-process group, no megatron and no torch.distributed.checkpoint import are needed (from_hf still writes with it).
+process group, no megatron and no torch.distributed.checkpoint import are needed (from_hf and rewrite still write
+with it: Megatron loads only folders baton wrote, see `rewrite`).
 
 Megatron layouts that differ from HF:
 - linear_qkv interleaves per query group: [q heads of the group | k | v] for each group;
@@ -289,7 +290,6 @@ FROM_HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")  # the HF mod
 def from_hf(src: Path, dst: Path, *, max_shard_bytes: int = 2 << 30, divisible_by: int = 128) -> dict:
     """HF Llama folder → a weights-only torch_dist checkpoint a Megatron run can start from (any TP/PP layout)."""
     import torch
-    import torch.distributed.checkpoint as dcp
     from safetensors import safe_open
 
     src, dst = Path(src), Path(dst)
@@ -350,12 +350,41 @@ def from_hf(src: Path, dst: Path, *, max_shard_bytes: int = 2 << 30, divisible_b
             stacked[role][i] = t
     state.update({LAYER[role]: t for role, t in stacked.items()})
 
+    _write_weights_only(state, arch, dst)
+    copied = hf.copy_tokenizer(src, dst / "tokenizer")
+    n = sum(t.numel() for t in state.values())
+    return {"parameter_count": n, "dtype": str(dtype).replace("torch.", ""), "vocab_size": vocab,
+            "padded_vocab_size": padded, "architecture": arch, "tokenizer_files": copied, "weights_only": True}
+
+
+def _write_weights_only(state: dict, arch: dict, dst: Path) -> None:
+    """The folder a Megatron run starts from: the weights (torch's own torch_dist writer), common.pt with the
+    architecture, metadata.json."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(dst)), no_dist=True)
     torch.save({ARCH_KEY: arch}, str(dst / COMMON_FILE))
     (dst / METADATA_FILE).write_text(json.dumps(TORCH_DIST_METADATA))
-    copied = hf.copy_tokenizer(src, dst / "tokenizer")
-    n = sum(t.numel() for t in state.values())
-    return {"parameter_count": n, "dtype": str(dtype).replace("torch.", ""), "vocab_size": vocab,
-            "padded_vocab_size": padded, "architecture": arch, "tokenizer_files": copied, "weights_only": True}
+
+
+def rewrite(src: Path, dst: Path) -> dict:
+    """A torch_dist checkpoint baton did not write → a fresh weights-only one it did, from the tensors its own reader
+    parsed (the weights from_hf writes, bit for bit) and the source's probe logits: what a Megatron run may start from.
+    Megatron's loader unpickles `.metadata` (and common.pt) again with plain pickle, where a crafted file runs code
+    that baton's restricted reader only ever sees as inert records."""
+    src, dst = Path(src), Path(dst)
+    reader = DistReader(src)
+    arch = {k: v for k, v in architecture(src).items() if type(v) in (bool, int, float, str)}
+    keys = [EMBEDDING, FINAL_NORM, *LAYER.values(), *([] if arch.get("tie_word_embeddings") else [OUTPUT])]
+    missing = [k for k in keys if reader.shape(k) is None]
+    if missing:
+        raise MegatronCheckpointError(f"{src}: no {missing[0]} (not a GPT checkpoint baton can start from)")
+    dst.mkdir(parents=True, exist_ok=True)
+    _write_weights_only({k: reader.read_full(k) for k in keys}, arch, dst)
+    if (src / probe.PROBE_FILE).is_file():  # safetensors: parsed once here, our own copy for the L2 check
+        ids, logits = probe.load_reference(src)
+        probe.save_reference(dst, ids, logits, source=f"{src}, rewritten by baton")
+    return {"architecture": arch, "tensors": len(keys)}

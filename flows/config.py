@@ -4,6 +4,7 @@ Unknown keys and wrong values fail with one message naming the key; `--set a.b=c
 """
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Annotated, Literal
@@ -174,6 +175,35 @@ class PipelineConfig(StrictModel):
             if host:
                 errors += STAGES[name].validate_host(self.stage_config(name), self)
         return errors
+
+
+# Keys that decide what program a run launches or what code it imports, beyond the engines baton picks: a runtime's
+# interpreter, checkout, image, environment (PYTHONPATH...) and cluster; extra engine flags (vLLM's --worker-cls imports
+# any class); lm-eval task folders (`!function` imports the Python beside them); NeMo-RL overrides (Hydra `_target_`).
+LAUNCH_KEYS = ("runtimes", "serve.engine_args", "serve.lm_eval.include_path", "rlhf.nemo_rl.overrides")
+ALLOW_LAUNCH_PARAMETERS = "BATON_ALLOW_LAUNCH_PARAMETERS"
+
+
+def _setting(cfg: PipelineConfig, key: str):
+    node = cfg
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def launch_parameter_error(cfg: PipelineConfig) -> str | None:
+    """Why a deployment run refuses this config (None: it sets no launch-shaping key, or the worker's environment has
+    BATON_ALLOW_LAUNCH_PARAMETERS=1). Whoever may start a flow run with parameters is not thereby allowed to choose the
+    program the work pool's worker runs: only whoever starts that worker is."""
+    if os.environ.get(ALLOW_LAUNCH_PARAMETERS) == "1":
+        return None
+    given = [f"runtimes.{name}" for name in cfg.runtimes]
+    given += [k for k in LAUNCH_KEYS[1:] if _setting(cfg, k) not in (None, {}, [])]
+    if not given:
+        return None
+    return (f"parameters set {', '.join(given)}: these decide what program the run launches, and a deployment run "
+            "does not take them from its parameters (the work pool's owner allows it by starting the worker with "
+            f"{ALLOW_LAUNCH_PARAMETERS}=1 in its environment)")
 
 
 def _format_error(e: ValidationError, prefix: str = "") -> str:

@@ -11,7 +11,7 @@ from prefect.runtime import flow_run as prefect_flow_run
 
 from conversions import manifest as mf
 from flows import chain_planner as planning, checkpoint_refs, report, runs
-from flows.config import ConfigError, PipelineConfig
+from flows.config import ConfigError, PipelineConfig, launch_parameter_error
 from flows.step_runner import STAGE_FLOWS, RunInfo, StageFailed, describe_stop, stopped_from_outside
 from tasks import tracking
 from tasks.paths import check_run_id
@@ -114,6 +114,15 @@ def check_served_architecture(cfg: PipelineConfig, archs: list, input_path: Path
         problem = str(e)
     if problem:
         raise ConfigError(f"--from {input_path}: stage 'serve' (serve.engine {cfg.serve.engine}): {problem}")
+
+
+def refuse_launch_parameters(cfg: PipelineConfig) -> None:
+    """A run started from a deployment (the API, the UI's Run form, a schedule) takes its config from parameters:
+    those may not choose the program it launches (flows.config.LAUNCH_KEYS). `baton run` reads the user's own file."""
+    from prefect.runtime import deployment
+
+    if deployment.id and (problem := launch_parameter_error(cfg)):
+        raise ConfigError(problem)
 
 
 def prepare(cfg: PipelineConfig, from_ref: str | None):
@@ -289,6 +298,7 @@ def pipeline(config: PipelineConfig, from_ref: str | None = None, use_cache: boo
              run_id: str | None = None, doctor: list | None = None) -> dict:
     """Run the configured stages (data → pretrain → rlhf → finetune → serve by default) and gate every hand-off."""
     cfg = config
+    refuse_launch_parameters(cfg)
     input_path, input_format, steps = prepare(cfg, from_ref)
     run, summary = _open_run(cfg, steps, run_id or _run_id_from_flow_run(cfg), doctor)
     get_run_logger().info("baton run %s: %s", run.run_id, " → ".join(s.label for s in steps))

@@ -5,6 +5,7 @@
 heldout_loss      mean cross-entropy on answer tokens only (lower is better): the default for files and hub data
 exact_match       greedy final reply == reference (finetune; the synthetic default)
 preference_accuracy  chosen scored above rejected (rlhf; the synthetic default; must not fall)
+heldout_reward    mean reward (rlhf.rewards) of greedy replies to held-out prompts (rlhf grpo; its default there)
 lm_eval           an lm-evaluation-harness task's score (higher is better), run on both checkpoints with lm-eval's
                   own `hf` backend (tasks/lm_eval_gate.py); finetune's default task is baton's held-out SFT task
 The stage passes when the metric improves by more than `min_improvement` (preference_accuracy: by at least it).
@@ -22,7 +23,7 @@ from tasks.stage import StrictModel
 LOWER_IS_BETTER = {"heldout_loss"}
 AT_LEAST = {"preference_accuracy"}  # historical rlhf rule: must not fall
 
-GateMetric = Literal["auto", "heldout_loss", "exact_match", "preference_accuracy", "lm_eval"]
+GateMetric = Literal["auto", "heldout_loss", "exact_match", "preference_accuracy", "heldout_reward", "lm_eval"]
 LM_EVAL_KEYS = ("task", "score", "include_path", "limit")  # (the names serve.lm_eval uses for the same things)
 SCORE_KEY = re.compile(r"^[^,\s]+,[^,\s]+$")  # lm-eval's "<metric>,<filter>" result key
 
@@ -31,7 +32,8 @@ class GateConfig(StrictModel):
     """The stage's quality gate: the held-out metric its output must improve over the input checkpoint's."""
 
     metric: GateMetric = Field("auto", description="auto: heldout_loss for files/hub data, the stage's synthetic "
-                                                   "metric (finetune exact_match, rlhf preference_accuracy) otherwise")
+                                                   "metric (finetune exact_match, rlhf preference_accuracy) otherwise; "
+                                                   "rlhf with rewards: heldout_reward")
     min_improvement: float = Field(0.0, ge=0, description="required improvement over the input checkpoint")
     task: str | None = Field(None, description="lm_eval: the lm-eval task; unset: baton's held-out SFT task "
                                                "(finetune; rlhf needs one)")

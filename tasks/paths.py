@@ -71,10 +71,11 @@ def read_errors(key: str, value, kind: str) -> list[str]:
 
 
 def data_source_errors(data) -> list[str]:
+    from tasks.data.config import DATASETS
     from tasks.data.sources import matched_files
 
     errors = []
-    for name in ("pretrain", "preference", "sft"):
+    for name in DATASETS:
         for key, src in data.sources(name):
             if src.kind != "files":
                 continue

@@ -151,13 +151,13 @@ def stack_home(prefix: str) -> Path:
     return d
 
 
-@pytest.fixture(scope="session")
-def ops_stack():
-    """Prefect server + process worker + every deployment in prefect.yaml + MLflow server, via `make up`."""
+def running_stack(**env):
+    """Prefect server + process worker + every deployment in prefect.yaml + MLflow server, via `make up`; `env` goes
+    to the stack's processes (the worker's owner's settings)."""
     home = stack_home("baton-ops-")
     stack = Stack(home)
     try:
-        stack.up()
+        stack.up(**env)
         stack.pause_schedules()
         yield stack
     finally:
@@ -166,13 +166,16 @@ def ops_stack():
 
 
 @pytest.fixture(scope="session")
-def initial_champion(ops_stack, hf_checkpoint, tmp_path_factory) -> dict:
+def ops_stack():
+    yield from running_stack()
+
+
+def register_initial_champion(stack: Stack, hf_checkpoint: Path, dest: Path) -> dict:
     """A random-init HF checkpoint registered as baton-tiny with alias `champion` and no data lineage."""
     from conversions import manifest as mf
 
-    dest = tmp_path_factory.mktemp("champion") / "v0"
     shutil.copytree(hf_checkpoint, dest)
-    c = ops_stack.mlflow()
+    c = stack.mlflow()
     exp = c.get_experiment_by_name("baton").experiment_id
     run = c.create_run(exp, run_name="initial-champion", tags={"baton.stage": "external"}).info
     c.log_artifact(run.run_id, str(dest / mf.MANIFEST_NAME), "checkpoint")
@@ -187,6 +190,11 @@ def initial_champion(ops_stack, hf_checkpoint, tmp_path_factory) -> dict:
         "data_digest": "", "checkpoint_path": str(dest)})
     c.set_registered_model_alias("baton-tiny", "champion", mv.version)
     return {"version": mv.version, "path": str(dest)}
+
+
+@pytest.fixture(scope="session")
+def initial_champion(ops_stack, hf_checkpoint, tmp_path_factory) -> dict:
+    return register_initial_champion(ops_stack, hf_checkpoint, tmp_path_factory.mktemp("champion") / "v0")
 
 
 def runs_tagged(c, key: str, value: str):

@@ -128,3 +128,19 @@ def test_the_gates_levels_are_reported_against_their_step():
     p = {"facts": [{"steps_s": {"convert": 12.3}, "verification_s": {"convert": {"L0": 0.1, "L1": 2.0}}}]}
     assert bench.verification_lines(p)[-1].endswith("convert L0 0.1, L1 2.0 s of its 12 s.")
     assert bench.verification_lines({"facts": [{}]}) == []
+
+
+def test_the_import_column_says_whether_megatron_to_hf_imports_torch_distributed_checkpoint(tmp_path):
+    """Measured in the converter's own process: baton's torch_dist reader leaves torch.distributed.checkpoint (whose
+    loader unpickles `.metadata` with plain pickle) unimported; DCP's own converter, the control, imports it."""
+    from test_hostile_loader import _dist_checkpoint
+
+    src = _dist_checkpoint(tmp_path / "ckpt")
+    ours, theirs = (bench.run_converter(which, src, tmp_path / which) for which in ("baton-megatron", "dcp-naive"))
+    assert ours["dcp"] is False and theirs["dcp"] is True
+    samples = {"read_cold": [{"seconds": 2.0}], "read_warm": [{"seconds": 1.0}], "baton_cold": [ours],
+               "baton_warm": [ours], "dcp-naive": [theirs]}
+    r = bench.summarize("megatron-tp1", samples, params=10**3, largest=1 << 10, files_bytes=10**6, needed_bytes=10**6,
+                        other="dcp-naive")
+    assert bench._dcp({"format": "megatron-tp1", **r}) == " (no torch.distributed.checkpoint)"
+    assert r["dcp-naive"]["imported_dcp"] is True

@@ -5,6 +5,7 @@ Megatron→HF reads a torch_dist checkpoint without importing torch.distributed.
 `.metadata` with plain pickle."""
 from __future__ import annotations
 
+import argparse
 import pickle
 import signal
 import struct
@@ -224,6 +225,54 @@ def test_view_beyond_its_storage_refused_before_any_read(tmp_path, offset, size,
 def test_genuine_view_in_bounds_still_reads(tmp_path):
     f = _crafted_tensor_file(tmp_path / "ok.pt", 0, (1,), (1,))
     assert torch.equal(torch_lazy.load(f)["w"].load(), torch.tensor([1.0]))
+
+
+# ---- 5. check, then re-read: Megatron's loader unpickles `.metadata` again with plain pickle --------------------------
+class _OpensFile:
+    """Pickles as `argparse.FileType('w')(path)`: for baton's reader a placeholder called with a string, for plain
+    pickle a file opened for writing."""
+
+    def __init__(self, path: Path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return argparse.FileType("w"), (self.path,)
+
+
+def plant_plain_pickle_payload(root: Path, canary: Path) -> None:
+    """An extra field in `.metadata` that baton's reader keeps as an inert record and plain pickle runs (creating
+    the canary): the reader accepts the file, so only never letting Megatron re-read it keeps the payload inert."""
+    md = pickle.loads((root / ".metadata").read_bytes())  # torch's writer's file, just written by the test
+    md.planner_notes = _OpensFile(canary)
+    (root / ".metadata").write_bytes(pickle.dumps(md, protocol=4))
+
+
+def test_pretrain_starts_from_baton_s_rewrite_of_a_foreign_checkpoint(tmp_path, monkeypatch, record_property):
+    """The pretrain task hands Megatron the input only when this BATON_HOME sealed it; any other torch_dist folder
+    becomes a fresh one baton writes from the tensors its reader parsed: the same bits, and no payload."""
+    record_property("fault", "crafted .metadata that only plain pickle runs, as --from")
+    from conversions import sealed
+    from tasks.pretrain.task import SEAL, loadable_input
+    from tasks.stage import StageContext
+
+    monkeypatch.setenv("BATON_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv(sealed.KEY_ENV, raising=False)
+    canary = tmp_path / "canary"
+    src = _dist_checkpoint(tmp_path / "foreign")
+    plant_plain_pickle_payload(src, canary)
+    ctx = StageContext(stage="pretrain", run_id="t", run_dir=tmp_path, work_dir=tmp_path / "work", model={}, seed=0,
+                       input=src, input_format="megatron-dist")
+    loaded, why = loadable_input(ctx)
+    assert loaded == tmp_path / "work" / "input" and why == "no baton_state.json (the save did not finish)", why
+    assert sealed.problem(loaded, SEAL) is None and not canary.exists()
+    assert pickle.loads((loaded / ".metadata").read_bytes()) and not canary.exists()  # nothing left to run
+    rewritten = megatron.DistReader(loaded)
+    for key, tensor in _megatron_state().items():
+        assert torch.equal(rewritten.read_full(key), tensor), key
+    ctx.input = loaded  # a folder this BATON_HOME sealed (its own output, an HF import) is loaded as it is
+    assert loadable_input(ctx) == (loaded, None)
+    pickle.loads((src / ".metadata").read_bytes()).planner_notes.close()  # the control: plain pickle runs it
+    assert canary.exists()
 
 
 # ---- the reader itself: exact, and without torch.distributed.checkpoint ---------------------------------------------

@@ -17,10 +17,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from flows.config import load
+from flows.config import ALLOW_LAUNCH_PARAMETERS, load
 from flows.runs import StepLock
 from multinode import Hosts, Slurm, engine_processes, two_hosts, wait_for
-from ops_stack import REPO
+from ops_stack import REPO, register_initial_champion, running_stack
 from test_ops_cancel import _flow_process, _mlflow_runs, _step_record
 
 # a two-host Slurm cluster (apt-installed on a fresh machine) and the stack come up first
@@ -31,6 +31,18 @@ FINETUNE = {"steps": 100000, "nnodes": 2, "nproc_per_node": 1, "checkpoint_every
             "timeout_s": 900}
 GONE_WITHIN_S = 90  # Slurm: SIGTERM to the steps, KillWait=10 s, then SIGKILL; Prefect SIGKILLs the flow after 30 s
 DAEMONS = ("slurmctld", "slurmd", "slurmscriptd")  # the cluster itself, which stays
+
+
+@pytest.fixture(scope="module")
+def ops_stack():
+    """The stack of a platform whose worker's owner lets flow runs choose the runtime (here: the Slurm target). Without
+    that, a deployment run's `runtimes` parameter is refused (tests/test_deployment_parameters.py)."""
+    yield from running_stack(**{ALLOW_LAUNCH_PARAMETERS: "1"})
+
+
+@pytest.fixture(scope="module")
+def initial_champion(ops_stack, hf_checkpoint, tmp_path_factory) -> dict:
+    return register_initial_champion(ops_stack, hf_checkpoint, tmp_path_factory.mktemp("champion") / "v0")
 
 
 @pytest.fixture(scope="module")

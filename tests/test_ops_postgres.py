@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from ops_stack import REPO, Stack, stack_home, runs_tagged
 
 
@@ -21,6 +23,7 @@ def _pg_rows(stack: Stack, db: str, sql: str) -> list[tuple]:
         return cur.fetchall()
 
 
+@pytest.mark.long  # its own stack on PostgreSQL, ~75 s; `make test`'s stack runs on SQLite
 def test_stack_on_postgres(tmp_path):
     subprocess.run(["bash", str(REPO / "infra" / "stack" / "system-deps.sh"), "postgresql"], check=True, timeout=900)
     stack = Stack(stack_home("baton-pg-"), db="postgres")

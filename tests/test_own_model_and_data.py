@@ -116,7 +116,7 @@ TEMPLATE_FROM_CONFIG = {"llama"}
 
 @pytest.mark.slow
 @pytest.mark.serve
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
+@pytest.mark.parametrize("family", [pytest.param("qwen2", marks=pytest.mark.long), "llama"])  # qwen2 serves: ~170 s
 def test_own_model_and_files_through_rlhf_finetune_convert(workspace, baton_home, family):
     tmp_path, files, texts = workspace
     ckpt = own_model(tmp_path / family, family, texts, hidden=128 if SERVED[family] else 64)
@@ -226,6 +226,7 @@ tracking: {{experiment: cont, registered_model: cont-model}}
     assert r.returncode == 0, (r.stderr[-3000:], json.dumps(summary, indent=1)[-4000:])
     stages = {s["label"]: s for s in summary["stages"]}
     assert list(stages) == ["data", "convert-hf-to-megatron", "pretrain", "convert-megatron-to-hf"]
+    assert "input_rewritten" not in stages["pretrain"]  # the conversion's output is sealed: Megatron loads it as is
     assert stages["data"]["tokenizer"].startswith("model:")
     out = Path(stages["convert-megatron-to-hf"]["output"])
     from conversions import manifest as mf

@@ -241,6 +241,7 @@ def test_dp2_distributed_optimizer_trains_and_resumes_after_sigkill(tmp_path, da
 INTERLEAVED = [*TWO_RANKS, "pretrain.pipeline_parallel=2", "pretrain.virtual_pipeline_parallel=2"]
 
 
+@pytest.mark.long  # ~90 s: PP2 and DP2 with resume stay in `make test`
 def test_interleaved_pp2_vp2_trains_converts_and_resumes_after_sigkill(tmp_path, data_dir):
     """PP=2 × VP=2: each rank holds two one-layer chunks (rank 0 layers 0 and 2, rank 1 layers 1 and 3)."""
     from conversions import manifest as mf, megatron, probe, verify

@@ -114,7 +114,7 @@ def _fails_on_the_full_disk(run, seal: Path, disk: Path, partial: Path, found: d
     return line
 
 
-@pytest.mark.slow
+@pytest.mark.long  # ~90 s; the TRL and Megatron saves stay in `make test`
 def test_enospc_mid_save_in_a_deepspeed_finetune(tmp_path, tiny_config, data_dir, hf_checkpoint, record_property):
     """A real ZeRO-2 finetune on 2 ranks, its work folder on a real tmpfs sized by the stage's free-space check (which
     passes); after the step-3 checkpoint is sealed another writer leaves half a checkpoint free, so the step-6 save

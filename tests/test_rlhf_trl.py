@@ -64,6 +64,60 @@ def test_grpo_runs_a_few_steps_with_the_preference_reward(tmp_path, tiny_config,
     assert out.gate["passed"], out.gate
 
 
+NUMBER_REWARD = """
+def has_a_number(prompt, completion, **row):
+    return 1.0 if any(c.isdigit() for c in completion) else 0.0
+"""
+
+
+def prompts_data(data_dir: Path, dest: Path) -> Path:
+    """The session's data with the arithmetic task added the data stage's way (data.prompts: synthetic); the
+    tokenizer stays the session's (byte-level: every digit is a token of it)."""
+    import random
+    import shutil
+
+    from tasks.data.config import DataConfig
+    from tasks.data.task import _synthetic, write_rows
+
+    shutil.copytree(data_dir, dest)
+    train, held = _synthetic("prompts", DataConfig(prompts={"kind": "synthetic"}), random.Random(0))
+    (dest / "prompts").mkdir()
+    write_rows(dest / "prompts" / "train.jsonl", train)
+    write_rows(dest / "prompts" / "heldout.jsonl", held)
+    return dest
+
+
+def test_grpo_with_verifiable_rewards_raises_the_held_out_reward(tmp_path, tiny_config, data_dir, hf_checkpoint):
+    """GRPO on the arithmetic task from the random-init input, rewarded by the built-in exact match of the last number
+    and a user function (a number at all, weight 0.5): the input's greedy replies hold no digit (reward 0); after
+    training they do, so the held-out reward rises and the gate passes."""
+    (tmp_path / "rewards.py").write_text(NUMBER_REWARD)
+    data = prompts_data(data_dir, tmp_path / "data")
+    cfg = RlhfConfig(algorithm="grpo", steps=GRPO_STEPS, micro_batch_size=16, num_generations=4,
+                     max_completion_length=3, lr=3e-3, beta=0.0, loss_type="dr_grpo", scale_rewards="none",
+                     checkpoint_every=1000, timeout_s=900,
+                     rewards=[{"kind": "exact_match"},
+                              {"kind": "function", "function": f"{tmp_path}/rewards.py:has_a_number", "weight": 0.5}])
+    (tmp_path / "run").mkdir()
+    out = run_stage(tmp_path / "run", tiny_config, data, hf_checkpoint, cfg)
+    ev = out.eval
+    assert ev["metric"] == "heldout_reward" and ev["heldout_prompts"] == 8, ev
+    assert ev["after"] > ev["before"], ev
+    assert 0.0 <= ev["solved_before"] <= 1.0 and 0.0 <= ev["solved_after"] <= 1.0, ev
+    check = next(c for c in out.gate["checks"] if c["name"] == "eval.heldout_reward")
+    assert check["passed"] and out.gate["passed"], out.gate
+    assert out.metrics["heldout_reward_after"] == ev["after"]
+    assert out.metrics["heldout_solved_after"] == ev["solved_after"]
+    log = (tmp_path / "run" / "engine.log").read_text()
+    logged = [json.loads(line[len("@@baton "):]) for line in log.splitlines() if line.startswith("@@baton ")]
+    assert any("train/rewards_1_has_a_number_mean" in e for e in logged if e["kind"] == "metric")
+    print(f"heldout_reward {ev['before']:.3f} → {ev['after']:.3f}, solved {ev['solved_before']:.3f} → "
+          f"{ev['solved_after']:.3f}")
+
+
+GRPO_STEPS = 60
+
+
 @pytest.mark.fast
 @pytest.mark.parametrize("before, after, min_improvement, passed", [
     (0.0, 0.0, 0.0, True),  # level passes (heldout_loss and exact_match need a strict rise: test_data_formats)

@@ -40,6 +40,8 @@ def main() -> None:
     args.dst.mkdir(parents=True, exist_ok=True)
     info = fn(args.src, args.dst, max_shard_bytes=args.max_shard_mb << 20) or {}
     seconds = time.time() - t0
+    if args.to in sealed.MARKERS:  # baton wrote it, so a training stage may load it as it is (pretrain: from HF)
+        sealed.seal(args.dst, sealed.MARKERS[args.to], converted_from=str(args.src))
     arch = dict((src_m or {}).get("architecture") or {})
     m = mf.build(
         args.dst, format=args.to, stage=args.stage, architecture=arch,

@@ -8,7 +8,8 @@ from tasks.stage import StrictModel, one_or_list
 
 
 Format = Literal["auto", "text", "alpaca", "prompt_completion", "messages", "sharegpt", "preference",
-                 "implicit_preference"]
+                 "implicit_preference", "prompt_answer"]
+DATASETS = ("pretrain", "preference", "sft", "prompts")  # prompts: only when data.prompts is set
 
 
 class SourceConfig(StrictModel):
@@ -40,6 +41,8 @@ class DataConfig(StrictModel):
     pretrain_docs: int = Field(3000, ge=10, description="synthetic pretraining documents")
     preference_pairs: int = Field(400, ge=10, description="synthetic preference pairs")
     sft_examples: int = Field(600, ge=10, description="synthetic instruction examples")
+    arithmetic_prompts: int = Field(400, ge=10, description="synthetic prompts with answers (data.prompts "
+                                                            "synthetic): sums like '3+4=' → '7'")
     heldout_fraction: float = Field(0.15, gt=0, lt=0.9, description="rows held out (seeded) from a source without "
                                                                    "heldout")
     label_noise: float = Field(0.0, ge=0, le=1, description="fraction of fine-tuning answers given a wrong category")
@@ -53,17 +56,22 @@ class DataConfig(StrictModel):
     pretrain: one_or_list(SourceConfig) = Field(SourceConfig(), description="pretraining text: one source or a list")
     preference: one_or_list(SourceConfig) = Field(SourceConfig(), description="preference pairs: one source or a list")
     sft: one_or_list(SourceConfig) = Field(SourceConfig(), description="instruction data: one source or a list")
+    prompts: one_or_list(SourceConfig) | None = Field(
+        None, description="prompts with reference answers for rlhf.rewards (GRPO): one source or a list; unset: none "
+                          "are made")
 
     def sources(self, kind: str) -> list[tuple[str, SourceConfig]]:
         """(config key, source) of every source of one dataset: `data.sft` for one, `data.sft[1]` in a list."""
         value = getattr(self, kind)
+        if value is None:  # an optional dataset (prompts) not asked for
+            return []
         if isinstance(value, SourceConfig):
             return [(f"data.{kind}", value)]
         return [(f"data.{kind}[{i}]", src) for i, src in enumerate(value)]
 
     def backend(self) -> str:
         """'synthetic' when every dataset is baton's generator, else where the others come from (files, hub)."""
-        kinds = {src.kind for k in ("pretrain", "preference", "sft") for _, src in self.sources(k)} - {"synthetic"}
+        kinds = {src.kind for k in DATASETS for _, src in self.sources(k)} - {"synthetic"}
         return "+".join(sorted(kinds)) or "synthetic"
 
 
@@ -72,7 +80,7 @@ def validate(cfg: DataConfig, pipeline=None) -> list[str]:
     from tasks.data import formats
 
     errors = []
-    for kind in ("pretrain", "preference", "sft"):
+    for kind in DATASETS:
         listed = cfg.sources(kind)
         if isinstance(getattr(cfg, kind), list) and not listed:
             errors.append(f"data.{kind}: an empty list of sources (give one source, or several)")
@@ -90,4 +98,5 @@ def validate(cfg: DataConfig, pipeline=None) -> list[str]:
     return errors
 
 
-_SYNTHETIC_SIZE = {"pretrain": "pretrain_docs", "preference": "preference_pairs", "sft": "sft_examples"}
+_SYNTHETIC_SIZE = {"pretrain": "pretrain_docs", "preference": "preference_pairs", "sft": "sft_examples",
+                   "prompts": "arithmetic_prompts"}

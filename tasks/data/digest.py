@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from conversions import durable
-from tasks.data.config import DataConfig
+from tasks.data.config import DATASETS, DataConfig
 from tasks.data.sources import matched_files
 
 
@@ -44,7 +44,7 @@ def _save(path: Path, cache: dict) -> None:
 
 def patterns(cfg: DataConfig) -> list[str]:
     """Every train/heldout pattern of every files source (each source of a mixed list too)."""
-    return [p for kind in ("pretrain", "preference", "sft") for _, src in cfg.sources(kind) if src.kind == "files"
+    return [p for kind in DATASETS for _, src in cfg.sources(kind) if src.kind == "files"
             for p in (src.train, src.heldout) if p]
 
 

@@ -4,6 +4,7 @@ one canonical chat form that the training workers read:
     pretrain    {"text": str}
     sft         {"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}   ends with an assistant turn
     preference  {"prompt": [messages ending with user], "chosen": [assistant...], "rejected": [assistant...]}
+    prompts     {"prompt": [messages ending with user], "answer": str, ...every other column, unchanged}
 
 Source formats (canonical field → source column through an optional `columns:` mapping):
     text                 text                         (.txt/.md files: one document per paragraph)
@@ -13,6 +14,8 @@ Source formats (canonical field → source column through an optional `columns:`
     sharegpt             conversations (from/value; human/gpt aliases)
     preference           prompt, chosen, rejected     (strings or message lists)
     implicit_preference  chosen, rejected             (whole conversations that share a prompt prefix, as HH-RLHF)
+    prompt_answer        prompt, answer               (prompt: a string or messages; answer: a string or a number;
+                                                       other columns are kept for the rewards: rlhf.rewards)
 
 Every bad row is a `Problem` (where, field, reason); nothing here raises on a row.
 """
@@ -30,7 +33,9 @@ FORMATS: dict[str, dict[str, tuple[str, ...]]] = {  # kind → format → requir
     "sft": {"messages": ("messages",), "sharegpt": ("conversations",), "alpaca": ("instruction", "output"),
             "prompt_completion": ("prompt", "completion")},
     "preference": {"preference": ("prompt", "chosen", "rejected"), "implicit_preference": ("chosen", "rejected")},
+    "prompts": {"prompt_answer": ("prompt", "answer")},
 }
+RESERVED = ("completion", "completions")  # a user reward's own arguments: a column may not take their names
 OPTIONAL = {"alpaca": ("input", "system")}
 
 
@@ -39,6 +44,7 @@ class Problem:
     where: str      # file:line (or hub split:row)
     field: str
     reason: str     # missing | null | wrong_type | empty | unknown_role | role_order | invalid_json | no_shared_prompt
+    #                 | reserved
     detail: str = ""
 
     def message(self) -> str:
@@ -207,9 +213,22 @@ def _implicit_preference(row, m):
     return {"prompt": chosen[:n], "chosen": chosen[n:], "rejected": rejected[n:]}
 
 
+def _prompt_answer(row, m):
+    fp, fa = m.get("prompt", "prompt"), m.get("answer", "answer")
+    answer = _get(row, "answer", m)
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+        raise RowError(fa, "wrong_type", f"expected a string or a number, got {type(answer).__name__}")
+    extra = {k: v for k, v in row.items() if k not in (fp, fa)}
+    for name in RESERVED:
+        if name in extra:
+            raise RowError(name, "reserved", "a reward function receives the completion under this name; rename "
+                                             "the column")
+    return {**extra, "prompt": _prompt(_get(row, "prompt", m), fp), "answer": _text(str(answer), fa)}
+
+
 NORMALISERS = {"text": _text_row, "alpaca": _alpaca, "prompt_completion": _prompt_completion,
                "messages": _messages_row, "sharegpt": _sharegpt, "preference": _preference,
-               "implicit_preference": _implicit_preference}
+               "implicit_preference": _implicit_preference, "prompt_answer": _prompt_answer}
 
 
 def normalise(fmt: str, row, mapping: dict[str, str], where: str) -> tuple[dict | None, Problem | None]:
@@ -229,5 +248,8 @@ def texts_of(kind: str, row: dict):
         yield row["text"]
     elif kind == "sft":
         yield from (m["content"] for m in row["messages"])
+    elif kind == "prompts":
+        yield from (m["content"] for m in row["prompt"])
+        yield row["answer"]
     else:
         yield from (m["content"] for k in ("prompt", "chosen", "rejected") for m in row[k])

@@ -5,7 +5,9 @@
   rejected = a bare word of another category (held-out preference accuracy, on prompts and words never paired in
   training, rises under DPO: the preferred style and correctness generalise, word-level memorising does not);
 - instruction → JSON: "Classify the word: dog" → {"category": "animal"} (held-out exact match rises under SFT;
-  held-out pairs use (template, word) combinations never seen in training).
+  held-out pairs use (template, word) combinations never seen in training);
+- prompts with answers, only when data.prompts asks for them: "3+4=" → "7", sums below 10 so every answer is one
+  digit (held-out reward under GRPO rises; held-out prompts are sums never seen in training).
 """
 from __future__ import annotations
 
@@ -90,3 +92,13 @@ def preference_pairs(n: int, heldout_fraction: float, rng: random.Random) -> tup
     train = [make(*rng.choice(train_c)) for _ in range(n)]
     heldout = [make(*x) for x in held_c]
     return train, heldout
+
+
+def arithmetic_prompts(n: int, heldout_fraction: float, rng: random.Random) -> tuple[list, list]:
+    combos = [(a, b) for a in range(10) for b in range(10) if a + b < 10]
+    train_c, held_c = _split_combos(combos, heldout_fraction, rng)
+
+    def make(a, b):
+        return {"prompt": f"{a}+{b}=", "answer": str(a + b)}
+
+    return [make(*rng.choice(train_c)) for _ in range(n)], [make(*x) for x in held_c]

@@ -12,13 +12,14 @@ from prefect.cache_policies import NO_CACHE
 from conversions import durable, hf, manifest as mf
 from tasks import chat_template, tracking
 from tasks.data import formats, sources, synthetic
-from tasks.data.config import DataConfig, SourceConfig, validate
+from tasks.data.config import DATASETS, DataConfig, SourceConfig, validate
 from tasks.data.lm_eval_task import write_lm_eval_task
 from tasks.data.tokenizer import train_tokenizer
 from tasks.stage import StageContext, StageOutput
 
-KINDS = ("pretrain", "preference", "sft")
-SYNTHETIC_FORMAT = {"pretrain": ("text", {}), "preference": ("preference", {}), "sft": ("alpaca", {"output": "answer"})}
+KINDS = DATASETS
+SYNTHETIC_FORMAT = {"pretrain": ("text", {}), "preference": ("preference", {}), "sft": ("alpaca", {"output": "answer"}),
+                    "prompts": ("prompt_answer", {})}
 
 
 def _canonical_synthetic(kind: str, rows: list[dict]) -> list[dict]:
@@ -33,6 +34,8 @@ def _synthetic(kind: str, cfg: DataConfig, rng: random.Random) -> tuple[list, li
         return docs[k:], docs[:k]
     if kind == "preference":
         train, held = synthetic.preference_pairs(cfg.preference_pairs, cfg.heldout_fraction, rng)
+    elif kind == "prompts":
+        train, held = synthetic.arithmetic_prompts(cfg.arithmetic_prompts, cfg.heldout_fraction, rng)
     else:
         train, held = synthetic.sft_examples(cfg.sft_examples, cfg.heldout_fraction, cfg.label_noise, rng)
     return _canonical_synthetic(kind, train), _canonical_synthetic(kind, held)
@@ -84,8 +87,10 @@ def build_datasets(cfg: DataConfig) -> tuple[dict[str, tuple[list, list]], dict[
     rng = random.Random(cfg.seed)
     sets: dict[str, tuple[list, list]] = {}
     facts: dict[str, dict] = {}
-    for kind in KINDS:  # synthetic generation order fixes the random stream: keep it
+    for kind in KINDS:  # synthetic generation order fixes the random stream: keep it (prompts, optional, come last)
         listed = cfg.sources(kind)
+        if not listed:
+            continue
         if listed[0][1].kind == "synthetic":  # (validated: synthetic is never mixed)
             sets[kind] = _synthetic(kind, cfg, rng)
             facts[kind] = {"source": "synthetic", "format": SYNTHETIC_FORMAT[kind][0]}
@@ -160,14 +165,15 @@ def run_data(ctx: StageContext, cfg: DataConfig) -> StageOutput:
     mf.write(out, m)
     if ctx.mlflow_run_id:
         c = tracking.client()
-        for name in ("pretrain", "preference", "sft"):
+        for name in (n for n in KINDS if n in info):
             for split in ("train", "heldout"):
                 d = info[name][split]
                 tracking.log_dataset(c, ctx.mlflow_run_id, out / d["path"], f"{name}-{split}",
                                      "training" if split == "train" else "evaluation", d["sha256"])
-    metrics = {f"{n}_{s}_rows": info[n][s]["rows"] for n in ("pretrain", "preference", "sft") for s in ("train", "heldout")}
+    made = [n for n in KINDS if n in info]
+    metrics = {f"{n}_{s}_rows": info[n][s]["rows"] for n in made for s in ("train", "heldout")}
     metrics["vocab_size"] = info["tokenizer"]["vocab_size"]
-    for n in KINDS:
+    for n in made:
         for reason, count in info[n].get("rows_bad", {}).items():
             metrics[f"{n}_bad_{reason}"] = count
     from conversions.verify import integrity
@@ -176,4 +182,4 @@ def run_data(ctx: StageContext, cfg: DataConfig) -> StageOutput:
     gate["passed"] = all(c["passed"] for c in gate["checks"])
     return StageOutput(output=out, engine="datasets", backend=cfg.backend(),
                        gate=gate, metrics=metrics,
-                       extra={"formats": {n: info[n]["format"] for n in KINDS}, "tokenizer": info["tokenizer"]["source"]})
+                       extra={"formats": {n: info[n]["format"] for n in made}, "tokenizer": info["tokenizer"]["source"]})

@@ -99,8 +99,8 @@ def validate(cfg: FinetuneConfig, pipeline=None) -> list[str]:
         errors.append(f"finetune.zero.offload_params: parameter offload needs ZeRO stage 3 (stage is {z.stage})")
     errors += offload_errors(cfg) + zero_plus_plus_errors(cfg)
     errors += batch_errors(cfg, "finetune") + schedule_errors(cfg, "finetune")
-    if cfg.gate.metric == "preference_accuracy":
-        errors.append("finetune.gate.metric: preference_accuracy is an rlhf metric (heldout_loss, exact_match or "
+    if cfg.gate.metric in ("preference_accuracy", "heldout_reward"):
+        errors.append(f"finetune.gate.metric: {cfg.gate.metric} is an rlhf metric (heldout_loss, exact_match or "
                       "lm_eval)")
     errors += lm_eval_errors(cfg.gate, "finetune")
     if cfg.lora.enabled and not cfg.lora.target_modules:

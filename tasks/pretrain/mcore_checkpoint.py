@@ -215,6 +215,15 @@ def load_weights(ckpt: Path, chunks: list) -> None:
                                f"unexpected {unexpected[:5]})")
 
 
+def load_input(ckpt: Path, chunks: list) -> None:
+    """An input checkpoint's weights, only from a folder this BATON_HOME sealed (the task rewrites any other):
+    dist_checkpointing unpickles `.metadata` with plain pickle, so it reads nothing baton did not write."""
+    why = sealed.problem(ckpt, STATE_FILE)
+    if why:
+        raise RuntimeError(f"input {ckpt}: {why}; Megatron loads only checkpoints baton wrote, not loading it")
+    load_weights(ckpt, chunks)
+
+
 def clean_partials(root: Path) -> None:
     """Leftovers of a save that was interrupted (rank 0, before training starts)."""
     if dist.get_rank() == 0 and root.exists():

@@ -10,7 +10,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from conversions import folder, manifest as mf, probe, verify
+from conversions import durable, folder, manifest as mf, megatron, probe, sealed, verify
 from conversions.megatron import architecture as checkpoint_architecture, padded_vocab_size
 from conversions.refusal import Refused
 from tasks.pretrain.config import PretrainConfig, resolved_device
@@ -19,6 +19,8 @@ from tasks.distributed import Launch, LaunchConfigError, engine_command, stage_r
 from tasks.stage import StageContext, StageOutput, training_engine_env
 
 WORKER = Path(__file__).with_name("worker.py")
+SEAL = sealed.MARKERS["megatron-dist"]
+INPUT_COPY = "input"  # in the work dir: an input checkpoint's weights as baton rewrote them for Megatron
 SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
               "tie_word_embeddings")
 
@@ -78,6 +80,23 @@ def build_spec(ctx: StageContext, cfg: PretrainConfig, vocab: int | None = None)
         "data_dir": str(ctx.data_dir), "work_dir": str(ctx.work_dir),
         "input": str(ctx.input) if ctx.input is not None else None,
     }
+
+
+def loadable_input(ctx: StageContext) -> tuple[Path, str | None]:
+    """The folder Megatron loads the input's weights from, and why it is not the input itself: the input when this
+    BATON_HOME sealed it (a baton pretrain output, an HF import), else a copy baton writes (and seals) from the tensors
+    its own reader parsed. Megatron's loader unpickles `.metadata` with plain pickle: a folder baton did not write never
+    reaches it, and the worker loads nothing whose seal does not verify."""
+    why = sealed.problem(ctx.input, SEAL)
+    if why is None:
+        return ctx.input, None
+    final, partial = ctx.work_dir / INPUT_COPY, ctx.work_dir / f"{INPUT_COPY}.partial"
+    for old in (final, partial):
+        shutil.rmtree(old, ignore_errors=True)
+    megatron.rewrite(ctx.input, partial)
+    sealed.seal(partial, SEAL, rewritten_from=str(ctx.input))
+    durable.publish_dir(partial, final)
+    return final, why
 
 
 def command(ctx: StageContext, cfg: PretrainConfig, spec_path: Path) -> list[str]:
@@ -151,6 +170,10 @@ def _median(values):
 def run_pretrain(ctx: StageContext, cfg: PretrainConfig) -> StageOutput:
     spec = build_spec(ctx, cfg)
     ctx.work_dir.mkdir(parents=True, exist_ok=True)
+    rewritten = None
+    if ctx.input is not None:
+        loaded, rewritten = loadable_input(ctx)
+        spec["input"] = str(loaded)
     spec_path = events.write_spec(ctx.work_dir / "worker_spec.json", spec)
     res = ctx.launch(command(ctx, cfg, spec_path), name="pretrain", timeout=cfg.timeout_s,
                      env=engine_env(spec["device"]))
@@ -171,5 +194,7 @@ def run_pretrain(ctx: StageContext, cfg: PretrainConfig) -> StageOutput:
                  **{k: v for k, v in r.items() if k.endswith("_mib")}},
         eval={"metric": "heldout_ppl", "before": before[2] if before else None, "after": after[2] if after else None},
         extra={"layout": r.get("layout"), "padded_vocab_size": spec["padded_vocab_size"], "fp8": cfg.fp8,
-               "peak_tflops_source": r.get("peak_tflops_source")},
+               "peak_tflops_source": r.get("peak_tflops_source"),
+               **({"input_rewritten": f"{ctx.input}: not sealed by this BATON_HOME ({rewritten}); Megatron loaded "
+                                      f"baton's rewrite of its weights, {spec['input']}"} if rewritten else {})},
     )

@@ -149,7 +149,7 @@ class Run:
             state.update({k: info[k] for k in state if k in info})
             self.log(f"resumed from {last.name} (iteration {start}, layout {info.get('layout')})")
         elif self.spec.get("input"):
-            ckpt.load_weights(Path(self.spec["input"]), self.chunks)
+            ckpt.load_input(Path(self.spec["input"]), self.chunks)
             self.optimizer.reload_model_params()
             self.log(f"initialised from the weights of {self.spec['input']}")
             self.check_input_parity(Path(self.spec["input"]))

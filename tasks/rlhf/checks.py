@@ -1,13 +1,16 @@
 """Which backend runs, and every config problem found before anything launches (cheap: no torch import)."""
 from __future__ import annotations
 
+import ast
+import re
 import shutil
 from pathlib import Path
 
 from tasks.gates import lm_eval_errors
 from tasks.hardware import visible_gpus
 
-GRPO_ONLY = ("num_generations", "max_completion_length")
+GRPO_ONLY = ("num_generations", "max_completion_length", "rewards", "clip_epsilon", "clip_epsilon_high", "loss_type",
+             "scale_rewards")
 DPO_ONLY = ("reference", "reference_model", "sft_weight")
 
 
@@ -86,16 +89,105 @@ def host_errors(cfg, pipeline) -> list[str]:
     return nemo_rl_tool_errors(kind)
 
 
+# ---- rlhf.rewards: every entry checked here, before launch (the worker only scores) ----------------------------------
+REWARD_KEYS = {"exact_match": ("extract", "answer_field", "pattern"), "regex": ("pattern",),
+               "json_schema": ("json_schema",), "length": ("min_chars", "max_chars"), "function": ("function",)}
+COMMON_REWARD_KEYS = ("kind", "weight")
+
+
+def function_source(ref: str, key: str) -> tuple[str | None, str | None, str | None, list[str]]:
+    """(absolute path, function name, the file's text, problems) of a `path/to/rewards.py:fn` reference. The file is
+    parsed, never run: the function must be defined at its top level."""
+    path_text, sep, name = ref.rpartition(":")
+    if not sep or not path_text or not name.isidentifier():
+        return None, None, None, [f"{key}: {ref!r} is not 'path/to/rewards.py:function_name'"]
+    path = Path(path_text).expanduser()
+    if not path.is_file():
+        return None, None, None, [f"{key}: {path}: no such file" if not path.exists() else f"{key}: {path} is not a "
+                                  "regular file"]
+    try:
+        source = path.read_text(encoding="utf-8")
+        tree = ast.parse(source, filename=str(path))
+    except (OSError, UnicodeDecodeError) as e:
+        return None, None, None, [f"{key}: {path}: cannot read ({e})"]
+    except SyntaxError as e:
+        return None, None, None, [f"{key}: {path}:{e.lineno}: not valid Python ({e.msg})"]
+    defined = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    if name not in defined:
+        return None, None, None, [f"{key}: {path} defines no function {name!r} at its top level (it defines: "
+                                  f"{', '.join(defined) or 'none'})"]
+    return str(path.resolve()), name, source, []
+
+
+def _pattern_errors(pattern: str | None, key: str) -> list[str]:
+    if pattern is None:
+        return [f"{key}: required"]
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        return [f"{key}: {pattern!r} is not a regular expression ({e})"]
+    return []
+
+
+def _schema_errors(schema: dict | None, key: str) -> list[str]:
+    if schema is None:
+        return [f"{key}: required (the JSON Schema, inline)"]
+    import jsonschema
+
+    try:
+        jsonschema.Draft202012Validator.check_schema(schema)
+    except jsonschema.SchemaError as e:
+        return [f"{key}: not a valid JSON Schema ({e.message})"]
+    return []
+
+
+def reward_errors(reward, key: str) -> list[str]:
+    """One rlhf.rewards entry: the keys its kind reads are given and sound, no key of another kind is set."""
+    own = REWARD_KEYS[reward.kind]
+    errors = [f"{key}.{k}: not used by kind {reward.kind} (it reads: {', '.join(own)})"
+              for k in reward.model_fields_set if k not in own + COMMON_REWARD_KEYS]
+    if reward.kind == "regex" or (reward.kind == "exact_match" and reward.extract == "regex"):
+        errors += _pattern_errors(reward.pattern, f"{key}.pattern")
+    elif reward.kind == "exact_match" and reward.pattern is not None:
+        errors.append(f"{key}.pattern: only used with extract regex (extract is {reward.extract})")
+    if reward.kind == "json_schema":
+        errors += _schema_errors(reward.json_schema, f"{key}.json_schema")
+    if reward.kind == "length":
+        if reward.min_chars is None and reward.max_chars is None:
+            errors.append(f"{key}: kind length needs min_chars, max_chars or both")
+        elif None not in (reward.min_chars, reward.max_chars) and reward.min_chars > reward.max_chars:
+            errors.append(f"{key}: min_chars {reward.min_chars} is above max_chars {reward.max_chars}")
+    if reward.kind == "function":
+        errors += [f"{key}.function: required ('path/to/rewards.py:fn')"] if reward.function is None else \
+            function_source(reward.function, f"{key}.function")[3]
+    return errors
+
+
+def rewards_errors(cfg, pipeline) -> list[str]:
+    errors = [e for i, r in enumerate(cfg.rewards) for e in reward_errors(r, f"rlhf.rewards[{i}]")]
+    data = getattr(pipeline, "data", None)
+    if cfg.rewards and data is not None and "data" in pipeline.stages and data.prompts is None:
+        errors.append("rlhf.rewards: score prompts with reference answers, and data.prompts is not set (e.g. "
+                      "data.prompts: {kind: synthetic} for the arithmetic task, or {kind: files, train: PATH})")
+    if cfg.gate.metric == "heldout_reward" and not cfg.rewards:
+        errors.append("rlhf.gate.metric: heldout_reward needs rlhf.rewards (algorithm grpo on data.prompts)")
+    if cfg.gate.metric in ("heldout_loss", "preference_accuracy") and cfg.rewards:
+        errors.append(f"rlhf.gate.metric: {cfg.gate.metric} is measured on preference pairs; with rlhf.rewards the "
+                      "gate is heldout_reward (or lm_eval)")
+    return errors
+
+
 def validate(cfg, pipeline) -> list[str]:
     errors = []
     set_keys = cfg.model_fields_set
     if cfg.gate.metric == "exact_match":
-        errors.append("rlhf.gate.metric: exact_match is a finetune metric (heldout_loss, preference_accuracy or "
-                      "lm_eval)")
+        errors.append("rlhf.gate.metric: exact_match is a finetune metric (heldout_loss, preference_accuracy, "
+                      "heldout_reward or lm_eval)")
     if cfg.gate.metric == "lm_eval" and cfg.algorithm == "rm":
         errors.append("rlhf.gate.metric: lm_eval scores a policy, and algorithm rm trains a reward model (its gate is "
                       "preference_accuracy)")
     errors += lm_eval_errors(cfg.gate, "rlhf")
+    errors += rewards_errors(cfg, pipeline)
     if cfg.algorithm == "dpo" and cfg.beta <= 0:
         errors.append(f"rlhf.beta: DPO needs beta > 0 (got {cfg.beta})")
     if cfg.algorithm == "grpo" and cfg.beta < 0:

@@ -22,6 +22,27 @@ class NemoRlConfig(StrictModel):
     overrides: list[str] = Field(default_factory=list, description="extra NeMo-RL key=value overrides, passed last")
 
 
+class RewardConfig(StrictModel):
+    """One verifiable reward of algorithm grpo on data.prompts (conversions/rewards.py). The rewards of a list are
+    summed, each times its weight."""
+
+    kind: Literal["exact_match", "regex", "json_schema", "length", "function"] = Field(
+        ..., description="exact_match: the final answer equals the row's; regex: the pattern is found; json_schema: "
+                         "the reply is JSON the schema accepts; length: its characters within bounds; function: yours")
+    weight: float = Field(1.0, description="multiplies this reward in the sum")
+    extract: Literal["last_number", "boxed", "regex", "full"] = Field(
+        "last_number", description="exact_match: the final answer is the last number, the last \\boxed{}, group 1 of "
+                                   "the pattern's last match, or the full reply (stripped)")
+    answer_field: str = Field("answer", description="exact_match: the row's column holding the reference answer")
+    pattern: str | None = Field(None, description="regex: the pattern to find; exact_match extract regex: group 1 "
+                                                  "is the answer")
+    json_schema: dict | None = Field(None, description="json_schema: the JSON Schema (inline)")
+    min_chars: int | None = Field(None, ge=0, description="length: fewest characters")
+    max_chars: int | None = Field(None, ge=0, description="length: most characters")
+    function: str | None = Field(None, description="function: 'path/to/rewards.py:fn', called fn(prompt, completion, "
+                                                   "**row) -> float in the worker")
+
+
 class RlhfConfig(TrainingConfig):
     """Preference optimisation of the input HF checkpoint on the data stage's preference pairs. nemo_rl: the global
     batch is micro_batch_size × gradient_accumulation_steps (its own micro batch is nemo_rl.micro_batch_size)."""
@@ -34,12 +55,14 @@ class RlhfConfig(TrainingConfig):
         "auto", description="auto: nemo_rl when a GPU and a NeMo-RL runtime are present, else trl")
     algorithm: Literal["dpo", "rm", "grpo"] = Field(
         "dpo", description="dpo: DPO plus an SFT loss on the chosen replies; rm: a reward model saved beside, the "
-                           "policy unchanged; grpo: reward from the preference data")
+                           "policy unchanged; grpo: rlhf.rewards on data.prompts, else a reward from the preference "
+                           "data")
     micro_batch_size: int = Field(32, ge=1, description="pairs (dpo, rm) or completions (grpo) per step and process")
     nproc_per_node: int = Field(1, ge=1, le=8, description="trl: CPU processes (torchrun, gloo) when > 1")
     lr_schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="learning-rate schedule "
                                                                                           "after the warm-up")
-    beta: float = Field(0.1, description="dpo: preference temperature (> 0); grpo: KL penalty to the reference (>= 0)")
+    beta: float = Field(0.1, description="dpo: preference temperature (> 0); grpo: KL penalty to the reference (>= 0; "
+                                         "0 as in DAPO and Dr. GRPO: no reference model)")
     sft_weight: float = Field(
         1.0, ge=0, description="dpo: weight of an SFT loss on the chosen replies added to the DPO loss (RPO; NeMo-RL "
                                "dpo.sft_loss_weight); keeps a model new to the chat format generating replies")
@@ -48,6 +71,16 @@ class RlhfConfig(TrainingConfig):
     reference_model: str | None = Field(None, description="another HF checkpoint folder as the dpo reference")
     num_generations: int = Field(4, ge=2, description="grpo: completions sampled per prompt")
     max_completion_length: int = Field(16, ge=1, description="grpo: new tokens per completion")
+    rewards: list[RewardConfig] = Field(default_factory=list, description="grpo: verifiable rewards on data.prompts, "
+                                                                          "summed with their weights")
+    clip_epsilon: float = Field(0.2, gt=0, description="grpo: the policy ratio is clipped to 1 ± clip_epsilon (TRL "
+                                                      "epsilon)")
+    clip_epsilon_high: float | None = Field(None, gt=0, description="grpo: upper clip (DAPO's clip-higher, e.g. 0.28; "
+                                                                    "TRL epsilon_high); unset: clip_epsilon")
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo"] = Field("dapo", description="grpo: how token losses are "
+                                                                                      "averaged (TRL loss_type)")
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="grpo: advantages divided by the reward std of the group, of the batch, or not (Dr. GRPO)")
     dataloader_workers: int = Field(0, ge=0, description="trl: data-loader worker processes per rank (each copies "
                                                       "the dataset; above ~8 CPU RAM blows up)")
     gate: GateConfig = GateConfig()

@@ -31,15 +31,38 @@ class RlhfInputError(Refused):
     pass
 
 
+def dataset_of(cfg: RlhfConfig) -> str:
+    """The data stage's dataset the run trains on: prompts with answers when rewards score them, else preference
+    pairs."""
+    return "prompts" if cfg.rewards else "preference"
+
+
+def reward_specs(cfg: RlhfConfig) -> list[dict]:
+    """rlhf.rewards as the worker reads them; a user function travels as the text of its file, read and checked here
+    once (what was checked is what runs)."""
+    specs = []
+    for i, r in enumerate(cfg.rewards):
+        spec = r.model_dump(exclude={"function"})
+        if r.kind == "function":
+            path, name, source, problems = checks.function_source(r.function, f"rlhf.rewards[{i}].function")
+            if problems:
+                raise RlhfInputError("; ".join(problems))
+            spec.update(path=path, name=name, source=source)
+        specs.append(spec)
+    return specs
+
+
 def check_inputs(ctx: StageContext, cfg: RlhfConfig) -> None:
     problems = gates.lm_eval_errors(cfg.gate, "rlhf") + gates.lm_eval_path_errors(cfg.gate, "rlhf")
     if ctx.input is None or not (Path(ctx.input) / "config.json").exists():
         problems.append(f"rlhf: input {ctx.input} is not an HF checkpoint (no config.json)")
     elif problem := chat_template.missing_problem("rlhf", ctx, "format the preference prompts"):
         problems.append(problem)
+    dataset = dataset_of(cfg)
     for split in ("train", "heldout"):
-        if ctx.data_dir is None or not (Path(ctx.data_dir) / "preference" / f"{split}.jsonl").exists():
-            problems.append(f"rlhf: data {ctx.data_dir} lacks preference/{split}.jsonl (run the data stage)")
+        if ctx.data_dir is None or not (Path(ctx.data_dir) / dataset / f"{split}.jsonl").exists():
+            hint = "set data.prompts and run the data stage" if dataset == "prompts" else "run the data stage"
+            problems.append(f"rlhf: data {ctx.data_dir} lacks {dataset}/{split}.jsonl ({hint})")
     if problems:
         raise RlhfInputError("; ".join(problems))
 
@@ -68,6 +91,10 @@ def gate_eval(cfg: RlhfConfig, ctx: StageContext, facts: dict, out: Path) -> tup
     task on the input and the output policy `out`, or held-out preference accuracy (reward models have no loss:
     always their accuracy)."""
     metric = gates.resolve_metric(cfg.gate, ctx.data_dir, "preference", "preference_accuracy")
+    if cfg.rewards and metric != "lm_eval":
+        ev = {"metric": "heldout_reward", **{k: facts.get(k) for k in (
+            "before", "after", "solved_before", "solved_after", "heldout_prompts")}}
+        return ev, gates.check("heldout_reward", ev["before"], ev["after"], cfg.gate.min_improvement)
     if metric == "lm_eval" and cfg.algorithm != "rm":
         ev = gates.run_lm_eval(ctx, cfg.gate, out, cfg.resolved_device(), cfg.timeout_s)
         return ev, gates.lm_eval_check(ev, cfg.gate.min_improvement)
@@ -145,6 +172,8 @@ def worker_spec(ctx: StageContext, cfg: RlhfConfig, out: Path, template: Path | 
             "seq_length", 128), "overlong": cfg.overlong, "sft_weight": cfg.sft_weight, "reference": cfg.reference,
         "reference_model": str(cfg.reference_model) if cfg.reference_model else None,
         "num_generations": cfg.num_generations, "max_completion_length": cfg.max_completion_length,
+        "dataset": dataset_of(cfg), "rewards": reward_specs(cfg), "clip_epsilon": cfg.clip_epsilon,
+        "clip_epsilon_high": cfg.clip_epsilon_high, "loss_type": cfg.loss_type, "scale_rewards": cfg.scale_rewards,
         "seed": ctx.seed, "dataloader_workers": cfg.dataloader_workers, "checkpoint_every": cfg.checkpoint_every,
         "keep_checkpoints": cfg.keep_checkpoints, "stage": ctx.stage,
         "chat_template": str(template) if template else None, "evaluate": evaluate,
@@ -190,11 +219,13 @@ def run_trl(ctx: StageContext, cfg: RlhfConfig) -> StageOutput:
     margins = _series(res, "train/rewards_margins") or _series(res, "train/margin") or _series(res, "train/reward")
     metrics = {k: facts.get(k) for k in ("heldout_kl_to_reference", "train_pairs", "heldout_pairs",
                                          "overlong_dropped", "overlong_truncated", "heldout_loss_before",
-                                         "heldout_loss_after")}
+                                         "heldout_loss_after", "train_prompts", "heldout_prompts")}
     metrics["wall_s"] = facts.get("seconds")
     metrics["peak_mem_mib"] = facts.get("peak_mem_mib")
     metrics["resumed_from_step"] = facts.get("resumed_from")
     metrics.update({f"{facts.get('metric')}_{k}": facts.get(k) for k in ("before", "after")})
+    if cfg.rewards:
+        metrics.update(heldout_solved_before=facts.get("solved_before"), heldout_solved_after=facts.get("solved_after"))
     ev, eval_check = gate_eval(cfg, ctx, facts, out)
     metrics.update(gates.lm_eval_metrics(ev))
     if margins:

@@ -16,11 +16,13 @@ import re
 import resource
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-from conversions import chat, durable, hf, manifest as mf, sealed
+from conversions import chat, durable, hf, manifest as mf, rewards as rw, sealed
 from tasks import events
 
 RANK = int(os.environ.get("RANK", "0"))
@@ -60,7 +62,8 @@ SPEC_PATHS = ("input", "data", "output", "reference_model", "chat_template")
 SPEC_KEYS = ("input", "data", "output", "algorithm", "steps", "micro_batch_size", "gradient_accumulation_steps", "lr",
              "lr_schedule", "warmup_steps", "grad_clip", "weight_decay", "precision", "beta", "max_seq_length",
              "overlong", "sft_weight", "reference", "reference_model", "num_generations", "max_completion_length", "seed",
-             "dataloader_workers", "checkpoint_every", "keep_checkpoints", "stage", "chat_template", "evaluate")
+             "dataloader_workers", "checkpoint_every", "keep_checkpoints", "stage", "chat_template", "evaluate",
+             "dataset", "rewards", "clip_epsilon", "clip_epsilon_high", "loss_type", "scale_rewards")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -384,6 +387,88 @@ def train_grpo(a, tok, train_pairs: list[dict], work: Path):
                        train_dataset=prompts, processing_class=tok, callbacks=[stream_callback()])
 
 
+# ---- GRPO with verifiable rewards on prompts with answers (rlhf.rewards, data.prompts) -------------------------------
+def format_prompts(tok, rows: list[dict], split: str) -> list[dict]:
+    """Canonical prompts rows → the rendered prompt (as TRL tokenizes it), the text rewards see, the row's other
+    columns, and where the row lies (prompts/<split>.jsonl:<line>, named when a reward fails on it)."""
+    return [{"prompt": chat.for_special_tokens(tok, chat.prompt_text(tok, r["prompt"])),
+             "text": rw.last_user_text(r["prompt"]), "fields": rw.row_fields(r),
+             "where": f"prompts/{split}.jsonl:{i}"} for i, r in enumerate(rows, start=1)]
+
+
+def trl_reward(reward: rw.Reward, rows: list[dict]):
+    """One reward as a TRL reward function: TRL passes the dataset's columns, of which row_index finds the row."""
+    def score(prompts, completions, row_index, **kwargs) -> list[float]:
+        return [reward.score(rows[i]["text"], text, rows[i]["fields"], rows[i]["where"])
+                for i, text in zip(row_index, completions)]
+
+    score.__name__ = reward.name
+    return score
+
+
+def train_grpo_rewards(a, tok, rows: list[dict], work: Path):
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOConfig, GRPOTrainer
+
+    model = AutoModelForCausalLM.from_pretrained(str(a.input), dtype=torch.float32)
+    rewards = [rw.build(spec, i) for i, spec in enumerate(a.rewards)]
+    prompts = Dataset.from_list([{"prompt": r["prompt"], "row_index": i} for i, r in enumerate(rows)])
+    args = GRPOConfig(**common_args(a, work), beta=a.beta, num_generations=a.num_generations,
+                      max_completion_length=a.max_completion_length, temperature=1.0, use_vllm=False,
+                      log_completions=False, epsilon=a.clip_epsilon, epsilon_high=a.clip_epsilon_high,
+                      loss_type=a.loss_type, scale_rewards=a.scale_rewards,
+                      reward_weights=[r.weight for r in rewards])
+    return GRPOTrainer(model=model, reward_funcs=[trl_reward(r, rows) for r in rewards], args=args,
+                       train_dataset=prompts, processing_class=tok, callbacks=[stream_callback()])
+
+
+@torch.no_grad()
+def greedy_replies(model, tok, prompts: list[str], max_new_tokens: int, batch: int = EVAL_BATCH) -> list[str]:
+    """Greedy completions of rendered prompts, tokenized as TRL tokenizes them (special tokens added), decoded
+    without special tokens as TRL decodes its samples."""
+    model.eval()
+    side, tok.padding_side = tok.padding_side, "left"
+    out = []
+    try:
+        for start in range(0, len(prompts), batch):
+            enc = tok(prompts[start:start + batch], return_tensors="pt", padding=True)
+            ids = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+            out += tok.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    finally:
+        tok.padding_side = side
+    return out
+
+
+def reward_facts(model, tok, rows: list[dict], rewards: list[rw.Reward], max_new_tokens: int, label: str) -> dict:
+    """Mean weighted reward of greedy replies to the held-out prompts, and the fraction solved (every reward full)."""
+    replies = greedy_replies(model, tok, [r["prompt"] for r in rows], max_new_tokens)
+    total, solved = 0.0, 0
+    for r, reply in zip(rows, replies):
+        scores = [w.score(r["text"], reply, r["fields"], r["where"]) for w in rewards]
+        total += sum(w.weight * x for w, x in zip(rewards, scores))
+        solved += rw.solved(scores)
+    if replies:
+        print(f"held-out {label}: {rows[0]['text']!r} → {replies[0]!r}", flush=True)
+    n = max(len(rows), 1)
+    return {"heldout_reward": total / n, "heldout_solved": solved / n}
+
+
+def rewards_before(a, tok, held: list[dict]) -> dict:
+    rewards = [rw.build(spec, i) for i, spec in enumerate(a.rewards)]
+    return reward_facts(load_eval_model(a.input, a.algorithm), tok, held, rewards, a.max_completion_length, "before")
+
+
+def evaluate_rewards(a, tok, held: list[dict], before: dict) -> dict:
+    """heldout_reward and the fraction solved, of the input (measured before training) and of the saved output."""
+    rewards = [rw.build(spec, i) for i, spec in enumerate(a.rewards)]
+    after = reward_facts(load_eval_model(a.output, a.algorithm), tok, held, rewards, a.max_completion_length, "after")
+    return _printed({"metric": "heldout_reward", "before": before["heldout_reward"], "after": after["heldout_reward"],
+                     "solved_before": before["heldout_solved"], "solved_after": after["heldout_solved"],
+                     "heldout_prompts": len(held)})
+
+
 TRAINERS = {"dpo": train_dpo, "rm": train_rm, "grpo": train_grpo}
 
 
@@ -440,9 +525,45 @@ def evaluate(a, tok, held_pairs: list[dict], before: dict | None = None) -> dict
 
 
 def _printed(facts: dict) -> dict:
-    print(f"{facts['metric']}: {facts['before']:.4f} before, {facts['after']:.4f} after "
-          f"({facts['heldout_pairs']} held-out pairs)", flush=True)
+    held = (f"{facts['heldout_prompts']} held-out prompts" if "heldout_prompts" in facts else
+            f"{facts['heldout_pairs']} held-out pairs")
+    print(f"{facts['metric']}: {facts['before']:.4f} before, {facts['after']:.4f} after ({held})", flush=True)
     return facts
+
+
+@dataclass
+class Recipe:
+    """What one run trains on and how it is measured: preference pairs (dpo, rm, grpo's preference reward) or prompts
+    with answers (grpo with rlhf.rewards)."""
+
+    make_trainer: Callable          # (work folder) → the TRL trainer
+    measure_before: Callable        # () → the input's held-out facts
+    evaluate: Callable              # (before) → the summary's eval facts, input and saved output
+    facts: dict                     # about the training rows
+
+
+def preference_recipe(a, tok, held_pairs: list[dict]) -> Recipe:
+    train_pairs, overlong = drop_overlong(tok, format_pairs(tok, read_jsonl(a.data / "preference" / "train.jsonl")),
+                                          a.max_seq_length, a.overlong)
+    if not train_pairs:
+        raise SystemExit(f"no preference pair fits in --max-seq-length {a.max_seq_length} ({overlong} over-long)")
+    return Recipe(make_trainer=lambda work: TRAINERS[a.algorithm](a, tok, trl_pairs(tok, train_pairs), work),
+                  measure_before=lambda: before_facts(a, tok, held_pairs),
+                  evaluate=lambda before: evaluate(a, tok, held_pairs, before),
+                  facts={"train_pairs": len(train_pairs),
+                         ("overlong_dropped" if a.overlong == "drop" else "overlong_truncated"): overlong})
+
+
+def prompts_recipe(a, tok) -> Recipe:
+    train = format_prompts(tok, read_jsonl(a.data / "prompts" / "train.jsonl"), "train")
+    held = format_prompts(tok, read_jsonl(a.data / "prompts" / "heldout.jsonl"), "heldout")
+    return Recipe(make_trainer=lambda work: train_grpo_rewards(a, tok, train, work),
+                  measure_before=lambda: rewards_before(a, tok, held),
+                  evaluate=lambda before: evaluate_rewards(a, tok, held, before), facts={"train_prompts": len(train)})
+
+
+FINAL_FACTS = {"heldout_kl_to_reference": "heldout_kl_to_reference", "heldout_loss_after": "heldout_loss",
+               "solved_after": "heldout_solved"}  # summary fact → its eval/ metric at the last step
 
 
 def main(argv=None) -> None:
@@ -456,24 +577,24 @@ def main(argv=None) -> None:
         tok.chat_template = a.chat_template.read_text(encoding="utf-8")
     if not tok.chat_template:
         raise SystemExit(f"{a.input}: the tokenizer has no chat template; preference prompts cannot be formatted")
-    held_pairs = format_pairs(tok, read_jsonl(a.data / "preference" / "heldout.jsonl"))
-    if a.evaluate:  # an output another engine wrote (NeMo-RL): measure it the same way
-        facts = evaluate(a, tok, held_pairs)
-        events.emit("result", **facts, algorithm=a.algorithm)
-        return
-    train_pairs, overlong = drop_overlong(tok, format_pairs(tok, read_jsonl(a.data / "preference" / "train.jsonl")),
-                                          a.max_seq_length, a.overlong)
-    if not train_pairs:
-        raise SystemExit(f"no preference pair fits in --max-seq-length {a.max_seq_length} ({overlong} over-long)")
+    if a.dataset == "prompts":
+        recipe = prompts_recipe(a, tok)
+    else:
+        held_pairs = format_pairs(tok, read_jsonl(a.data / "preference" / "heldout.jsonl"))
+        if a.evaluate:  # an output another engine wrote (NeMo-RL): measure it the same way
+            facts = evaluate(a, tok, held_pairs)
+            events.emit("result", **facts, algorithm=a.algorithm)
+            return
+        recipe = preference_recipe(a, tok, held_pairs)
 
     before = None
     if RANK == 0:
-        before = before_facts(a, tok, held_pairs)
+        before = recipe.measure_before()
         events.metric(0, eval_metrics(before))
 
     work = a.output.parent / (a.output.name + ".trl")
     resume = newest_complete(work) if a.checkpoint_every > 0 else None
-    trainer = TRAINERS[a.algorithm](a, tok, trl_pairs(tok, train_pairs), work)
+    trainer = recipe.make_trainer(work)
     trainer.remove_callback(PrinterCallback)  # our callback streams the same logs as events
     trainer.add_callback(checkpoint_callback(a.keep_checkpoints))
     if RANK == 0:
@@ -488,13 +609,12 @@ def main(argv=None) -> None:
             model.save_pretrained(str(a.output), safe_serialization=True)
             hf.copy_tokenizer(a.input, a.output, chat_template=a.chat_template)
         seconds = round(time.time() - t0, 2)
-        facts = {**evaluate(a, tok, held_pairs, before), "train_pairs": len(train_pairs), "seconds": seconds,
-                 "peak_mem_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # rank 0's peak RSS
-                 ("overlong_dropped" if a.overlong == "drop" else "overlong_truncated"): overlong}
+        facts = {**recipe.evaluate(before), **recipe.facts, "seconds": seconds,
+                 "peak_mem_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # rank 0's peak RSS
         final = {facts["metric"]: facts["after"]}
-        for key in ("heldout_kl_to_reference", "heldout_loss_after"):
+        for key, name in FINAL_FACTS.items():
             if key in facts:
-                final[key.removesuffix("_after")] = facts[key]
+                final[name] = facts[key]
         events.metric(trainer.state.global_step, eval_metrics(final))
         write_manifest(a, a.output, {"eval": facts})
         events.emit("result", **facts, algorithm=a.algorithm, backend="trl", steps=trainer.state.global_step)
