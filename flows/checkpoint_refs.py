@@ -1,18 +1,18 @@
 """One way to name a checkpoint. Every command that takes one (`verify`, `manifest`, `convert`, `lineage`, `serve`,
 `run --from`) accepts a folder, `name@alias` or `name/version` (the model registry: a version registered in place
-names its folder in the `checkpoint_path` tag, else its source is downloaded) and `hf:ORG/NAME[@REVISION]` (a hub
-model, fetched once into BATON_HOME) alike."""
+names its folder in the `checkpoint_path` tag, else its source is downloaded), `hf:ORG/NAME[@REVISION]` (a hub
+model, fetched once into BATON_HOME) and `gguf:PATH` (a GGUF file, imported once per content into BATON_HOME) alike."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-from conversions import manifest as mf
+from conversions import gguf, manifest as mf
 from conversions.refusal import Refused
-from flows import hub
+from flows import gguf_import, hub
 from tasks import tracking
 
-FORMS = "a folder, name@alias, name/version or hf:ORG/NAME"
+FORMS = "a folder, name@alias, name/version, hf:ORG/NAME or gguf:PATH"
 
 
 class CheckpointRefError(Refused):
@@ -34,6 +34,11 @@ class Checkpoint:
 def resolve(ref: str) -> Checkpoint:
     if ref.startswith(hub.PREFIX):
         return Checkpoint(hub.fetch(ref, tracking.baton_home()))
+    if ref.startswith(gguf_import.PREFIX):
+        try:
+            return Checkpoint(gguf_import.fetch(ref, tracking.baton_home()))
+        except (gguf.GGUFError, OSError) as e:
+            raise CheckpointRefError(str(e)) from None
     folder = Path(ref)
     if folder.exists():
         if not folder.is_dir():

@@ -1,0 +1,205 @@
+"""GGUF (llama.cpp's single-file format) → a Hugging Face safetensors folder.
+
+A GGUF file is untrusted bytes. It is copied once into a private file while hashing (what is hashed is what is read:
+the original may change afterwards without effect), its structure is walked with bounds checks before any other
+reader sees it (`check_structure`), and only then transformers' GGUF support (the `gguf` package's reader: a numpy
+memmap, no pickle, no code) dequantises that private copy. The walk refuses what the reader would otherwise follow
+blindly: a string or array longer than the rest of the file, an array of billions of empty elements (the reader loops
+over every one), a tensor whose data lies outside the file.
+"""
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .refusal import Refused
+
+MAGIC = b"GGUF"
+VERSIONS = (2, 3)
+MAX_FILE_BYTES = 64 << 30          # larger than any model this CPU lane could dequantise in memory
+MAX_DIMS = 4                       # GGML_MAX_DIMS
+MAX_ARRAY_ITEMS = 1 << 24          # tokenizer vocabularies and merges are at most a few hundred thousand
+MAX_NESTING = 4
+MAX_KEY_BYTES = 1 << 16
+DEFAULT_ALIGNMENT = 32
+# GGUF value types: scalars by size; 8 = string, 9 = array (gguf.constants.GGUFValueType)
+SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+STRING, ARRAY, UINT32 = 8, 9, 4
+RECORDED_KEYS = ("general.architecture", "general.name", "general.file_type", "general.alignment")
+
+
+class GGUFError(Refused):
+    pass
+
+
+@dataclass
+class Source:
+    """The GGUF file as imported: where it came from, its digest, and what its header says."""
+    path: Path
+    sha256: str
+    size: int
+    version: int = 0
+    tensor_count: int = 0
+    metadata: dict = field(default_factory=dict)     # the RECORDED_KEYS the header has
+    tensor_types: dict = field(default_factory=dict)  # quantisation type name → number of tensors
+
+    def describe(self) -> dict:
+        return {"format": "gguf", "path": str(self.path), "sha256": self.sha256, "size": self.size,
+                "gguf_version": self.version, "tensor_count": self.tensor_count, "metadata": self.metadata,
+                "tensor_types": self.tensor_types}
+
+
+def private_copy(src: Path, work: Path, limit: int = MAX_FILE_BYTES) -> Source:
+    """Copy src into work (a folder only this process writes) while hashing it; GGUFError past `limit` bytes."""
+    src = Path(src)
+    if not src.is_file():
+        raise GGUFError(f"{src}: not a file")
+    digest, size, dst = hashlib.sha256(), 0, Path(work) / "model.gguf"
+    with open(src, "rb") as fin, open(dst, "xb") as fout:
+        while chunk := fin.read(8 << 20):
+            size += len(chunk)
+            if size > limit:
+                raise GGUFError(f"{src}: larger than {limit} bytes, the import limit")
+            digest.update(chunk)
+            fout.write(chunk)
+        fout.flush()
+        os.fsync(fout.fileno())
+    return Source(src.resolve(), digest.hexdigest(), size)
+
+
+class _Cursor:
+    def __init__(self, data, path: Path):
+        self.data, self.pos, self.path = data, 0, path
+
+    def take(self, n: int, what: str) -> bytes:
+        """The next n bytes (GGUFError when the file has fewer)."""
+        self.skip(n, what)
+        return self.data[self.pos - n:self.pos]
+
+    def skip(self, n: int, what: str) -> None:
+        left = len(self.data) - self.pos
+        if n < 0 or n > left:
+            raise GGUFError(f"{self.path}: {what} at byte {self.pos} needs {n} bytes, the file has {left} left")
+        self.pos += n
+
+    def u32(self, what: str) -> int:
+        return struct.unpack("<I", self.take(4, what))[0]
+
+    def u64(self, what: str) -> int:
+        return struct.unpack("<Q", self.take(8, what))[0]
+
+    def string(self, what: str, limit: int | None = None) -> bytes:
+        n = self.u64(what)
+        if limit is not None and n > limit:
+            raise GGUFError(f"{self.path}: {what} at byte {self.pos} is {n} bytes long (the limit is {limit})")
+        return self.take(n, what)
+
+
+def _value(cur: _Cursor, vtype: int, key: str, depth: int = 0):
+    """Skip one value of type vtype; return it when it is a scalar or a string (arrays: None)."""
+    if vtype in SCALAR_BYTES:
+        raw = cur.take(SCALAR_BYTES[vtype], key)
+        return struct.unpack("<I", raw)[0] if vtype == UINT32 else None
+    if vtype == STRING:
+        return cur.string(key).decode("utf-8", "replace")
+    if vtype != ARRAY:
+        raise GGUFError(f"{cur.path}: {key}: unknown value type {vtype}")
+    if depth >= MAX_NESTING:
+        raise GGUFError(f"{cur.path}: {key}: arrays nested deeper than {MAX_NESTING}")
+    itype, n = cur.u32(key), cur.u64(key)
+    if n > MAX_ARRAY_ITEMS:
+        raise GGUFError(f"{cur.path}: {key}: an array of {n} items (the limit is {MAX_ARRAY_ITEMS})")
+    if itype in SCALAR_BYTES:
+        cur.skip(n * SCALAR_BYTES[itype], key)
+        return None
+    for _ in range(n):  # strings or arrays: each item is at least 8 bytes, so the file's size bounds the loop
+        _value(cur, itype, key, depth + 1)
+    return None
+
+
+def check_structure(source: Source, path: Path) -> Source:
+    """Walk the header of the GGUF file at path (the private copy) with bounds checks; fill source's header fields.
+    GGUFError naming the file, the key or tensor, and the byte offset on anything out of bounds."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
+
+    if source.size < 24:
+        raise GGUFError(f"{source.path}: {source.size} bytes, too short for a GGUF header")
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        cur = _Cursor(data, source.path)
+        if cur.take(4, "magic") != MAGIC:
+            raise GGUFError(f"{source.path}: not a GGUF file (its first bytes are not {MAGIC!r})")
+        source.version = cur.u32("version")
+        if source.version not in VERSIONS:
+            raise GGUFError(f"{source.path}: GGUF version {source.version} (readable: {VERSIONS})")
+        tensor_count, kv_count = cur.u64("tensor count"), cur.u64("key count")
+        if kv_count > len(data) // 12 or tensor_count > len(data) // 24:
+            raise GGUFError(f"{source.path}: the header claims {kv_count} keys and {tensor_count} tensors, more "
+                            f"than {len(data)} bytes can hold")
+        for _ in range(kv_count):
+            key = cur.string("a key", MAX_KEY_BYTES).decode("utf-8", "replace")
+            value = _value(cur, cur.u32(key), key)
+            if key in RECORDED_KEYS and value is not None:
+                source.metadata[key] = value
+        infos = [_tensor_info(cur, GGML_QUANT_SIZES) for _ in range(tensor_count)]
+        alignment = source.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+            raise GGUFError(f"{source.path}: general.alignment {alignment!r} is not a power of two")
+        data_start = -(-cur.pos // alignment) * alignment
+        for name, ttype, offset, nbytes in infos:
+            if data_start + offset + nbytes > len(data):
+                raise GGUFError(f"{source.path}: tensor {name}: its {nbytes} bytes at offset {offset} lie past "
+                                f"the end of the file")
+            kind = GGMLQuantizationType(ttype).name
+            source.tensor_types[kind] = source.tensor_types.get(kind, 0) + 1
+        source.tensor_count = tensor_count
+    if source.metadata.get("general.file_type") in {t.value for t in LlamaFileType}:
+        source.metadata["file_type_name"] = LlamaFileType(source.metadata["general.file_type"]).name
+    return source
+
+
+def _tensor_info(cur: _Cursor, quant_sizes: dict) -> tuple[str, int, int, int]:
+    name = cur.string("a tensor name", MAX_KEY_BYTES).decode("utf-8", "replace")
+    n_dims = cur.u32(name)
+    if not 1 <= n_dims <= MAX_DIMS:
+        raise GGUFError(f"{cur.path}: tensor {name}: {n_dims} dimensions (1 to {MAX_DIMS})")
+    dims = [cur.u64(name) for _ in range(n_dims)]
+    ttype, offset = cur.u32(name), cur.u64(name)
+    if ttype not in quant_sizes:
+        raise GGUFError(f"{cur.path}: tensor {name}: unknown data type {ttype}")
+    block, type_bytes = quant_sizes[ttype]
+    elements = 1
+    for d in dims:
+        elements *= d
+    if dims[0] % block:
+        raise GGUFError(f"{cur.path}: tensor {name}: row of {dims[0]} is not a whole number of {block}-blocks")
+    return name, ttype, offset, elements // block * type_bytes
+
+
+def to_hf(gguf_path: Path, dest: Path) -> None:
+    """Dequantise the (checked, private) GGUF file into dest: config.json, generation_config.json, fp32 safetensors,
+    the tokenizer with its chat template. transformers cannot save a model it loaded from GGUF (it counts as
+    quantised), so the dequantised weights go into a plain model of the same config."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(Path(gguf_path).parent), Path(gguf_path).name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False)
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise GGUFError(f"{gguf_path}: the dequantised weights do not fit {type(plain).__name__}: missing "
+                        f"{sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    plain.tie_weights()
+    del loaded
+    Path(dest).mkdir(parents=True, exist_ok=True)
+    plain.save_pretrained(str(dest), safe_serialization=True)
+    tokenizer.save_pretrained(str(dest))
