@@ -43,11 +43,14 @@ AIO = {"block_size": 1048576, "queue_depth": 8, "thread_count": 1, "single_submi
 
 
 def scheduler_section(cfg: FinetuneConfig) -> dict:
+    # DeepSpeed's warm-up divides by its length, so it is at least 1 step; `warmup_steps: 0` then starts that step at
+    # the full rate (from 0 it would be one more step at lr 0: a 2-step run on a real model trained nothing)
     warmup = max(1, cfg.warmup_steps)
+    start = 0.0 if cfg.warmup_steps else 1.0
     if cfg.lr_schedule == "constant":
-        return {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": cfg.lr,
+        return {"type": "WarmupLR", "params": {"warmup_min_lr": start * cfg.lr, "warmup_max_lr": cfg.lr,
                                                "warmup_num_steps": warmup, "warmup_type": "linear"}}
-    return {"type": "WarmupCosineLR", "params": {"total_num_steps": cfg.steps, "warmup_min_ratio": 0.0,
+    return {"type": "WarmupCosineLR", "params": {"total_num_steps": cfg.steps, "warmup_min_ratio": start,
                                                  "warmup_num_steps": warmup, "cos_min_ratio": cfg.min_lr_ratio,
                                                  "warmup_type": "linear"}}
 
