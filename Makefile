@@ -27,11 +27,13 @@ $(VENV)/.baton-overlay: infra/runtimes/main.txt infra/runtimes/main.lock infra/r
 system-deps:
 	@bash infra/stack/system-deps.sh libaio-dev
 
-# Engine runtimes whose pins conflict with the main venv (serving). Built once per requirements digest.
+# Engine runtimes whose pins conflict with the main venv (serving). Built once per requirements digest; then the
+# serving engines' model registries are read and DeepSpeed's CPU ops compiled, once per build.
 runtimes: setup
 	@for rt in $$(ls infra/runtimes/*.txt | xargs -n1 basename | sed 's/\.txt$$//' | grep -v '^main$$'); do \
 		$(PYTHON) infra/runtimes/build.py $$rt >/dev/null || exit 1; done
 	@$(VENV)/bin/python -m tasks.serve.architectures  # the serving engines' model registries, read once per build
+	@$(VENV)/bin/python -m tasks.finetune.engine_ops  # DeepSpeed's CPU ops, JIT-built once per runtime
 
 # Regenerate every runtime's hash-locked set from its .txt (pip's resolver with this machine's pip configuration).
 # Pins already locked are kept (a new package adds only itself and what it needs); UPGRADE=1 resolves everything afresh.
