@@ -40,7 +40,7 @@ def test_finetune_probes_run_deepspeed_under_a_cpu_budget(tiny_config, data_dir,
     base = p.run(1)
     assert len(base["rank_peaks_mb"]) == tiny_config.finetune.nproc_per_node  # one peak per DeepSpeed rank
     assert "DeepSpeed" in open(base["log"]).read() or "deepspeed" in open(base["log"]).read()
-    budget = base["peak_rss_mb"] + 6
+    budget = base["peak_rss_mb"] + 2  # the boundary at 1 or 2 sequences: two or three probes past the first
     _assert_boundary(p, budget, find(p, budget, margin=0.0, limit=256))
     assert not list(tmp_path.glob("micro-*/")), "probe work folders are removed"
 

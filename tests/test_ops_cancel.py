@@ -18,7 +18,7 @@ from ops_stack import REPO, runs_tagged
 
 pytestmark = [pytest.mark.ops, pytest.mark.reliability, pytest.mark.long]  # ~5 min: three 2-rank launches through the stack
 
-FINETUNE = {"steps": 150, "nproc_per_node": 2, "checkpoint_every": 25, "keep_checkpoints": 1, "warmup_steps": 1,
+FINETUNE = {"steps": 60, "nproc_per_node": 2, "checkpoint_every": 20, "keep_checkpoints": 1, "warmup_steps": 1,
             "timeout_s": 900}
 GONE_WITHIN_S = 60  # Prefect's runner SIGKILLs the flow's process 30 s after its SIGTERM; the engine goes before
 
