@@ -13,9 +13,10 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run as prefect_flow_run
 
 from conversions import manifest as mf, verify
+from conversions.manifest import Format
 from conversions.refusal import Refused
 from flows.config import PipelineConfig
-from flows.chain_planner import HF, Step
+from flows.chain_planner import Step
 from flows.runs import Index, StepLock
 from flows import report
 from tasks import chat_template, events, streaming, tracking
@@ -99,9 +100,9 @@ def _register(c, cfg: PipelineConfig, step: Step, out: Path, run_id: str, mlflow
     if m is None:
         return None
     fmt = m["format"]
-    if fmt == "dataset":
+    if fmt == Format.DATASET:
         return None
-    name = cfg.tracking.registered_model if fmt == HF else f"{cfg.tracking.registered_model}-{fmt}"
+    name = cfg.tracking.registered_model if fmt == Format.HF_SAFETENSORS else f"{cfg.tracking.registered_model}-{fmt}"
     version = tracking.register_checkpoint(
         c, name, out, mlflow_run,
         tags={"stage": step.label, "format": fmt, "baton.run_id": run_id, "manifest_digest": mf.digest_of(m),

@@ -1,3 +1,4 @@
+from conversions.manifest import Format
 from tasks.serve.config import ServeConfig
 from tasks.serve.engines import vllm_cpu_head_dim_problem
 from tasks.stage import StageSpec
@@ -31,7 +32,7 @@ STAGE = StageSpec(
     name="serve",
     config_model=ServeConfig,
     task="tasks.serve.task:run_serve",
-    consumes=lambda cfg: "hf-safetensors",
+    consumes=lambda cfg: Format.HF_SAFETENSORS,
     produces=lambda cfg: None,
     validate=validate,
     cacheable=False,
