@@ -96,7 +96,8 @@ def check_architectures(cfg: PipelineConfig, steps: list, input_path: Path | Non
         if st.name in CHAT_STAGES and not verify.transformers_classes(archs):
             raise ConfigError(f"--from {input_path}: stage '{st.label}': architecture {archs} has no model class in "
                               "transformers, which the stage trains with")
-        if st.name == "convert" and st.produces == Format.MEGATRON_DIST and not set(archs) & set(megatron.FROM_HF_ARCHITECTURES):
+        if (st.name == "convert" and st.produces == Format.MEGATRON_DIST
+                and not set(archs) & set(megatron.FROM_HF_ARCHITECTURES)):
             raise ConfigError(f"--from {input_path}: stage '{st.label}': architecture {archs} does not convert to "
                               f"Megatron (baton maps {', '.join(megatron.FROM_HF_ARCHITECTURES)} only)")
         if st.name == "serve":

@@ -147,7 +147,8 @@ def add_parsers(sub) -> None:
     m.add_argument("--format")
     m.add_argument("--stage", default=None)
     m.set_defaults(fn=cmd_manifest)
-    cv = sub.add_parser("convert", help=f"convert a checkpoint (e.g. {Format.MEGATRON_DIST} → {Format.HF_SAFETENSORS})")
+    cv = sub.add_parser("convert",
+                        help=f"convert a checkpoint (e.g. {Format.MEGATRON_DIST} → {Format.HF_SAFETENSORS})")
     cv.add_argument("src")
     cv.add_argument("dst")
     cv.add_argument("--to", default=Format.HF_SAFETENSORS)
