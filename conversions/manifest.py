@@ -7,6 +7,7 @@ import json
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -16,11 +17,21 @@ from .refusal import Refused
 MANIFEST_NAME = "baton_manifest.json"
 SCHEMA = "baton.manifest/1"
 
+
+class Format(StrEnum):
+    """What a folder baton wrote holds: its manifest's `format`. The values are written into manifests, plans and
+    MLflow tags that existing checkpoints carry, so they never change; this class is their only home in the code."""
+    HF_SAFETENSORS = "hf-safetensors"
+    MEGATRON_DIST = "megatron-dist"
+    DEEPSPEED_ZERO = "deepspeed-zero"
+    DATASET = "dataset"
+
+
 FORMATS = {
-    "hf-safetensors": "Hugging Face transformers layout: config.json + *.safetensors + tokenizer",
-    "megatron-dist": "megatron.core dist_checkpointing (torch_dist) of a GPTModel",
-    "deepspeed-zero": "DeepSpeed engine.save_checkpoint folder (ZeRO partitions)",
-    "dataset": "baton data stage output: datasets and tokenizer",
+    Format.HF_SAFETENSORS: "Hugging Face transformers layout: config.json + *.safetensors + tokenizer",
+    Format.MEGATRON_DIST: "megatron.core dist_checkpointing (torch_dist) of a GPTModel",
+    Format.DEEPSPEED_ZERO: "DeepSpeed engine.save_checkpoint folder (ZeRO partitions)",
+    Format.DATASET: "baton data stage output: datasets and tokenizer",
 }
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -219,7 +230,7 @@ def build(
     root = Path(root)
     return {
         "schema": SCHEMA,
-        "format": format,
+        "format": Format(format).value,  # plain str: the manifest in memory is what a later read gives back
         "stage": stage,
         "engine": engine or {},
         "architecture": architecture or {},

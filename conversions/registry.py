@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import importlib
 
+from conversions.manifest import Format
+
 CONVERTERS: dict[tuple[str, str], str] = {
-    ("megatron-dist", "hf-safetensors"): "conversions.megatron:to_hf",
-    ("hf-safetensors", "megatron-dist"): "conversions.megatron:from_hf",
-    ("deepspeed-zero", "hf-safetensors"): "conversions.zero:to_hf",
+    (Format.MEGATRON_DIST, Format.HF_SAFETENSORS): "conversions.megatron:to_hf",
+    (Format.HF_SAFETENSORS, Format.MEGATRON_DIST): "conversions.megatron:from_hf",
+    (Format.DEEPSPEED_ZERO, Format.HF_SAFETENSORS): "conversions.zero:to_hf",
 }
 
 

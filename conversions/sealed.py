@@ -19,13 +19,14 @@ import stat
 from pathlib import Path
 
 from conversions import durable, manifest as mf
+from conversions.manifest import Format
 from conversions.refusal import Refused
 
 KEY_ENV = "BATON_SEAL_KEY"
 KEY_NAME = "seal.key"
 KEY_BYTES = 32
 # Where each engine's training checkpoints keep their seal (also what the convert step checks in its input).
-MARKERS = {"deepspeed-zero": "baton_complete.json", "megatron-dist": "baton_state.json"}
+MARKERS = {Format.DEEPSPEED_ZERO: "baton_complete.json", Format.MEGATRON_DIST: "baton_state.json"}
 
 
 class SealKeyError(Refused):

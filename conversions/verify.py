@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from . import folder, hf, manifest as mf, probe
+from .manifest import Format
 
 
 def check(name: str, passed: bool, detail: str = "") -> dict:
@@ -81,7 +82,7 @@ def finite_weights(root: Path) -> list[dict]:
     (max(0.0, nan) is 0.0). One tensor in memory at a time."""
     root = Path(root)
     fmt = (mf.read(root) or {}).get("format")
-    if fmt == "megatron-dist":
+    if fmt == Format.MEGATRON_DIST:
         tensors = _megatron_tensors(root)
     elif hf.safetensors_files(root):
         tensors = hf.iter_tensors(root)
@@ -273,9 +274,9 @@ def generation_smoke(root: Path, max_new_tokens: int = 12) -> list[dict]:
 # ---- everything ----------------------------------------------------------------------------------------------------
 def _read_back(fmt: str, root: Path):
     """(name, tensor) for every weight of an engine checkpoint, read through its format's own reader."""
-    if fmt == "megatron-dist":
+    if fmt == Format.MEGATRON_DIST:
         return _megatron_tensors(root)
-    if fmt == "deepspeed-zero":
+    if fmt == Format.DEEPSPEED_ZERO:
         from conversions import zero
 
         return ((t.name, t.produce()) for t in zero.planned_tensors(zero.open_checkpoint(root)))
@@ -296,7 +297,7 @@ def _format_of(root: Path) -> str:
     m = mf.read(root)
     if m is not None:
         return m["format"]
-    return "hf-safetensors" if (root / "config.json").exists() else "unknown"
+    return Format.HF_SAFETENSORS if (root / "config.json").exists() else "unknown"
 
 
 def verify(root: Path, against: Path | None = None, *, levels: tuple[str, ...] = ("L0", "preflight", "L1", "L2", "L3")) -> dict:
@@ -316,9 +317,9 @@ def verify(root: Path, against: Path | None = None, *, levels: tuple[str, ...] =
     if checks and not checks[-1]["passed"]:
         return report(checks, seconds)  # corrupted files: loading them would only add confusing errors
     fmt = _format_of(root)
-    if fmt in ("megatron-dist", "deepspeed-zero"):
+    if fmt in (Format.MEGATRON_DIST, Format.DEEPSPEED_ZERO):
         return report(checks + (run("L1", lambda: engine_reload(root, fmt)) if "L1" in levels else []), seconds)
-    if fmt == "dataset":
+    if fmt == Format.DATASET:
         return report(checks, seconds)
     if "preflight" in levels:
         checks += run("preflight", lambda: preflight(root), guarded=False)

@@ -11,19 +11,17 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 
+from conversions.manifest import Format
 from conversions.registry import CONVERTERS, supported
 from flows.config import ConfigError, PipelineConfig
 from tasks import chat_template
 from tasks.registry import DEFAULT_CHAIN, STAGES
 from tasks.stage import REPO_ROOT
 
-HF = "hf-safetensors"
-
-
 @dataclass
 class Step:
     name: str                        # stage name ("convert" for conversions)
-    label: str                       # unique within the run, e.g. "pretrain", "convert-megatron-dist-to-hf"
+    label: str                       # unique within the run, e.g. "pretrain", "convert-megatron-to-hf"
     consumes: str | None
     produces: str | None
     source_stage: str | None = None  # convert: the stage whose output it converts
@@ -37,7 +35,7 @@ class Step:
 
 
 def _short(fmt: str) -> str:
-    return {"hf-safetensors": "hf", "megatron-dist": "megatron", "deepspeed-zero": "zero"}.get(fmt, fmt)
+    return {Format.HF_SAFETENSORS: "hf", Format.MEGATRON_DIST: "megatron", Format.DEEPSPEED_ZERO: "zero"}.get(fmt, fmt)
 
 
 def _convert(src_fmt: str, dst_fmt: str, source_stage: str | None, implicit: bool) -> Step:
@@ -72,7 +70,7 @@ def build_steps(cfg: PipelineConfig, stages: list[str], input_format: str | None
         spec = STAGES[s]
         scfg = cfg.stage_config(s)
         if s == "data":
-            steps.append(Step("data", "data", None, "dataset"))
+            steps.append(Step("data", "data", None, Format.DATASET))
             continue
         if s == "convert":
             target = cfg.convert.to_format
@@ -88,8 +86,8 @@ def build_steps(cfg: PipelineConfig, stages: list[str], input_format: str | None
         steps.append(Step(s, s, want, spec.produces(scfg)))
         current = spec.produces(scfg) or current
         prev_stage = s
-    if current not in (None, HF, "dataset"):
-        steps.append(_convert(current, HF, prev_stage, implicit=True))
+    if current not in (None, Format.HF_SAFETENSORS, Format.DATASET):
+        steps.append(_convert(current, Format.HF_SAFETENSORS, prev_stage, implicit=True))
     labels: dict[str, int] = {}
     for st in steps:  # make labels unique when the same conversion appears twice
         n = labels.get(st.label, 0)
@@ -104,7 +102,7 @@ def data_fingerprint(cfg: PipelineConfig, common: str, input_format: str | None,
     its tokenizer is used (an HF input and data.tokenizer not 'train')."""
     from tasks.data.digest import file_digests
 
-    from_model = input_format == HF and cfg.data.tokenizer != "train"
+    from_model = input_format == Format.HF_SAFETENSORS and cfg.data.tokenizer != "train"
     tokenizer_from = [input_fingerprint, chat_template.digest(cfg.model.chat_template)] if from_model else None
     return _hash(["data", cfg.data.model_dump(), cfg.model.vocab_size, cfg.seed, _code_digest("tasks/data"), common,
                   file_digests(cfg.data), tokenizer_from])

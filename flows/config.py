@@ -18,6 +18,7 @@ from tasks.convert.config import ConvertConfig
 from tasks.data.config import DataConfig
 from tasks.finetune.config import FinetuneConfig
 from tasks.pretrain.config import PretrainConfig
+from tasks.problems import ConfigProblem
 from tasks.registry import DEFAULT_CHAIN, STAGES
 from tasks.rlhf.config import RlhfConfig
 from tasks.serve.config import ServeConfig
@@ -166,7 +167,7 @@ class PipelineConfig(StrictModel):
     def stage_config(self, name: str):
         return getattr(self, name)
 
-    def validate_stages(self, host: bool = True) -> list[str]:
+    def validate_stages(self, host: bool = True) -> list[ConfigProblem]:
         """Cross-field checks each stage declares (e.g. heads divisible by TP), run before anything launches; `host`:
         also what this machine must have to launch it (False when the stages run elsewhere, e.g. `baton k8s`)."""
         errors = paths.config_errors(self, host) + secrets.command_line_errors(self)

@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 from conversions import hf, manifest as mf
+from conversions.manifest import Format
 from flows.config import ConfigError
 
 PREFIX = "hf:"
@@ -23,7 +24,7 @@ WANTED = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.tiktoken"
 def hf_manifest(path: Path, stage: str | None = None) -> dict:
     """The manifest of an HF folder made elsewhere: architecture from config.json, every file hashed."""
     arch = {k: v for k, v in json.loads((path / "config.json").read_text()).items() if k in ARCH_KEYS}
-    return mf.build(path, format="hf-safetensors", stage=stage, architecture=arch,
+    return mf.build(path, format=Format.HF_SAFETENSORS, stage=stage, architecture=arch,
                     parameter_count=hf.parameter_count(path), dtype=hf.dominant_dtype(path),
                     engine={"name": "external"}, tokenizer_dir=path)
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from conversions import manifest as mf
+from conversions.manifest import Format
 from conversions.refusal import Refused
 from flows import runs
 from tasks.stage import Status
@@ -92,7 +93,7 @@ def _data_node(summary: dict | None) -> Node | None:
 
     for e in (summary or {}).get("stages", []):
         if e.get("name") == "data" and e.get("output") and Path(e["output"]).exists():
-            return Node(label="data", format="dataset", digest=data_digest(e["output"]), path=e["output"],
+            return Node(label="data", format=Format.DATASET, digest=data_digest(e["output"]), path=e["output"],
                         engine=e.get("engine"), gate=_gate(e), run_id=summary.get("run_id"),
                         mlflow_run_id=e.get("mlflow_run_id"), prefect_flow_run_id=e.get("prefect_flow_run_id"))
     return None
@@ -210,7 +211,7 @@ def edges(nodes: list[Node]) -> list[tuple[int, int]]:
     """Checkpoint to checkpoint in order; each data node feeds the next step (it is an input, not a checkpoint)."""
     out, prev = [], None
     for i, n in enumerate(nodes):
-        if n.format == "dataset":
+        if n.format == Format.DATASET:
             if i + 1 < len(nodes):
                 out.append((i, i + 1))
             continue

@@ -10,6 +10,7 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.runtime import flow_run as prefect_flow_run
 
 from conversions import manifest as mf
+from conversions.manifest import Format
 from flows import chain_planner as planning, checkpoint_refs, report, runs
 from flows.config import ConfigError, PipelineConfig, launch_parameter_error
 from flows.step_runner import STAGE_FLOWS, RunInfo, StageFailed, describe_stop, stopped_from_outside
@@ -48,7 +49,7 @@ def check_chat_template(cfg: PipelineConfig, steps: list, input_path: Path | Non
     """A chat stage straight on an HF input without a chat template (and no `model.chat_template`) is refused now,
     with the fix."""
     first = next((s for s in steps if s.name != "data"), None)
-    if first is None or first.name not in CHAT_STAGES or input_format != planning.HF or input_path is None:
+    if first is None or first.name not in CHAT_STAGES or input_format != Format.HF_SAFETENSORS or input_path is None:
         return
     if not mf.chat_template_present(input_path) and not cfg.model.chat_template:
         raise ConfigError(f"--from {input_path}: the model has no chat template, and stage '{first.name}' renders "
@@ -61,7 +62,7 @@ def check_chat_template(cfg: PipelineConfig, steps: list, input_path: Path | Non
 def check_serve_engine(cfg: PipelineConfig, input_path: Path | None, input_format: str | None) -> None:
     """A serve stage whose engine cannot run the input model's attention here is refused now, not after the stages
     before it (rlhf and finetune keep the architecture)."""
-    if "serve" not in cfg.stages or input_format != planning.HF or input_path is None:
+    if "serve" not in cfg.stages or input_format != Format.HF_SAFETENSORS or input_path is None:
         return
     from tasks.serve.engines import vllm_cpu_head_dim_problem
 
@@ -87,7 +88,7 @@ def check_architectures(cfg: PipelineConfig, steps: list, input_path: Path | Non
     """The input model's architecture against each stage that has a limit, now instead of after the stages before it
     (rlhf and finetune keep the architecture, so every later stage meets the input's): rlhf and finetune load it with
     transformers, HF → Megatron maps only the Llama family, and the serve engines load what their registries list."""
-    if input_format != planning.HF or input_path is None or (archs := _architectures(input_path)) is None:
+    if input_format != Format.HF_SAFETENSORS or input_path is None or (archs := _architectures(input_path)) is None:
         return
     from conversions import megatron, verify
 
@@ -95,7 +96,8 @@ def check_architectures(cfg: PipelineConfig, steps: list, input_path: Path | Non
         if st.name in CHAT_STAGES and not verify.transformers_classes(archs):
             raise ConfigError(f"--from {input_path}: stage '{st.label}': architecture {archs} has no model class in "
                               "transformers, which the stage trains with")
-        if st.name == "convert" and st.produces == "megatron-dist" and not set(archs) & set(megatron.FROM_HF_ARCHITECTURES):
+        if (st.name == "convert" and st.produces == Format.MEGATRON_DIST
+                and not set(archs) & set(megatron.FROM_HF_ARCHITECTURES)):
             raise ConfigError(f"--from {input_path}: stage '{st.label}': architecture {archs} does not convert to "
                               f"Megatron (baton maps {', '.join(megatron.FROM_HF_ARCHITECTURES)} only)")
         if st.name == "serve":

@@ -7,15 +7,17 @@ import os
 import time
 import traceback
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run as prefect_flow_run
 
 from conversions import manifest as mf, verify
+from conversions.manifest import Format
 from conversions.refusal import Refused
 from flows.config import PipelineConfig
-from flows.chain_planner import HF, Step
+from flows.chain_planner import Step
 from flows.runs import Index, StepLock
 from flows import report
 from tasks import chat_template, events, streaming, tracking
@@ -99,9 +101,9 @@ def _register(c, cfg: PipelineConfig, step: Step, out: Path, run_id: str, mlflow
     if m is None:
         return None
     fmt = m["format"]
-    if fmt == "dataset":
+    if fmt == Format.DATASET:
         return None
-    name = cfg.tracking.registered_model if fmt == HF else f"{cfg.tracking.registered_model}-{fmt}"
+    name = cfg.tracking.registered_model if fmt == Format.HF_SAFETENSORS else f"{cfg.tracking.registered_model}-{fmt}"
     version = tracking.register_checkpoint(
         c, name, out, mlflow_run,
         tags={"stage": step.label, "format": fmt, "baton.run_id": run_id, "manifest_digest": mf.digest_of(m),
@@ -114,12 +116,25 @@ def _register(c, cfg: PipelineConfig, step: Step, out: Path, run_id: str, mlflow
 # retried, in the same work dir, so the engine resumes from its last complete checkpoint. Everything else fails at once
 # with its cause: an OOM kill (the same size fails again), a full disk, a non-finite loss, a timeout (a hang), an exit
 # code (a bug, bad input).
+class EngineCause(StrEnum):
+    """Why an engine's processes failed (failure_class); only INFRASTRUCTURE is retried."""
+
+    INFRASTRUCTURE = "infrastructure"
+    TIMEOUT = "timeout"
+    OUT_OF_MEMORY = "out of memory"
+    DISK_FULL = "disk full"
+    NON_FINITE_LOSS = "non-finite loss"
+    ERROR = "error"
+
+
+# An engine's own output is all a launcher sees of its ranks (the libraries raise nothing baton could catch here), so
+# the causes are read from the lines they print.
 KILLED_MARKS = ("return code = -9", "exitcode  : -9", "Signal 9 (SIGKILL)", "SIGKILL", "Connection reset by peer",
                 "Connection closed by peer")
 FATAL_MARKS = {
-    "disk full": ("No space left on device", "ENOSPC", "DiskFullError"),
-    "non-finite loss": ("non-finite loss", "non-finite gradients", "loss is nan", "loss is inf"),
-    "out of memory": ("MemoryError", "OutOfMemoryError", "CUDA out of memory"),
+    EngineCause.DISK_FULL: ("No space left on device", "ENOSPC", "DiskFullError"),
+    EngineCause.NON_FINITE_LOSS: ("non-finite loss", "non-finite gradients", "loss is nan", "loss is inf"),
+    EngineCause.OUT_OF_MEMORY: ("MemoryError", "OutOfMemoryError", "CUDA out of memory"),
 }
 
 
@@ -156,24 +171,24 @@ def _memory_cgroup() -> Path | None:
     return Path("/sys/fs/cgroup") / v2[0][3:].lstrip("/") if v2 else None
 
 
-def failure_class(e: LaunchError, oom_kills_before: int | None = None) -> str:
-    """'infrastructure' (retried) or the cause that fails the stage at once: 'timeout', 'out of memory' (an OOM kill
-    or a MemoryError), 'disk full', 'non-finite loss', 'error'."""
+def failure_class(e: LaunchError, oom_kills_before: int | None = None) -> EngineCause:
+    """INFRASTRUCTURE (retried) or the cause that fails the stage at once: TIMEOUT, OUT_OF_MEMORY (an OOM kill or a
+    MemoryError), DISK_FULL, NON_FINITE_LOSS, ERROR."""
     if e.timed_out:
-        return "timeout"
+        return EngineCause.TIMEOUT
     text = "\n".join(e.tail)
     for cause, marks in FATAL_MARKS.items():  # first: a rank's real cause beats its peers' "connection closed"
         if any(m in text for m in marks):
             return cause
     if oom_kills_before is not None and oom_kills() > oom_kills_before:
-        return "out of memory"
+        return EngineCause.OUT_OF_MEMORY
     rc = e.returncode
     if (rc is not None and (rc < 0 or rc >= 128)) or any(m in text for m in KILLED_MARKS):
-        return "infrastructure"
-    return "error"
+        return EngineCause.INFRASTRUCTURE
+    return EngineCause.ERROR
 
 
-def cause_line(e: LaunchError, cause: str) -> str:
+def cause_line(e: LaunchError, cause: EngineCause) -> str:
     """': <the engine's line that names the cause>' (the first with the most of its marks: a rank's ENOSPC line,
     naming the disk and its free space, over a library's bare errno), so the stage's one-line error says it; ''
     when no line does."""
@@ -194,7 +209,7 @@ def _run_with_retries(step: Step, ctx: StageContext, stage_cfg) -> StageOutput:
             return task(ctx, stage_cfg)
         except LaunchError as e:
             cause = failure_class(e, before)
-            if cause != "infrastructure":
+            if cause != EngineCause.INFRASTRUCTURE:
                 raise LaunchError(f"{str(e).splitlines()[0]} ({cause}; not retried){cause_line(e, cause)}",
                                   e.returncode, e.tail, timed_out=e.timed_out) from None
             if attempt == retries:

@@ -18,6 +18,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from tasks.problems import ConfigProblem
 from tasks.stage import StrictModel
 
 LOWER_IS_BETTER = {"heldout_loss"}
@@ -93,40 +94,44 @@ def is_baton_task(gate: GateConfig, stage: str) -> bool:
     return default is not None and gate.include_path is None and gate.task in (None, default)
 
 
-def lm_eval_errors(gate: GateConfig, stage: str) -> list[str]:
+def lm_eval_errors(gate: GateConfig, stage: str) -> list[ConfigProblem]:
     """Problems of the lm_eval settings that need no files, each naming its key."""
     key = f"{stage}.gate"
     if gate.metric != "lm_eval":
-        return [f"{key}.{k}: only used by metric lm_eval (metric is {gate.metric})"
+        return [ConfigProblem(f"{key}.{k}", f"{key}.{k}: only used by metric lm_eval (metric is {gate.metric})")
                 for k in LM_EVAL_KEYS if getattr(gate, k) is not None]
     if gate.task is None and default_lm_eval_task(stage) is None:
-        return [f"{key}.task: metric lm_eval on {stage} needs an lm-eval task (and gate.score): preference pairs have "
-                "no generation target, so there is no default task; e.g. gate: {metric: lm_eval, task: NAME, "
-                "score: 'exact_match,strict-match', include_path: FOLDER}"]
+        return [ConfigProblem(f"{key}.task", f"{key}.task: metric lm_eval on {stage} needs an lm-eval task (and "
+                              "gate.score): preference pairs have no generation target, so there is no default "
+                              "task; e.g. gate: "
+                              "{metric: lm_eval, task: NAME, score: 'exact_match,strict-match', include_path: FOLDER}")]
     if gate.score is not None and not SCORE_KEY.match(gate.score):
-        return [f"{key}.score: {gate.score!r} is not lm-eval's '<metric>,<filter>' result key (e.g. "
-                "'exact_match,strip'; 'acc,none' for a task without filters)"]
+        return [ConfigProblem(f"{key}.score", f"{key}.score: {gate.score!r} is not lm-eval's '<metric>,<filter>' "
+                              "result key (e.g. 'exact_match,strip'; 'acc,none' for a task without filters)")]
     if gate.score is None and not is_baton_task(gate, stage):
-        return [f"{key}.score: required with task {gate.task or default_lm_eval_task(stage)!r} from include_path or "
-                "lm-eval: the '<metric>,<filter>' result key to compare (e.g. 'exact_match,strict-match' or 'acc,none')"]
+        return [ConfigProblem(f"{key}.score", f"{key}.score: required with task "
+                              f"{gate.task or default_lm_eval_task(stage)!r} from include_path or lm-eval: the "
+                              "'<metric>,<filter>' result key to compare (e.g. 'exact_match,strict-match' or "
+                              "'acc,none')")]
     return []
 
 
-def lm_eval_path_errors(gate: GateConfig, stage: str) -> list[str]:
+def lm_eval_path_errors(gate: GateConfig, stage: str) -> list[ConfigProblem]:
     """What the include_path on this machine must hold: a folder of YAML files defining gate.task."""
     if gate.metric != "lm_eval" or gate.include_path is None:
         return []
     key = f"{stage}.gate.include_path"
     folder = Path(gate.include_path)
     if not folder.is_dir():
-        return [f"{key}: {folder} is not a folder" if folder.exists() else f"{key}: {folder}: no such folder"]
+        return [ConfigProblem(key, f"{key}: {folder} is not a folder" if folder.exists() else
+                              f"{key}: {folder}: no such folder")]
     names, problems = defined_task_names(folder)
     if problems:
-        return [f"{key}: {problems[0]}"]
+        return [ConfigProblem(key, f"{key}: {problems[0]}")]
     task = gate.task or default_lm_eval_task(stage)
     if task is not None and task not in names:  # (no task at all: lm_eval_errors says so)
-        return [f"{stage}.gate.task: {task!r} is not defined in include_path {folder} (its YAML files define: "
-                f"{', '.join(sorted(names)[:10]) or 'no task'})"]
+        return [ConfigProblem(f"{stage}.gate.task", f"{stage}.gate.task: {task!r} is not defined in include_path "
+                              f"{folder} (its YAML files define: {', '.join(sorted(names)[:10]) or 'no task'})")]
     return []
 
 

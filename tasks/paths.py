@@ -8,6 +8,8 @@ from __future__ import annotations
 import re
 from pathlib import Path, PurePath
 
+from tasks.problems import ConfigProblem
+
 PLAIN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 LOCAL_KINDS = ("local", "venv")
 
@@ -46,19 +48,19 @@ def _strings(obj, key: str = ""):
         yield key, obj
 
 
-def nul_errors(dumped: dict) -> list[str]:
+def nul_errors(dumped: dict) -> list[ConfigProblem]:
     """A NUL byte truncates a path in the OS and splits a log line: refused in every value."""
-    return [f"{key}: contains a NUL byte" for key, value in _strings(dumped) if "\0" in value]
+    return [ConfigProblem(key, f"{key}: contains a NUL byte") for key, value in _strings(dumped) if "\0" in value]
 
 
-def wandering_errors(key: str, value: str | None) -> list[str]:
+def wandering_errors(key: str, value: str | None) -> list[ConfigProblem]:
     """A folder the run writes into (its own checks want it absolute): without `..`, so it cannot wander."""
     if value and ".." in PurePath(value).parts:
-        return [f"{key}: {value!r} contains '..' (give the folder itself)"]
+        return [ConfigProblem(key, f"{key}: {value!r} contains '..' (give the folder itself)")]
     return []
 
 
-def read_errors(key: str, value, kind: str) -> list[str]:
+def read_errors(key: str, value, kind: str) -> list[ConfigProblem]:
     """A path the run reads: must exist as a regular file (`file`) or a folder (`dir`)."""
     if value is None or value == "":
         return []
@@ -67,10 +69,11 @@ def read_errors(key: str, value, kind: str) -> list[str]:
     if ok:
         return []
     what = "a regular file" if kind == "file" else "a folder"
-    return [f"{key}: {value} is not {what}" if p.exists() else f"{key}: {value}: no such {kind.replace('dir', 'folder')}"]
+    return [ConfigProblem(key, f"{key}: {value} is not {what}" if p.exists() else
+                          f"{key}: {value}: no such {kind.replace('dir', 'folder')}")]
 
 
-def data_source_errors(data) -> list[str]:
+def data_source_errors(data) -> list[ConfigProblem]:
     from tasks.data.config import DATASETS
     from tasks.data.sources import matched_files
 
@@ -82,11 +85,12 @@ def data_source_errors(data) -> list[str]:
             for split in ("train", "heldout"):
                 pattern = getattr(src, split)
                 if pattern and not matched_files(pattern):
-                    errors.append(f"{key}.{split}: {pattern} matches no file (a file, a folder or a glob)")
+                    errors.append(ConfigProblem(f"{key}.{split}", f"{key}.{split}: {pattern} matches no file (a "
+                                                "file, a folder or a glob)"))
     return errors
 
 
-def runtime_errors(runtimes: dict) -> list[str]:
+def runtime_errors(runtimes: dict) -> list[ConfigProblem]:
     """A runtime's python and checkout, where they are meant to be on this host (cluster kinds: on the nodes)."""
     errors = []
     for name, rt in runtimes.items():
@@ -97,7 +101,7 @@ def runtime_errors(runtimes: dict) -> list[str]:
     return errors
 
 
-def config_errors(cfg, host: bool = True) -> list[str]:
+def config_errors(cfg, host: bool = True) -> list[ConfigProblem]:
     """Every path problem of a PipelineConfig; `host`: also whether what it reads exists on this machine."""
     errors = nul_errors(cfg.model_dump(mode="json"))
     errors += wandering_errors("finetune.zero.nvme_path", cfg.finetune.zero.nvme_path)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 
+from tasks.problems import ConfigProblem
+
 REDACTED = "***redacted***"
 # whole words of a key (HF_TOKEN, db_password, apiKey): `tokenizer` and `max_tokens` are not secrets
 SECRET_WORDS = {"pass", "passwd", "password", "pwd", "secret", "token", "apikey", "credential", "credentials", "auth",
@@ -38,7 +40,7 @@ def redact(obj, path: tuple = ()):
     return obj
 
 
-def command_line_errors(cfg) -> list[str]:
+def command_line_errors(cfg) -> list[ConfigProblem]:
     """Config lists that become command-line arguments (visible to every user in `ps`, kept in shell histories and
     job records) must not carry a secret: `--hf-token X`, `--api-key=X`, `logger.wandb.api_key=X`."""
     lists = {f"serve.engine_args.{k}": v for k, v in cfg.serve.engine_args.items()}
@@ -50,6 +52,6 @@ def command_line_errors(cfg) -> list[str]:
         for i, arg in enumerate(args):
             flag = str(arg).split("=", 1)[0].lstrip("-")
             if flag and is_secret_key(flag):
-                errors.append(f"{key}[{i}]: {flag} would put a secret on a command line (visible in `ps`); "
-                              "set it in runtimes.<runtime>.env instead")
+                errors.append(ConfigProblem(f"{key}[{i}]", f"{key}[{i}]: {flag} would put a secret on a command line "
+                                            "(visible in `ps`); set it in runtimes.<runtime>.env instead"))
     return errors

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Tag, model_validator
 from pydantic_core import PydanticCustomError
 
 from conversions import sealed
+from tasks.problems import ConfigProblem
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -99,8 +100,8 @@ class StageSpec:
     consumes: Callable[[Any], str | None]       # checkpoint format the stage reads (None: no checkpoint input)
     produces: Callable[[Any], str | None]       # checkpoint format it writes (None: no checkpoint)
     input_required: bool = True                 # False: runs without an input checkpoint (e.g. pretrain from scratch)
-    validate: Callable[[Any, Any], list[str]] = lambda cfg, pipeline: []  # errors found before anything launches
-    validate_host: Callable[[Any, Any], list[str]] = lambda cfg, pipeline: []  # what this machine lacks to launch it
+    validate: Callable[[Any, Any], list[ConfigProblem]] = lambda cfg, pipeline: []  # found before anything launches
+    validate_host: Callable[[Any, Any], list[ConfigProblem]] = lambda cfg, pipeline: []  # what this machine lacks
     cacheable: bool = True                      # False: side effects (serving, promotion) make every run count
     trains: bool = False                        # a training stage: optimizer states in its checkpoints, memory and disk plans
     description: str = ""

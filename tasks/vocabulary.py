@@ -11,6 +11,7 @@ from pydantic import Field
 
 from conversions.probe import DTYPE_OF_PRECISION
 from tasks.hardware import resolve_device
+from tasks.problems import ConfigProblem
 from tasks.stage import StrictModel
 
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -68,25 +69,26 @@ class TrainingConfig(StrictModel):
         return DTYPE_OF_PRECISION[self.precision]
 
 
-def batch_errors(cfg: TrainingConfig, section: str) -> list[str]:
+def batch_errors(cfg: TrainingConfig, section: str) -> list[ConfigProblem]:
     """global = micro × DP × accumulation must hold exactly, whichever of them the config gives."""
     dp = cfg.data_parallel()
     if dp < 1:
         return []
     per_step = cfg.micro_batch_size * dp
     if cfg.global_batch_size is not None and cfg.global_batch_size % per_step:
-        return [f"{section}.global_batch_size {cfg.global_batch_size} is not divisible by micro_batch_size "
-                f"{cfg.micro_batch_size} × data parallel {dp} = {per_step}"]
+        return [ConfigProblem(f"{section}.global_batch_size", f"{section}.global_batch_size {cfg.global_batch_size} "
+                              f"is not divisible by micro_batch_size {cfg.micro_batch_size} × data parallel {dp} = "
+                              f"{per_step}")]
     if (cfg.global_batch_size is not None and cfg.gradient_accumulation_steps is not None
             and cfg.global_batch_size != per_step * cfg.gradient_accumulation_steps):
-        return [f"{section}.global_batch_size {cfg.global_batch_size} disagrees with micro_batch_size "
-                f"{cfg.micro_batch_size} × data parallel {dp} × gradient_accumulation_steps "
-                f"{cfg.gradient_accumulation_steps}; give one of the two"]
+        return [ConfigProblem(f"{section}.global_batch_size", f"{section}.global_batch_size {cfg.global_batch_size} "
+                              f"disagrees with micro_batch_size {cfg.micro_batch_size} × data parallel {dp} × "
+                              f"gradient_accumulation_steps {cfg.gradient_accumulation_steps}; give one of the two")]
     return []
 
 
-def schedule_errors(cfg: TrainingConfig, section: str) -> list[str]:
+def schedule_errors(cfg: TrainingConfig, section: str) -> list[ConfigProblem]:
     if cfg.warmup_steps >= cfg.steps and cfg.lr_schedule != "constant":
-        return [f"{section}.warmup_steps {cfg.warmup_steps} leaves no steps for the {cfg.lr_schedule} schedule "
-                f"(steps is {cfg.steps})"]
+        return [ConfigProblem(f"{section}.warmup_steps", f"{section}.warmup_steps {cfg.warmup_steps} leaves no steps "
+                              f"for the {cfg.lr_schedule} schedule (steps is {cfg.steps})")]
     return []

@@ -14,6 +14,7 @@ import pytest
 from flows.cli import doctor
 from flows.cli import main as baton_main
 from flows.config import load
+from tasks.problems import ConfigProblem
 
 pytestmark = pytest.mark.fast
 TINY = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
@@ -49,6 +50,32 @@ def test_tensor_parallel_not_dividing_heads():
     f = the(findings(["pretrain.tensor_parallel=3", "pretrain.nproc_per_node=3"]), "tp_heads")
     assert f.severity == "error" and "num_attention_heads 4" in f.cause
     assert f.fix == "pretrain.tensor_parallel: one of [1, 2]"
+
+
+def test_config_findings_carry_their_key_and_leave_head_counts_to_tp_heads():
+    """The stages' own problems become findings whose fix names the key each problem carries as data (never parsed
+    out of its sentence); those about tensor_parallel against the head counts are tp_heads' (it lists valid sizes)."""
+    found = findings(["pretrain.tensor_parallel=3", "pretrain.nproc_per_node=3", "serve.tensor_parallel=4",
+                      "finetune.zero.stage=5"])
+    config = {f.cause: f.fix for f in found if f.check == "config"}
+    assert not [c for c in config if "num_attention_heads" in c or "num_query_groups" in c], config
+    assert config["pretrain.tensor_parallel 3: model.ffn_hidden_size 344 is not divisible by it"] == \
+        "change pretrain.tensor_parallel"
+    assert config["serve.tensor_parallel: > 1 needs device: cuda (the CPU recipes serve on one process)"] == \
+        "change serve.tensor_parallel"
+    assert config["finetune.zero.stage: 5 is not a ZeRO stage (1, 2 or 3)"] == "change finetune.zero.stage"
+    assert {"pretrain.tensor_parallel", "serve.tensor_parallel"} <= {f.fix.split(":")[0] for f in found
+                                                                     if f.check == "tp_heads"}
+
+
+def test_every_stage_problem_carries_its_key():
+    cfg = load(TINY, ["pretrain.tensor_parallel=3", "pretrain.min_lr=1", "rlhf.beta=-1", "finetune.zero.stage=5",
+                      "serve.api_key_file=/nonexistent"], check_stages=False)
+    problems = cfg.validate_stages()
+    assert len(problems) >= 5
+    assert all(isinstance(p, ConfigProblem) and p.startswith(p.key) for p in problems), problems
+    with pytest.raises(ValueError, match="names its key first"):
+        ConfigProblem("serve.port", "the port is taken")
 
 
 def test_zero3_without_zero_init():

@@ -280,3 +280,40 @@ def test_the_deployments_tiny_model_and_data_are_configs_tiny():
         if "config" in params:
             for key in ("name", "seed", "stages", "data", "tracking"):
                 assert params["config"][key] == tiny[key], (d["entrypoint"], key)
+
+
+# Values manifests, plans and MLflow tags on disk already carry: renaming one would orphan every existing checkpoint.
+FORMATS_ON_DISK = {"hf-safetensors", "megatron-dist", "deepspeed-zero", "dataset"}
+
+
+def _format_literals(tree: ast.Module, formats: set[str]) -> list[int]:
+    """Lines where a string literal spells a format. "dataset" is also a plain word: as a dict key or in a tuple of
+    key names it names a config key, not a format. Docstrings are prose for people and may name formats."""
+    nodes = list(ast.walk(tree))
+    docstrings = {id(n.value) for n in nodes if isinstance(n, ast.Expr)}
+    key_names = {id(k) for n in nodes if isinstance(n, ast.Dict) for k in n.keys}
+    key_names |= {id(e) for n in nodes if isinstance(n, ast.Assign)
+                  and isinstance(n.value, (ast.Tuple, ast.List, ast.Set)) for e in n.value.elts}
+    distinctive = formats - {"dataset"}
+    return [n.lineno for n in nodes
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings
+            and (any(f in n.value for f in distinctive) or (n.value == "dataset" and id(n) not in key_names))]
+
+
+def test_checkpoint_formats_have_one_home():
+    """The format names live in conversions.manifest.Format alone; code elsewhere names its members."""
+    from conversions import manifest as mf
+
+    assert {f.value for f in mf.Format} == FORMATS_ON_DISK
+    assert set(mf.FORMATS) == set(mf.Format)
+    assert _format_literals(ast.parse('if fmt in (None, "dataset"):\n    x = f"to megatron-dist {y}"'),
+                            FORMATS_ON_DISK) == [1, 2]  # the check can see a literal
+    enum_home = REPO / "conversions" / "manifest.py"
+    found = [f"{f.relative_to(REPO)}:{line}" for f, tree in _modules()
+             for line in _format_literals(tree, FORMATS_ON_DISK)
+             if not (f == enum_home and _inside_class(tree, "Format", line))]
+    assert not found, "spell these as conversions.manifest.Format members:\n" + "\n".join(found)
+
+
+def _inside_class(tree: ast.Module, name: str, line: int) -> bool:
+    return any(isinstance(n, ast.ClassDef) and n.name == name and n.lineno <= line <= n.end_lineno for n in tree.body)

@@ -37,16 +37,17 @@ def cmd_verify(args) -> int:
 
 def cmd_manifest(args) -> int:
     from conversions import manifest as mf
+    from conversions.manifest import Format
 
     path = _checkpoint("manifest", args.path)
     if path is None:
         return 2
-    fmt = args.format or ("hf-safetensors" if (path / "config.json").exists() else None)
+    fmt = args.format or (Format.HF_SAFETENSORS if (path / "config.json").exists() else None)
     if fmt is None:
         print("baton manifest: cannot tell the format; pass --format", file=sys.stderr)
         return 2
     try:
-        if fmt == "hf-safetensors" and (path / "config.json").exists():
+        if fmt == Format.HF_SAFETENSORS and (path / "config.json").exists():
             from flows.hub import hf_manifest
 
             m = hf_manifest(path, stage=args.stage)
@@ -134,6 +135,8 @@ def cmd_lineage(args) -> int:
 
 
 def add_parsers(sub) -> None:
+    from conversions.manifest import Format
+
     v = sub.add_parser("verify", help="verify a checkpoint (integrity, preflight, round trip, generation)")
     v.add_argument("path")
     v.add_argument("--against", help="another HF checkpoint or a probe_logits.safetensors for logits parity")
@@ -144,10 +147,11 @@ def add_parsers(sub) -> None:
     m.add_argument("--format")
     m.add_argument("--stage", default=None)
     m.set_defaults(fn=cmd_manifest)
-    cv = sub.add_parser("convert", help="convert a checkpoint (e.g. megatron-dist → hf-safetensors)")
+    cv = sub.add_parser("convert",
+                        help=f"convert a checkpoint (e.g. {Format.MEGATRON_DIST} → {Format.HF_SAFETENSORS})")
     cv.add_argument("src")
     cv.add_argument("dst")
-    cv.add_argument("--to", default="hf-safetensors")
+    cv.add_argument("--to", default=Format.HF_SAFETENSORS)
     cv.add_argument("--from-format")
     cv.set_defaults(fn=cmd_convert)
     li = sub.add_parser("lineage", help="where a checkpoint came from: data digest → every step → serving")

@@ -309,14 +309,16 @@ def check_serve(s) -> list[Finding]:
     return found
 
 
+HEAD_COUNTS = {"model.num_attention_heads", "model.num_query_groups"}
+
+
 def check_other_config_errors(cfg) -> list[Finding]:
     """The stages' own pre-launch checks (layouts, batch sizes, ranks vs this machine), as findings."""
     out = []
-    for e in cfg.validate_stages():
-        if "tensor_parallel" in e and ("num_attention_heads" in e or "num_query_groups" in e):
+    for problem in cfg.validate_stages():
+        if problem.key.endswith(".tensor_parallel") and HEAD_COUNTS & set(problem.involves):
             continue  # check_tensor_parallel says it with the valid sizes
-        key = e.split(":")[0].split(" ")[0]
-        out.append(Finding("error", "config", e, f"change {key}"))
+        out.append(Finding("error", "config", str(problem), f"change {problem.key}"))
     return out
 
 

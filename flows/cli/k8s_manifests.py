@@ -28,6 +28,7 @@ from pathlib import Path, PurePosixPath
 
 import yaml
 
+from conversions.manifest import Format
 from flows import chain_planner as planning
 from flows.config import ConfigError, PipelineConfig
 from tasks import chat_template
@@ -181,7 +182,7 @@ def stage_jobs(cfg: PipelineConfig, root: PurePosixPath) -> list[StageJob]:
                 raise ConfigError(f"{step.name}: {e}") from None
             job.name = k8s_name(cfg.name, step.label)
             jobs.append(job)
-        if step.produces not in (None, "dataset"):
+        if step.produces not in (None, Format.DATASET):
             source = step.label
     if not jobs:
         raise ConfigError(f"stages {cfg.stages}: no training stage ({', '.join(TRAINING_STAGES)}) "

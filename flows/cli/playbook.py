@@ -216,11 +216,12 @@ def add_batch_parser(sub) -> None:
 
 def batch_prober(cfg, stage: str, data_dir: Path, input_path: Path | None, scratch: Path, steps: int = 2):
     """The stage's engine prober: its context as the pipeline builds it (model, runtimes, inputs), in `scratch`."""
+    from conversions.manifest import Format
     from tasks import chat_template
     from tasks.batch_finder import EngineProber
     from tasks.stage import StageContext
 
-    fmt = None if input_path is None else ("hf-safetensors" if stage == "finetune" else "megatron-dist")
+    fmt = None if input_path is None else (Format.HF_SAFETENSORS if stage == "finetune" else Format.MEGATRON_DIST)
     ctx = StageContext(stage=stage, run_id="batch-finder", run_dir=scratch, work_dir=scratch,
                        model=chat_template.resolved(cfg.model.model_dump()), seed=cfg.seed,
                        data_dir=Path(data_dir).resolve(), input=Path(input_path).resolve() if input_path else None,

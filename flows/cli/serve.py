@@ -12,6 +12,7 @@ def cmd_serve(args) -> int:
     from flows.config import ConfigError, load
     from tasks import events, tracking
     from tasks.serve.task import serve
+    from conversions.manifest import Format
     from tasks.stage import StageContext
 
     overrides = [f"serve.engine={args.engine}", *args.set] + ([f"serve.port={args.port}"] if args.port else [])
@@ -31,7 +32,7 @@ def cmd_serve(args) -> int:
     work = tracking.baton_home() / "serve" / _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     ctx = StageContext(stage="serve", run_id=work.name, run_dir=work, work_dir=work, model=cfg.model.model_dump(),
                        seed=cfg.seed, data_dir=Path(args.data_dir).resolve() if args.data_dir else None, input=path,
-                       input_format="hf-safetensors", runtimes=cfg.engine_runtimes(),
+                       input_format=Format.HF_SAFETENSORS, runtimes=cfg.engine_runtimes(),
                        tracking={**cfg.tracking.model_dump(), "registered_model": registered})
     serve_cfg = cfg.serve.model_copy(update={"promote": args.promote,
                                              "lm_eval": cfg.serve.lm_eval.model_copy(update={"enabled": args.eval})})

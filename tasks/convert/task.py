@@ -8,6 +8,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from conversions import durable, probe, sealed, verify
+from conversions.manifest import Format
 from tasks.convert.config import ConvertConfig
 from tasks.stage import StageContext, StageOutput, training_engine_env
 
@@ -22,7 +23,7 @@ def gate(out: Path, src: Path, to_format: str) -> dict:
     if not checks[-1]["passed"]:
         return verify.report(checks, seconds)
     finite = verify.timed(seconds, "finite", lambda: verify.finite_weights(out))
-    if to_format != "hf-safetensors" or not finite[0]["passed"]:
+    if to_format != Format.HF_SAFETENSORS or not finite[0]["passed"]:
         return verify.report(checks + finite, seconds)
     ref = src / probe.PROBE_FILE
     rep = verify.verify(out, against=ref if ref.exists() else None)  # its L0 reuses the digests just computed

@@ -7,13 +7,14 @@ import time
 from pathlib import Path
 
 from conversions import hf, manifest as mf, registry, sealed, zero
+from conversions.manifest import Format
 from tasks import events
 
 
 def refuse_unsealed(src: Path, fmt: str) -> None:
     """A training stage's checkpoint is converted only if its seal's HMAC and every digest verify, before any loader
     reads a byte of it (whoever can write the folder could otherwise swap the files and their sha256 together)."""
-    folder = src / zero.resolve_tag(src) if fmt == "deepspeed-zero" else src
+    folder = src / zero.resolve_tag(src) if fmt == Format.DEEPSPEED_ZERO else src
     why = sealed.problem(folder, sealed.MARKERS[fmt])
     if why:
         raise SystemExit(f"{folder}: {why}; not converting it")
@@ -23,7 +24,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("src", type=Path)
     ap.add_argument("dst", type=Path)
-    ap.add_argument("--to", default="hf-safetensors")
+    ap.add_argument("--to", default=Format.HF_SAFETENSORS)
     ap.add_argument("--from-format", default=None)
     ap.add_argument("--max-shard-mb", type=int, default=2048)
     ap.add_argument("--stage", default="convert")
@@ -43,15 +44,16 @@ def main() -> None:
     if args.to in sealed.MARKERS:  # baton wrote it, so a training stage may load it as it is (pretrain: from HF)
         sealed.seal(args.dst, sealed.MARKERS[args.to], converted_from=str(args.src))
     arch = dict((src_m or {}).get("architecture") or {})
+    to_hf = args.to == Format.HF_SAFETENSORS
     m = mf.build(
         args.dst, format=args.to, stage=args.stage, architecture=arch,
         engine={"name": "baton-convert", "converter": registry.CONVERTERS[(src_format, args.to)],
                 **mf.engine_versions("torch", "safetensors", "transformers")},
-        parameter_count=hf.parameter_count(args.dst) if args.to == "hf-safetensors" else info.get("parameter_count"),
-        dtype=hf.dominant_dtype(args.dst) if args.to == "hf-safetensors" else info.get("dtype"),
+        parameter_count=hf.parameter_count(args.dst) if to_hf else info.get("parameter_count"),
+        dtype=hf.dominant_dtype(args.dst) if to_hf else info.get("dtype"),
         parent=mf.parent_ref(args.src),
         extra={"from_format": src_format, "seconds": round(seconds, 3), **info},
-        tokenizer_dir=args.dst if args.to == "hf-safetensors" else args.dst / "tokenizer",
+        tokenizer_dir=args.dst if to_hf else args.dst / "tokenizer",
     )
     mf.write(args.dst, m)
     events.emit("result", seconds=seconds, from_format=src_format, to_format=args.to, info=json.loads(json.dumps(info, default=str)))

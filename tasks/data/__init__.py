@@ -1,3 +1,4 @@
+from conversions.manifest import Format
 from tasks.data.config import DataConfig, validate
 from tasks.stage import StageSpec
 
@@ -6,7 +7,7 @@ STAGE = StageSpec(
     config_model=DataConfig,
     task="tasks.data.task:run_data",
     consumes=lambda cfg: None,
-    produces=lambda cfg: "dataset",
+    produces=lambda cfg: Format.DATASET,
     input_required=False,
     validate=validate,
     description="datasets in one canonical chat form (pretraining text, preference pairs, conversations) and a "

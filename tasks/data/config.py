@@ -4,6 +4,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from tasks.problems import ConfigProblem
 from tasks.stage import StrictModel, one_or_list
 
 
@@ -75,7 +76,7 @@ class DataConfig(StrictModel):
         return "+".join(sorted(kinds)) or "synthetic"
 
 
-def validate(cfg: DataConfig, pipeline=None) -> list[str]:
+def validate(cfg: DataConfig, pipeline=None) -> list[ConfigProblem]:
     """Before anything launches: a list is not empty, synthetic stands alone, declared formats fit the dataset."""
     from tasks.data import formats
 
@@ -83,18 +84,19 @@ def validate(cfg: DataConfig, pipeline=None) -> list[str]:
     for kind in DATASETS:
         listed = cfg.sources(kind)
         if isinstance(getattr(cfg, kind), list) and not listed:
-            errors.append(f"data.{kind}: an empty list of sources (give one source, or several)")
+            errors.append(ConfigProblem(f"data.{kind}", f"data.{kind}: an empty list of sources (give one source, or "
+                                        "several)"))
         if len(listed) > 1 and any(src.kind == "synthetic" for _, src in listed):
-            errors.append(f"data.{kind}: a synthetic source cannot be mixed with others (its size is "
-                          f"data.{_SYNTHETIC_SIZE[kind]} and its gates are the synthetic ones); "
-                          "list only files and hub sources, or use synthetic alone")
+            errors.append(ConfigProblem(f"data.{kind}", f"data.{kind}: a synthetic source cannot be mixed with "
+                                        f"others (its size is data.{_SYNTHETIC_SIZE[kind]} and its gates are the "
+                                        "synthetic ones); list only files and hub sources, or use synthetic alone"))
         for key, src in listed:
             if src.kind == "synthetic" and src.max_rows is not None:
-                errors.append(f"{key}.max_rows: applies to files and hub sources; a synthetic dataset's size is "
-                              f"data.{_SYNTHETIC_SIZE[kind]}")
+                errors.append(ConfigProblem(f"{key}.max_rows", f"{key}.max_rows: applies to files and hub sources; a "
+                                            f"synthetic dataset's size is data.{_SYNTHETIC_SIZE[kind]}"))
             if src.format != "auto" and formats.kind_of(src.format) != kind:
-                errors.append(f"{key}.format: {src.format!r} is not a {kind} format "
-                              f"({', '.join(formats.FORMATS[kind])})")
+                errors.append(ConfigProblem(f"{key}.format", f"{key}.format: {src.format!r} is not a {kind} format "
+                                            f"({', '.join(formats.FORMATS[kind])})"))
     return errors
 
 

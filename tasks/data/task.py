@@ -10,6 +10,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from conversions import durable, hf, manifest as mf
+from conversions.manifest import Format
 from tasks import chat_template, tracking
 from tasks.data import formats, sources, synthetic
 from tasks.data.config import DATASETS, DataConfig, SourceConfig, validate
@@ -111,7 +112,7 @@ def _texts(sets: dict[str, tuple[list, list]]):
 
 def model_tokenizer_source(ctx: StageContext, cfg: DataConfig) -> Path | None:
     """The input checkpoint whose tokenizer the data stage uses, or None to train a new one."""
-    usable = (ctx.input is not None and ctx.input_format == "hf-safetensors"
+    usable = (ctx.input is not None and ctx.input_format == Format.HF_SAFETENSORS
               and (Path(ctx.input) / "tokenizer_config.json").exists())
     if cfg.tokenizer == "model" and not usable:
         raise sources.DataError(f"data.tokenizer: 'model' needs an HF checkpoint with a tokenizer as the run's input "
@@ -158,7 +159,8 @@ def write_data(ctx: StageContext, cfg: DataConfig) -> tuple[Path, dict]:
 def run_data(ctx: StageContext, cfg: DataConfig) -> StageOutput:
     out, info = write_data(ctx, cfg)
     write_lm_eval_task(out, stop=info["tokenizer"]["eos_token"])
-    m = mf.build(out, format="dataset", stage="data", engine={"name": "datasets", **mf.engine_versions("datasets", "tokenizers")},
+    m = mf.build(out, format=Format.DATASET, stage="data",
+                 engine={"name": "datasets", **mf.engine_versions("datasets", "tokenizers")},
                  extra={"datasets": {k: v for k, v in info.items() if k != "tokenizer"}, "revision": cfg.revision,
                         "vocab_size": info["tokenizer"]["vocab_size"], "tokenizer": info["tokenizer"]["source"]},
                  tokenizer_dir=out / "tokenizer")

@@ -1,3 +1,4 @@
+from conversions.manifest import Format
 from tasks.finetune.config import FinetuneConfig, validate
 from tasks.stage import StageSpec
 
@@ -6,8 +7,8 @@ STAGE = StageSpec(
     trains=True,
     config_model=FinetuneConfig,
     task="tasks.finetune.task:run_finetune",
-    consumes=lambda cfg: "hf-safetensors",
-    produces=lambda cfg: "deepspeed-zero",
+    consumes=lambda cfg: Format.HF_SAFETENSORS,
+    produces=lambda cfg: Format.DEEPSPEED_ZERO,
     validate=validate,
     description="DeepSpeed ZeRO supervised fine-tuning",
 )

@@ -6,6 +6,7 @@ from typing import ClassVar, Literal
 from pydantic import Field
 
 from tasks.gates import GateConfig, lm_eval_errors
+from tasks.problems import ConfigProblem
 from tasks.stage import StrictModel
 from tasks.vocabulary import TrainingConfig, batch_errors, schedule_errors
 
@@ -89,66 +90,79 @@ class FinetuneConfig(TrainingConfig):
     master_port: int = Field(0, ge=0, le=65535, description="0: pick a free port")
 
 
-def validate(cfg: FinetuneConfig, pipeline=None) -> list[str]:
+def validate(cfg: FinetuneConfig, pipeline=None) -> list[ConfigProblem]:
     """Problems found before anything launches, each naming its key."""
     errors = []
     z = cfg.zero
     if z.stage not in (1, 2, 3):
-        errors.append(f"finetune.zero.stage: {z.stage} is not a ZeRO stage (1, 2 or 3)")
+        errors.append(ConfigProblem("finetune.zero.stage", f"finetune.zero.stage: {z.stage} is not a ZeRO stage (1, "
+                                    "2 or 3)"))
     if z.offload_params != "none" and z.stage != 3:
-        errors.append(f"finetune.zero.offload_params: parameter offload needs ZeRO stage 3 (stage is {z.stage})")
+        errors.append(ConfigProblem("finetune.zero.offload_params", "finetune.zero.offload_params: parameter "
+                                    f"offload needs ZeRO stage 3 (stage is {z.stage})"))
     errors += offload_errors(cfg) + zero_plus_plus_errors(cfg)
     errors += batch_errors(cfg, "finetune") + schedule_errors(cfg, "finetune")
     if cfg.gate.metric in ("preference_accuracy", "heldout_reward"):
-        errors.append(f"finetune.gate.metric: {cfg.gate.metric} is an rlhf metric (heldout_loss, exact_match or "
-                      "lm_eval)")
+        errors.append(ConfigProblem("finetune.gate.metric", f"finetune.gate.metric: {cfg.gate.metric} is an rlhf "
+                                    "metric (heldout_loss, exact_match or lm_eval)"))
     errors += lm_eval_errors(cfg.gate, "finetune")
     if cfg.lora.enabled and not cfg.lora.target_modules:
-        errors.append("finetune.lora.target_modules: empty")
+        errors.append(ConfigProblem("finetune.lora.target_modules", "finetune.lora.target_modules: empty"))
     if pipeline is not None:
         seq = pipeline.model.seq_length
         if cfg.max_seq_length is not None and not 8 <= cfg.max_seq_length <= seq:
-            errors.append(f"finetune.max_seq_length: {cfg.max_seq_length} must be between 8 and model.seq_length {seq}")
+            errors.append(ConfigProblem("finetune.max_seq_length", f"finetune.max_seq_length: {cfg.max_seq_length} "
+                                        f"must be between 8 and model.seq_length {seq}"))
     elif cfg.max_seq_length is not None and cfg.max_seq_length < 8:
-        errors.append(f"finetune.max_seq_length: {cfg.max_seq_length} is below 8")
+        errors.append(ConfigProblem("finetune.max_seq_length", f"finetune.max_seq_length: {cfg.max_seq_length} is "
+                                    "below 8"))
     return errors
 
 
-def offload_errors(cfg: FinetuneConfig) -> list[str]:
+def offload_errors(cfg: FinetuneConfig) -> list[ConfigProblem]:
     """ZeRO-Infinity: NVMe offload is a ZeRO-3 feature and needs a folder for its swap files."""
     z = cfg.zero
     nvme = [k for k in ("offload_optimizer", "offload_params") if getattr(z, k) == "nvme"]
     errors = [f"finetune.zero.{k}: nvme offload needs ZeRO stage 3 (stage is {z.stage})" for k in nvme if z.stage != 3]
     if z.offload_optimizer == "nvme":  # measured on DeepSpeed 0.19.8, see README "Engine options"
-        errors.append("finetune.zero.offload_optimizer: nvme is refused: DeepSpeed writes no fp32 master weights or Adam "
-                      "state into its checkpoints while they are swapped to NVMe (empty partitions), so neither resume "
-                      "nor conversion could recover the training; use offload_optimizer: cpu with offload_params: nvme")
+        errors.append(ConfigProblem("finetune.zero.offload_optimizer", "finetune.zero.offload_optimizer: nvme is "
+                                    "refused: DeepSpeed writes no fp32 master weights or Adam state into its "
+                                    "checkpoints while they are swapped to NVMe (empty partitions), so neither "
+                                    "resume nor conversion could recover the training; use offload_optimizer: cpu "
+                                    "with offload_params: nvme"))
     if nvme and not z.nvme_path:
-        errors.append(f"finetune.zero.nvme_path: required by zero.{nvme[0]}: nvme")
+        errors.append(ConfigProblem("finetune.zero.nvme_path", "finetune.zero.nvme_path: required by "
+                                    f"zero.{nvme[0]}: nvme"))
     if z.nvme_path is not None:
         if not nvme:
-            errors.append("finetune.zero.nvme_path: set, but neither offload_optimizer nor offload_params is nvme")
+            errors.append(ConfigProblem("finetune.zero.nvme_path", "finetune.zero.nvme_path: set, but neither "
+                                        "offload_optimizer nor offload_params is nvme"))
         elif not Path(z.nvme_path).is_absolute():
-            errors.append(f"finetune.zero.nvme_path: {z.nvme_path!r} is not an absolute path")
+            errors.append(ConfigProblem("finetune.zero.nvme_path", f"finetune.zero.nvme_path: {z.nvme_path!r} is not "
+                                        "an absolute path"))
     return errors
 
 
-def zero_plus_plus_errors(cfg: FinetuneConfig) -> list[str]:
+def zero_plus_plus_errors(cfg: FinetuneConfig) -> list[ConfigProblem]:
     """ZeRO++ (qwZ, qgZ, hpZ) extends ZeRO-3; its quantizers are CUDA kernels, and hpZ's secondary copy only saves
     traffic when it spans fewer ranks than the whole world (one node of several)."""
     z = cfg.zero
     errors = []
     quantized = [k for k in ("quantized_weights", "quantized_gradients") if getattr(z, k)]
     used = quantized + (["hpz_partition_size"] if z.hpz_partition_size > 1 else [])
-    errors += [f"finetune.zero.{k}: ZeRO++ needs ZeRO stage 3 (stage is {z.stage})" for k in used if z.stage != 3]
+    errors += [ConfigProblem(f"finetune.zero.{k}", f"finetune.zero.{k}: ZeRO++ needs ZeRO stage 3 (stage is "
+                             f"{z.stage})") for k in used if z.stage != 3]
     device = cfg.resolved_device()
-    errors += [f"finetune.zero.{k}: refused on {device}: ZeRO++ quantization runs DeepSpeed's CUDA quantizer kernels "
-               "(needs device cuda)" for k in quantized if device != "cuda"]
+    errors += [ConfigProblem(f"finetune.zero.{k}", f"finetune.zero.{k}: refused on {device}: ZeRO++ quantization "
+                             "runs DeepSpeed's CUDA quantizer kernels (needs device cuda)")
+               for k in quantized if device != "cuda"]
     if z.hpz_partition_size > 1:
         if cfg.nnodes < 2:
-            errors.append(f"finetune.zero.hpz_partition_size {z.hpz_partition_size}: hpZ needs more than one node "
-                          f"(nnodes is {cfg.nnodes}); on one node it only duplicates the ZeRO-3 partitions")
+            errors.append(ConfigProblem("finetune.zero.hpz_partition_size", "finetune.zero.hpz_partition_size "
+                                        f"{z.hpz_partition_size}: hpZ needs more than one node (nnodes is "
+                                        f"{cfg.nnodes}); on one node it only duplicates the ZeRO-3 partitions"))
         elif cfg.nproc_per_node % z.hpz_partition_size:
-            errors.append(f"finetune.zero.hpz_partition_size {z.hpz_partition_size}: must divide nproc_per_node "
-                          f"{cfg.nproc_per_node} (the secondary partition stays inside a node)")
+            errors.append(ConfigProblem("finetune.zero.hpz_partition_size", "finetune.zero.hpz_partition_size "
+                                        f"{z.hpz_partition_size}: must divide nproc_per_node {cfg.nproc_per_node} "
+                                        "(the secondary partition stays inside a node)"))
     return errors

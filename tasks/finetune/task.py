@@ -15,6 +15,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from conversions import folder, hf, manifest as mf, verify
+from conversions.manifest import Format
 from conversions.refusal import Refused
 from tasks import chat_template, events, gates
 from tasks.distributed import (Launch, LaunchConfigError, engine_command, remove_shm_segments, runtime_kind,
@@ -129,7 +130,7 @@ def finalize(out: Path, ctx: StageContext, cfg: FinetuneConfig, r: dict) -> dict
     config = json.loads((out / "config.json").read_text())
     params = (mf.read(Path(ctx.input)) or {}).get("parameter_count") or hf.parameter_count(Path(ctx.input))
     m = mf.build(
-        out, format="deepspeed-zero", stage="finetune",
+        out, format=Format.DEEPSPEED_ZERO, stage="finetune",
         engine={"name": "deepspeed", "launcher": cfg.launcher,
                 **mf.engine_versions("deepspeed", "torch", "transformers")},
         architecture=dict(ctx.architecture(), hf_architectures=config.get("architectures")), parameter_count=params,

@@ -27,9 +27,10 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoTokenizer
 
 from conversions import chat, durable, hf, probe, sealed
+from conversions.manifest import Format
 from tasks import events
 
-COMPLETE = sealed.MARKERS["deepspeed-zero"]
+COMPLETE = sealed.MARKERS[Format.DEEPSPEED_ZERO]
 TAG_PREFIX = "global_step"
 IGNORE = chat.IGNORE
 

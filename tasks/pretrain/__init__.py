@@ -1,3 +1,4 @@
+from conversions.manifest import Format
 from tasks.pretrain.config import PretrainConfig, host_errors, validate
 from tasks.stage import StageSpec
 
@@ -6,8 +7,8 @@ STAGE = StageSpec(
     trains=True,
     config_model=PretrainConfig,
     task="tasks.pretrain.task:run_pretrain",
-    consumes=lambda cfg: "megatron-dist",
-    produces=lambda cfg: "megatron-dist",
+    consumes=lambda cfg: Format.MEGATRON_DIST,
+    produces=lambda cfg: Format.MEGATRON_DIST,
     input_required=False,
     validate=validate,
     validate_host=host_errors,

@@ -7,6 +7,7 @@ from typing import ClassVar, Literal
 from pydantic import Field
 
 from tasks.hardware import resolve_device, visible_gpus
+from tasks.problems import ConfigProblem
 from tasks.vocabulary import TrainingConfig, batch_errors
 
 
@@ -58,92 +59,106 @@ def resolved_device(cfg: PretrainConfig) -> str:
     return resolve_device(cfg.device)
 
 
-def validate(cfg: PretrainConfig, pipeline) -> list[str]:
+def validate(cfg: PretrainConfig, pipeline) -> list[ConfigProblem]:
     """Errors found before anything launches (no torch import)."""
     m = pipeline.model
     tp, pp = cfg.tensor_parallel, cfg.pipeline_parallel
     e = []
     if m.num_attention_heads % tp:
-        e.append(f"pretrain.tensor_parallel {tp}: model.num_attention_heads {m.num_attention_heads} is not divisible by it")
+        e.append(ConfigProblem("pretrain.tensor_parallel", f"pretrain.tensor_parallel {tp}: "
+                               f"model.num_attention_heads {m.num_attention_heads} is not divisible by it",
+                               involves=("model.num_attention_heads",)))
     if m.num_query_groups % tp:
-        e.append(f"pretrain.tensor_parallel {tp}: model.num_query_groups {m.num_query_groups} is not divisible by it")
+        e.append(ConfigProblem("pretrain.tensor_parallel", f"pretrain.tensor_parallel {tp}: model.num_query_groups "
+                               f"{m.num_query_groups} is not divisible by it", involves=("model.num_query_groups",)))
     if m.ffn_hidden_size % tp:
-        e.append(f"pretrain.tensor_parallel {tp}: model.ffn_hidden_size {m.ffn_hidden_size} is not divisible by it")
+        e.append(ConfigProblem("pretrain.tensor_parallel", f"pretrain.tensor_parallel {tp}: model.ffn_hidden_size "
+                               f"{m.ffn_hidden_size} is not divisible by it", involves=("model.ffn_hidden_size",)))
     if m.num_layers % pp:
-        e.append(f"pretrain.pipeline_parallel {pp}: model.num_layers {m.num_layers} is not divisible by it")
+        e.append(ConfigProblem("pretrain.pipeline_parallel", f"pretrain.pipeline_parallel {pp}: model.num_layers "
+                               f"{m.num_layers} is not divisible by it", involves=("model.num_layers",)))
     e += virtual_pipeline_errors(cfg, m.num_layers)
     world = cfg.world_size()
     if world % (tp * pp):
-        e.append(f"pretrain: {world} ranks (nproc_per_node {cfg.nproc_per_node} × nnodes {cfg.nnodes}) are not a "
-                 f"multiple of tensor_parallel × pipeline_parallel = {tp * pp}")
+        e.append(ConfigProblem("pretrain", f"pretrain: {world} ranks (nproc_per_node {cfg.nproc_per_node} × nnodes "
+                               f"{cfg.nnodes}) are not a multiple of tensor_parallel × pipeline_parallel = {tp * pp}"))
     else:
         e += batch_errors(cfg, "pretrain")
     if cfg.max_seq_length is not None and cfg.max_seq_length > m.seq_length:
-        e.append(f"pretrain.max_seq_length {cfg.max_seq_length} exceeds model.seq_length {m.seq_length} "
-                 "(position limit)")
+        e.append(ConfigProblem("pretrain.max_seq_length", f"pretrain.max_seq_length {cfg.max_seq_length} exceeds "
+                               f"model.seq_length {m.seq_length} (position limit)"))
     if cfg.vocab_size is not None and cfg.vocab_size < m.vocab_size:
-        e.append(f"pretrain.vocab_size {cfg.vocab_size} is smaller than the tokenizer's vocabulary "
-                 f"(model.vocab_size {m.vocab_size}): token ids would fall outside the embedding")
+        e.append(ConfigProblem("pretrain.vocab_size", f"pretrain.vocab_size {cfg.vocab_size} is smaller than the "
+                               f"tokenizer's vocabulary (model.vocab_size {m.vocab_size}): token ids would fall "
+                               "outside the embedding"))
     if cfg.sequence_parallel and tp == 1:
-        e.append("pretrain.sequence_parallel needs tensor_parallel > 1")
+        e.append(ConfigProblem("pretrain.sequence_parallel", "pretrain.sequence_parallel needs tensor_parallel > 1"))
     if cfg.overlap_param_gather and not cfg.distributed_optimizer:
-        e.append("pretrain.overlap_param_gather needs distributed_optimizer: true")
+        e.append(ConfigProblem("pretrain.overlap_param_gather", "pretrain.overlap_param_gather needs "
+                               "distributed_optimizer: true"))
     if cfg.warmup_steps >= cfg.steps:
-        e.append(f"pretrain.warmup_steps {cfg.warmup_steps} must be below steps {cfg.steps}")
+        e.append(ConfigProblem("pretrain.warmup_steps", f"pretrain.warmup_steps {cfg.warmup_steps} must be below "
+                               f"steps {cfg.steps}"))
     if cfg.min_lr > cfg.lr:
-        e.append(f"pretrain.min_lr {cfg.min_lr} is above lr {cfg.lr}")
+        e.append(ConfigProblem("pretrain.min_lr", f"pretrain.min_lr {cfg.min_lr} is above lr {cfg.lr}"))
     return e
 
 
-def host_errors(cfg: PretrainConfig, pipeline=None) -> list[str]:
+def host_errors(cfg: PretrainConfig, pipeline=None) -> list[ConfigProblem]:
     """What this machine must have to launch the ranks itself (not asked when writing manifests for a cluster)."""
     e = []
     device = resolved_device(cfg)
     if device == "cuda":
         gpus = visible_gpus()
         if cfg.nproc_per_node > gpus:
-            e.append(f"pretrain.nproc_per_node {cfg.nproc_per_node}: this machine has {gpus} GPU(s); "
-                     "more ranks than it can host")
+            e.append(ConfigProblem("pretrain.nproc_per_node", f"pretrain.nproc_per_node {cfg.nproc_per_node}: this "
+                                   f"machine has {gpus} GPU(s); more ranks than it can host"))
     else:
         cores = os.cpu_count() or 1
         if cfg.nproc_per_node > cores:
-            e.append(f"pretrain.nproc_per_node {cfg.nproc_per_node}: this machine has {cores} CPU core(s) and runs "
-                     "one single-threaded rank per core; more ranks than it can host")
+            e.append(ConfigProblem("pretrain.nproc_per_node", f"pretrain.nproc_per_node {cfg.nproc_per_node}: this "
+                                   f"machine has {cores} CPU core(s) and runs one single-threaded rank per core; "
+                                   "more ranks than it can host"))
         if cfg.transformer_impl == "transformer_engine":
-            e.append("pretrain.transformer_impl transformer_engine needs a GPU")
+            e.append(ConfigProblem("pretrain.transformer_impl", "pretrain.transformer_impl transformer_engine needs "
+                                   "a GPU"))
     return e + fp8_errors(cfg, device)
 
 
-def virtual_pipeline_errors(cfg: PretrainConfig, num_layers: int) -> list[str]:
+def virtual_pipeline_errors(cfg: PretrainConfig, num_layers: int) -> list[ConfigProblem]:
     """Interleaved 1F1B: every pipeline rank holds VP equal chunks of layers, and the micro batches of a step are
     scheduled in groups of PP (Megatron refuses a remainder group smaller than PP)."""
     vp, pp = cfg.virtual_pipeline_parallel, cfg.pipeline_parallel
     if vp is None:
         return []
     if pp < 2:
-        return [f"pretrain.virtual_pipeline_parallel {vp} needs pipeline_parallel > 1 (it is {pp})"]
+        return [ConfigProblem("pretrain.virtual_pipeline_parallel", f"pretrain.virtual_pipeline_parallel {vp} needs "
+                              f"pipeline_parallel > 1 (it is {pp})")]
     e = []
     if num_layers % (pp * vp):
-        e.append(f"pretrain.virtual_pipeline_parallel {vp}: model.num_layers {num_layers} is not divisible by "
-                 f"pipeline_parallel × virtual_pipeline_parallel = {pp * vp}")
+        e.append(ConfigProblem("pretrain.virtual_pipeline_parallel", f"pretrain.virtual_pipeline_parallel {vp}: "
+                               f"model.num_layers {num_layers} is not divisible by pipeline_parallel × "
+                               f"virtual_pipeline_parallel = {pp * vp}"))
     dp = cfg.data_parallel()
     if dp >= 1 and cfg.accumulation() % pp:
-        e.append(f"pretrain.virtual_pipeline_parallel {vp}: the interleaved schedule needs micro batches per step "
-                 f"(global_batch_size / (micro_batch_size × data parallel) = {cfg.accumulation()}) to be a multiple "
-                 f"of pipeline_parallel {pp}")
+        e.append(ConfigProblem("pretrain.virtual_pipeline_parallel", f"pretrain.virtual_pipeline_parallel {vp}: the "
+                               "interleaved schedule needs micro batches per step (global_batch_size / "
+                               f"(micro_batch_size × data parallel) = {cfg.accumulation()}) to be a multiple of "
+                               f"pipeline_parallel {pp}"))
     return e
 
 
-def fp8_errors(cfg: PretrainConfig, device: str) -> list[str]:
+def fp8_errors(cfg: PretrainConfig, device: str) -> list[ConfigProblem]:
     """FP8 runs only in Transformer Engine's kernels on a GPU: refused before launch anywhere else."""
     if cfg.fp8 == "none":
         return []
     if device != "cuda":
-        return [f"pretrain.fp8 {cfg.fp8}: FP8 needs a GPU with Transformer Engine (Hopper or newer); this run's "
-                f"device is {device}"]
+        return [ConfigProblem("pretrain.fp8", f"pretrain.fp8 {cfg.fp8}: FP8 needs a GPU with Transformer Engine "
+                              f"(Hopper or newer); this run's device is {device}")]
     if cfg.transformer_impl == "local":
-        return [f"pretrain.fp8 {cfg.fp8}: needs transformer_impl transformer_engine or auto (the local layer spec has "
-                "no FP8 kernels)"]
+        return [ConfigProblem("pretrain.fp8", f"pretrain.fp8 {cfg.fp8}: needs transformer_impl transformer_engine or "
+                              "auto (the local layer spec has no FP8 kernels)")]
     if importlib.util.find_spec("transformer_engine") is None:
-        return [f"pretrain.fp8 {cfg.fp8}: Transformer Engine (transformer_engine) is not installed in this runtime"]
+        return [ConfigProblem("pretrain.fp8", f"pretrain.fp8 {cfg.fp8}: Transformer Engine (transformer_engine) is "
+                              "not installed in this runtime")]
     return []

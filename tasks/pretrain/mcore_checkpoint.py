@@ -18,9 +18,11 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 from conversions import durable, sealed
+from conversions.manifest import Format
 from conversions.megatron import ARCH_KEY
 
-STATE_FILE = sealed.MARKERS["megatron-dist"]   # written last inside a checkpoint: what a resume needs to know without torch
+# Written last inside a checkpoint: what a resume needs to know without torch.
+STATE_FILE = sealed.MARKERS[Format.MEGATRON_DIST]
 PREFIX = "iter_"
 
 

@@ -11,6 +11,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from conversions import durable, folder, manifest as mf, megatron, probe, sealed, verify
+from conversions.manifest import Format
 from conversions.megatron import architecture as checkpoint_architecture, padded_vocab_size
 from conversions.refusal import Refused
 from tasks.pretrain.config import PretrainConfig, resolved_device
@@ -19,7 +20,7 @@ from tasks.distributed import Launch, LaunchConfigError, engine_command, stage_r
 from tasks.stage import StageContext, StageOutput, training_engine_env
 
 WORKER = Path(__file__).with_name("worker.py")
-SEAL = sealed.MARKERS["megatron-dist"]
+SEAL = sealed.MARKERS[Format.MEGATRON_DIST]
 INPUT_COPY = "input"  # in the work dir: an input checkpoint's weights as baton rewrote them for Megatron
 SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
               "tie_word_embeddings")
@@ -55,8 +56,8 @@ def build_spec(ctx: StageContext, cfg: PretrainConfig, vocab: int | None = None)
     arch = {**ctx.architecture(), "vocab_size": vocab}
     tp = cfg.tensor_parallel
     if ctx.input is not None:
-        if ctx.input_format not in (None, "megatron-dist"):
-            raise PretrainInputError(f"pretrain reads megatron-dist checkpoints, not {ctx.input_format}")
+        if ctx.input_format not in (None, Format.MEGATRON_DIST):
+            raise PretrainInputError(f"pretrain reads {Format.MEGATRON_DIST} checkpoints, not {ctx.input_format}")
         src = checkpoint_architecture(ctx.input)
         diff = {k: (src.get(k), arch.get(k)) for k in SHAPE_KEYS if k in src and src.get(k) != arch.get(k)}
         if diff:
@@ -117,7 +118,7 @@ def package(ctx: StageContext, cfg: PretrainConfig, spec: dict, r: dict) -> Path
             "kv_channels": spec["architecture"]["hidden_size"] // spec["architecture"]["num_attention_heads"]}
     data_m = mf.read(ctx.data_dir)
     m = mf.build(
-        partial, format="megatron-dist", stage=ctx.stage, architecture=arch,
+        partial, format=Format.MEGATRON_DIST, stage=ctx.stage, architecture=arch,
         engine={"name": "megatron-core", "layer_spec": r.get("layer_spec"), **mf.engine_versions("megatron-core", "torch")},
         parameter_count=r.get("parameters"), dtype=cfg.torch_dtype(),
         parent=mf.parent_ref(ctx.input) if ctx.input is not None else None,

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from tasks.gates import lm_eval_errors
 from tasks.hardware import visible_gpus
+from tasks.problems import ConfigProblem
 
 GRPO_ONLY = ("num_generations", "max_completion_length", "rewards", "clip_epsilon", "clip_epsilon_high", "loss_type",
              "scale_rewards")
@@ -37,34 +38,42 @@ def runs_here_without_a_gpu(kind: str) -> bool:
     return kind in ("venv", "container") and not has_nvidia_gpu()
 
 
-def nemo_rl_errors(cfg, runtime: dict, host: bool = True) -> list[str]:
+def nemo_rl_errors(cfg, runtime: dict, host: bool = True) -> list[ConfigProblem]:
     """What the config lacks for NeMo-RL; `host`: also the tools this machine needs to launch it."""
     kind = runtime.get("kind", "venv")
     if runs_here_without_a_gpu(kind):  # decisive: nothing else matters on this machine
-        return ["rlhf: backend nemo_rl needs an NVIDIA GPU on this machine and none was found (no /dev/nvidia*, no GPU "
-                "from nvidia-smi); NeMo-RL has no CPU path. Use rlhf.backend=trl (or auto) here, or "
-                "runtimes.nemo_rl.kind=slurm to submit to a GPU cluster"]
+        return [ConfigProblem("rlhf", "rlhf: backend nemo_rl needs an NVIDIA GPU on this machine and none was found "
+                              "(no /dev/nvidia*, no GPU from nvidia-smi); NeMo-RL has no CPU path. Use "
+                              "rlhf.backend=trl (or auto) here, or runtimes.nemo_rl.kind=slurm to submit to a GPU "
+                              "cluster")]
     errors = []
     if cfg.algorithm == "grpo":
-        errors.append("rlhf: backend nemo_rl runs algorithm dpo or rm here; grpo needs a NeMo-RL environment for its "
-                      "reward, which baton does not ship (use rlhf.backend=trl)")
+        errors.append(ConfigProblem("rlhf", "rlhf: backend nemo_rl runs algorithm dpo or rm here; grpo needs a "
+                                    "NeMo-RL environment for its reward, which baton does not ship (use "
+                                    "rlhf.backend=trl)"))
     if kind == "venv":
         path = runtime.get("path")
         if not path:
-            errors.append("runtimes.nemo_rl.path: the NeMo-RL checkout to run (git clone --recursive "
-                          "https://github.com/NVIDIA-NeMo/RL), or set runtimes.nemo_rl.kind=container with an image")
+            errors.append(ConfigProblem("runtimes.nemo_rl.path", "runtimes.nemo_rl.path: the NeMo-RL checkout to run "
+                                        "(git clone --recursive https://github.com/NVIDIA-NeMo/RL), or set "
+                                        "runtimes.nemo_rl.kind=container with an image"))
         elif not (Path(path) / "examples" / "run_dpo.py").exists():
-            errors.append(f"runtimes.nemo_rl.path: {path} is not a NeMo-RL checkout (no examples/run_dpo.py)")
+            errors.append(ConfigProblem("runtimes.nemo_rl.path", f"runtimes.nemo_rl.path: {path} is not a NeMo-RL "
+                                        "checkout (no examples/run_dpo.py)"))
     elif kind == "container":
         if not runtime.get("image"):
-            errors.append("runtimes.nemo_rl.image: the NeMo-RL container image (e.g. nvcr.io/nvidia/nemo-rl:v0.7.0)")
+            errors.append(ConfigProblem("runtimes.nemo_rl.image", "runtimes.nemo_rl.image: the NeMo-RL container "
+                                        "image (e.g. nvcr.io/nvidia/nemo-rl:v0.7.0)"))
     elif kind == "slurm":
         if not runtime.get("path") or not (Path(runtime["path"]) / "ray.sub").exists():
-            errors.append("runtimes.nemo_rl.path: a NeMo-RL checkout with ray.sub, on storage the cluster shares")
+            errors.append(ConfigProblem("runtimes.nemo_rl.path", "runtimes.nemo_rl.path: a NeMo-RL checkout with "
+                                        "ray.sub, on storage the cluster shares"))
         if not runtime.get("image"):
-            errors.append("runtimes.nemo_rl.image: the container ray.sub starts on each node")
+            errors.append(ConfigProblem("runtimes.nemo_rl.image", "runtimes.nemo_rl.image: the container ray.sub "
+                                        "starts on each node"))
     else:
-        errors.append(f"runtimes.nemo_rl.kind={kind!r}: supported kinds are venv (a checkout), container, slurm")
+        errors.append(ConfigProblem("runtimes.nemo_rl.kind", f"runtimes.nemo_rl.kind={kind!r}: supported kinds are "
+                                    "venv (a checkout), container, slurm"))
     return errors + (nemo_rl_tool_errors(kind) if host else [])
 
 
@@ -73,13 +82,13 @@ NEMO_RL_TOOLS = {"venv": ("uv", "rlhf: backend nemo_rl runs NeMo-RL with `uv run
                  "slurm": ("sbatch", "rlhf: runtimes.nemo_rl.kind=slurm needs sbatch on PATH")}
 
 
-def nemo_rl_tool_errors(kind: str) -> list[str]:
+def nemo_rl_tool_errors(kind: str) -> list[ConfigProblem]:
     """The program this machine runs to launch NeMo-RL (not asked when the stage runs elsewhere, e.g. `baton k8s`)."""
     tool, message = NEMO_RL_TOOLS.get(kind, (None, ""))
-    return [message] if tool and not shutil.which(tool) else []
+    return [ConfigProblem("rlhf", message)] if tool and not shutil.which(tool) else []
 
 
-def host_errors(cfg, pipeline) -> list[str]:
+def host_errors(cfg, pipeline) -> list[ConfigProblem]:
     runtimes = getattr(pipeline, "runtimes", None) or {}
     if resolve_backend(cfg, runtimes) != "nemo_rl":
         return []
@@ -95,53 +104,54 @@ REWARD_KEYS = {"exact_match": ("extract", "answer_field", "pattern"), "regex": (
 COMMON_REWARD_KEYS = ("kind", "weight")
 
 
-def function_source(ref: str, key: str) -> tuple[str | None, str | None, str | None, list[str]]:
+def function_source(ref: str, key: str) -> tuple[str | None, str | None, str | None,
+                                                list[ConfigProblem]]:
     """(absolute path, function name, the file's text, problems) of a `path/to/rewards.py:fn` reference. The file is
     parsed, never run: the function must be defined at its top level."""
     path_text, sep, name = ref.rpartition(":")
     if not sep or not path_text or not name.isidentifier():
-        return None, None, None, [f"{key}: {ref!r} is not 'path/to/rewards.py:function_name'"]
+        return None, None, None, [ConfigProblem(key, f"{key}: {ref!r} is not 'path/to/rewards.py:function_name'")]
     path = Path(path_text).expanduser()
     if not path.is_file():
-        return None, None, None, [f"{key}: {path}: no such file" if not path.exists() else f"{key}: {path} is not a "
-                                  "regular file"]
+        return None, None, None, [ConfigProblem(key, f"{key}: {path}: no such file" if not path.exists() else
+                                                f"{key}: {path} is not a regular file")]
     try:
         source = path.read_text(encoding="utf-8")
         tree = ast.parse(source, filename=str(path))
     except (OSError, UnicodeDecodeError) as e:
-        return None, None, None, [f"{key}: {path}: cannot read ({e})"]
+        return None, None, None, [ConfigProblem(key, f"{key}: {path}: cannot read ({e})")]
     except SyntaxError as e:
-        return None, None, None, [f"{key}: {path}:{e.lineno}: not valid Python ({e.msg})"]
+        return None, None, None, [ConfigProblem(key, f"{key}: {path}:{e.lineno}: not valid Python ({e.msg})")]
     defined = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
     if name not in defined:
-        return None, None, None, [f"{key}: {path} defines no function {name!r} at its top level (it defines: "
-                                  f"{', '.join(defined) or 'none'})"]
+        return None, None, None, [ConfigProblem(key, f"{key}: {path} defines no function {name!r} at its top level "
+                                                f"(it defines: {', '.join(defined) or 'none'})")]
     return str(path.resolve()), name, source, []
 
 
-def _pattern_errors(pattern: str | None, key: str) -> list[str]:
+def _pattern_errors(pattern: str | None, key: str) -> list[ConfigProblem]:
     if pattern is None:
-        return [f"{key}: required"]
+        return [ConfigProblem(key, f"{key}: required")]
     try:
         re.compile(pattern)
     except re.error as e:
-        return [f"{key}: {pattern!r} is not a regular expression ({e})"]
+        return [ConfigProblem(key, f"{key}: {pattern!r} is not a regular expression ({e})")]
     return []
 
 
-def _schema_errors(schema: dict | None, key: str) -> list[str]:
+def _schema_errors(schema: dict | None, key: str) -> list[ConfigProblem]:
     if schema is None:
-        return [f"{key}: required (the JSON Schema, inline)"]
+        return [ConfigProblem(key, f"{key}: required (the JSON Schema, inline)")]
     import jsonschema
 
     try:
         jsonschema.Draft202012Validator.check_schema(schema)
     except jsonschema.SchemaError as e:
-        return [f"{key}: not a valid JSON Schema ({e.message})"]
+        return [ConfigProblem(key, f"{key}: not a valid JSON Schema ({e.message})")]
     return []
 
 
-def reward_errors(reward, key: str) -> list[str]:
+def reward_errors(reward, key: str) -> list[ConfigProblem]:
     """One rlhf.rewards entry: the keys its kind reads are given and sound, no key of another kind is set."""
     own = REWARD_KEYS[reward.kind]
     errors = [f"{key}.{k}: not used by kind {reward.kind} (it reads: {', '.join(own)})"
@@ -149,61 +159,70 @@ def reward_errors(reward, key: str) -> list[str]:
     if reward.kind == "regex" or (reward.kind == "exact_match" and reward.extract == "regex"):
         errors += _pattern_errors(reward.pattern, f"{key}.pattern")
     elif reward.kind == "exact_match" and reward.pattern is not None:
-        errors.append(f"{key}.pattern: only used with extract regex (extract is {reward.extract})")
+        errors.append(ConfigProblem(f"{key}.pattern", f"{key}.pattern: only used with extract regex (extract is "
+                                    f"{reward.extract})"))
     if reward.kind == "json_schema":
         errors += _schema_errors(reward.json_schema, f"{key}.json_schema")
     if reward.kind == "length":
         if reward.min_chars is None and reward.max_chars is None:
-            errors.append(f"{key}: kind length needs min_chars, max_chars or both")
+            errors.append(ConfigProblem(key, f"{key}: kind length needs min_chars, max_chars or both"))
         elif None not in (reward.min_chars, reward.max_chars) and reward.min_chars > reward.max_chars:
-            errors.append(f"{key}: min_chars {reward.min_chars} is above max_chars {reward.max_chars}")
-    if reward.kind == "function":
-        errors += [f"{key}.function: required ('path/to/rewards.py:fn')"] if reward.function is None else \
-            function_source(reward.function, f"{key}.function")[3]
+            errors.append(ConfigProblem(key, f"{key}: min_chars {reward.min_chars} is above max_chars "
+                                        f"{reward.max_chars}"))
+    if reward.kind == "function" and reward.function is None:
+        errors.append(ConfigProblem(f"{key}.function", f"{key}.function: required ('path/to/rewards.py:fn')"))
+    elif reward.kind == "function":
+        errors += function_source(reward.function, f"{key}.function")[3]
     return errors
 
 
-def rewards_errors(cfg, pipeline) -> list[str]:
+def rewards_errors(cfg, pipeline) -> list[ConfigProblem]:
     errors = [e for i, r in enumerate(cfg.rewards) for e in reward_errors(r, f"rlhf.rewards[{i}]")]
     data = getattr(pipeline, "data", None)
     if cfg.rewards and data is not None and "data" in pipeline.stages and data.prompts is None:
-        errors.append("rlhf.rewards: score prompts with reference answers, and data.prompts is not set (e.g. "
-                      "data.prompts: {kind: synthetic} for the arithmetic task, or {kind: files, train: PATH})")
+        errors.append(ConfigProblem("rlhf.rewards", "rlhf.rewards: score prompts with reference answers, and "
+                                    "data.prompts is not set (e.g. data.prompts: {kind: synthetic} for the "
+                                    "arithmetic task, or {kind: files, train: PATH})"))
     if cfg.gate.metric == "heldout_reward" and not cfg.rewards:
-        errors.append("rlhf.gate.metric: heldout_reward needs rlhf.rewards (algorithm grpo on data.prompts)")
+        errors.append(ConfigProblem("rlhf.gate.metric", "rlhf.gate.metric: heldout_reward needs rlhf.rewards "
+                                    "(algorithm grpo on data.prompts)"))
     if cfg.gate.metric in ("heldout_loss", "preference_accuracy") and cfg.rewards:
-        errors.append(f"rlhf.gate.metric: {cfg.gate.metric} is measured on preference pairs; with rlhf.rewards the "
-                      "gate is heldout_reward (or lm_eval)")
+        errors.append(ConfigProblem("rlhf.gate.metric", f"rlhf.gate.metric: {cfg.gate.metric} is measured on "
+                                    "preference pairs; with rlhf.rewards the gate is heldout_reward (or lm_eval)"))
     return errors
 
 
-def validate(cfg, pipeline) -> list[str]:
+def validate(cfg, pipeline) -> list[ConfigProblem]:
     errors = []
     set_keys = cfg.model_fields_set
     if cfg.gate.metric == "exact_match":
-        errors.append("rlhf.gate.metric: exact_match is a finetune metric (heldout_loss, preference_accuracy, "
-                      "heldout_reward or lm_eval)")
+        errors.append(ConfigProblem("rlhf.gate.metric", "rlhf.gate.metric: exact_match is a finetune metric "
+                                    "(heldout_loss, preference_accuracy, heldout_reward or lm_eval)"))
     if cfg.gate.metric == "lm_eval" and cfg.algorithm == "rm":
-        errors.append("rlhf.gate.metric: lm_eval scores a policy, and algorithm rm trains a reward model (its gate is "
-                      "preference_accuracy)")
+        errors.append(ConfigProblem("rlhf.gate.metric", "rlhf.gate.metric: lm_eval scores a policy, and algorithm rm "
+                                    "trains a reward model (its gate is preference_accuracy)"))
     errors += lm_eval_errors(cfg.gate, "rlhf")
     errors += rewards_errors(cfg, pipeline)
     if cfg.algorithm == "dpo" and cfg.beta <= 0:
-        errors.append(f"rlhf.beta: DPO needs beta > 0 (got {cfg.beta})")
+        errors.append(ConfigProblem("rlhf.beta", f"rlhf.beta: DPO needs beta > 0 (got {cfg.beta})"))
     if cfg.algorithm == "grpo" and cfg.beta < 0:
-        errors.append(f"rlhf.beta: the GRPO KL coefficient cannot be negative (got {cfg.beta})")
+        errors.append(ConfigProblem("rlhf.beta", "rlhf.beta: the GRPO KL coefficient cannot be negative (got "
+                                    f"{cfg.beta})"))
     if cfg.algorithm == "grpo" and cfg.micro_batch_size % cfg.num_generations:
-        errors.append(f"rlhf.micro_batch_size {cfg.micro_batch_size} must be a multiple of rlhf.num_generations "
-                      f"{cfg.num_generations} (GRPO compares completions of the same prompt)")
-    errors += [f"rlhf.{k}: only used by algorithm grpo (algorithm is {cfg.algorithm})"
+        errors.append(ConfigProblem("rlhf.micro_batch_size", f"rlhf.micro_batch_size {cfg.micro_batch_size} must be "
+                                    f"a multiple of rlhf.num_generations {cfg.num_generations} (GRPO compares "
+                                    "completions of the same prompt)"))
+    errors += [ConfigProblem(f"rlhf.{k}", f"rlhf.{k}: only used by algorithm grpo (algorithm is {cfg.algorithm})")
                for k in GRPO_ONLY if k in set_keys and cfg.algorithm != "grpo"]
-    errors += [f"rlhf.{k}: only used by algorithm dpo (algorithm is {cfg.algorithm})"
+    errors += [ConfigProblem(f"rlhf.{k}", f"rlhf.{k}: only used by algorithm dpo (algorithm is {cfg.algorithm})")
                for k in DPO_ONLY if k in set_keys and cfg.algorithm != "dpo"]
     if cfg.reference_model and not (Path(cfg.reference_model) / "config.json").exists():
-        errors.append(f"rlhf.reference_model: {cfg.reference_model} is not an HF checkpoint folder (no config.json)")
+        errors.append(ConfigProblem("rlhf.reference_model", f"rlhf.reference_model: {cfg.reference_model} is not an "
+                                    "HF checkpoint folder (no config.json)"))
     seq = pipeline.model.seq_length if pipeline is not None else None
     if cfg.max_seq_length and seq and cfg.max_seq_length > seq:
-        errors.append(f"rlhf.max_seq_length {cfg.max_seq_length} exceeds model.seq_length {seq}")
+        errors.append(ConfigProblem("rlhf.max_seq_length", f"rlhf.max_seq_length {cfg.max_seq_length} exceeds "
+                                    f"model.seq_length {seq}"))
     runtimes = getattr(pipeline, "runtimes", None) or {}
     if resolve_backend(cfg, runtimes) == "nemo_rl":
         errors += nemo_rl_errors(cfg, nemo_rl_runtime(runtimes), host=False)  # tools: host_errors

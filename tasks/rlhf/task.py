@@ -16,6 +16,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from conversions import folder, hf, manifest as mf, verify
+from conversions.manifest import Format
 from conversions.refusal import Refused
 from tasks import chat_template, events, gates
 from tasks.distributed import Launch, LaunchConfigError, engine_command, runtime_kind, stage_runtime
@@ -135,7 +136,8 @@ def pass_through_policy(src: Path, out: Path, reward_model: Path, stage: str, ba
     if template is not None:
         hf.copy_tokenizer(out, out, chat_template=template)
     src_m = mf.read(src) or {}
-    m = mf.build(out, format="hf-safetensors", stage=stage, engine={"name": "baton", "note": "policy passed through"},
+    m = mf.build(out, format=Format.HF_SAFETENSORS, stage=stage,
+                 engine={"name": "baton", "note": "policy passed through"},
                  architecture=dict(src_m.get("architecture") or {}), parameter_count=hf.parameter_count(out),
                  dtype=hf.dominant_dtype(out), parent=mf.parent_ref(src),
                  extra={"backend": backend, "algorithm": "rm", "role": "policy",
@@ -278,7 +280,8 @@ def run_nemo_rl(ctx: StageContext, cfg: RlhfConfig) -> StageOutput:
     nemo_rl.collect_hf(hf_src, trained, Path(ctx.input), template)
     src_m = mf.read(Path(ctx.input)) or {}
     mf.write(trained, mf.build(
-        trained, format="hf-safetensors", stage=ctx.stage, engine={"name": "nemo-rl", "recipe": config["defaults"]},
+        trained, format=Format.HF_SAFETENSORS, stage=ctx.stage,
+        engine={"name": "nemo-rl", "recipe": config["defaults"]},
         architecture=dict(src_m.get("architecture") or {}), parameter_count=hf.parameter_count(trained),
         dtype=hf.dominant_dtype(trained), parent=mf.parent_ref(Path(ctx.input)),
         extra={"backend": "nemo_rl", "algorithm": cfg.algorithm, "step_dir": str(step),

@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 
 from conversions import chat, durable, hf, manifest as mf, rewards as rw, sealed
+from conversions.manifest import Format
 from tasks import events
 
 RANK = int(os.environ.get("RANK", "0"))
@@ -484,7 +485,7 @@ def write_manifest(a, out: Path, metrics: dict) -> None:
     src = mf.read(a.input) or {}
     role = "reward-model" if a.algorithm == "rm" else "policy"
     m = mf.build(
-        out, format="hf-safetensors", stage=a.stage,
+        out, format=Format.HF_SAFETENSORS, stage=a.stage,
         engine={"name": "trl", **mf.engine_versions("trl", "transformers", "torch", "accelerate")},
         architecture=dict(src.get("architecture") or {}), parameter_count=hf.parameter_count(out),
         dtype=hf.dominant_dtype(out), parent=mf.parent_ref(a.input),

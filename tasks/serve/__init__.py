@@ -1,29 +1,35 @@
+from conversions.manifest import Format
+from tasks.problems import ConfigProblem
 from tasks.serve.config import ServeConfig
 from tasks.serve.engines import vllm_cpu_head_dim_problem
 from tasks.stage import StageSpec
 
 
-def validate(cfg: ServeConfig, pipeline) -> list[str]:
+def validate(cfg: ServeConfig, pipeline) -> list[ConfigProblem]:
     """Bad serve settings fail before anything launches. (Whether the engine runtimes are built is checked when the
     stage starts, so loading a config never depends on `make runtimes`.)"""
     errors = []
     model = getattr(pipeline, "model", None)
     if model is not None:
         if model.num_query_groups % cfg.tensor_parallel:
-            errors.append(f"serve.tensor_parallel: {cfg.tensor_parallel} does not divide "
-                          f"model.num_query_groups {model.num_query_groups}")
+            errors.append(ConfigProblem("serve.tensor_parallel", f"serve.tensor_parallel: {cfg.tensor_parallel} does "
+                                        f"not divide model.num_query_groups {model.num_query_groups}",
+                                        involves=("model.num_query_groups",)))
         if cfg.max_model_len and cfg.max_model_len > model.seq_length:
-            errors.append(f"serve.max_model_len: {cfg.max_model_len} exceeds model.seq_length {model.seq_length} "
-                          "(the checkpoint's max_position_embeddings)")
+            errors.append(ConfigProblem("serve.max_model_len", f"serve.max_model_len: {cfg.max_model_len} exceeds "
+                                        f"model.seq_length {model.seq_length} (the checkpoint's "
+                                        "max_position_embeddings)"))
         if "pretrain" in pipeline.stages:  # the served model is the one the model section describes
             problem = vllm_cpu_head_dim_problem(cfg, {"hidden_size": model.hidden_size,
                                                       "num_attention_heads": model.num_attention_heads})
             if problem:
-                errors.append(f"serve.engine {cfg.engine} on serve.device cpu: the model section's {problem}")
+                errors.append(ConfigProblem("serve.engine", f"serve.engine {cfg.engine} on serve.device cpu: the "
+                                            f"model section's {problem}"))
     if cfg.api_key_file and not cfg.api_key_file.is_file():
-        errors.append(f"serve.api_key_file: {cfg.api_key_file}: no such file")
+        errors.append(ConfigProblem("serve.api_key_file", f"serve.api_key_file: {cfg.api_key_file}: no such file"))
     if cfg.device == "cpu" and cfg.tensor_parallel > 1:
-        errors.append("serve.tensor_parallel: > 1 needs device: cuda (the CPU recipes serve on one process)")
+        errors.append(ConfigProblem("serve.tensor_parallel", "serve.tensor_parallel: > 1 needs device: cuda (the CPU "
+                                    "recipes serve on one process)"))
     return errors
 
 
@@ -31,7 +37,7 @@ STAGE = StageSpec(
     name="serve",
     config_model=ServeConfig,
     task="tasks.serve.task:run_serve",
-    consumes=lambda cfg: "hf-safetensors",
+    consumes=lambda cfg: Format.HF_SAFETENSORS,
     produces=lambda cfg: None,
     validate=validate,
     cacheable=False,

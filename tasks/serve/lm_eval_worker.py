@@ -63,12 +63,13 @@ def evaluate_server(args) -> dict:
 def as_hf_folder(folder: Path, scratch: Path) -> Path:
     """The folder itself when it is HF safetensors, else its conversion (by the manifest's format) under scratch."""
     from conversions import manifest as mf, registry
+    from conversions.manifest import Format
 
-    fmt = (mf.read(folder) or {}).get("format", "hf-safetensors")
-    if fmt == "hf-safetensors":
+    fmt = (mf.read(folder) or {}).get("format", Format.HF_SAFETENSORS)
+    if fmt == Format.HF_SAFETENSORS:
         return folder
     dst = Path(tempfile.mkdtemp(prefix=f"{folder.name}-hf-", dir=scratch))
-    registry.converter(fmt, "hf-safetensors")(folder, dst, max_shard_bytes=2 << 30)
+    registry.converter(fmt, Format.HF_SAFETENSORS)(folder, dst, max_shard_bytes=2 << 30)
     return dst
 
 
