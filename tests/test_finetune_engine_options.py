@@ -77,38 +77,27 @@ def wide_checkpoint(tmp_path_factory, tiny_config, data_dir) -> Path:
     return dest
 
 
-@pytest.mark.long  # with DeepSpeed's async_io JIT build (~5 min once): make test-long
+@pytest.mark.long  # DeepSpeed's async_io op is built by `make runtimes`: make test-long
 @pytest.mark.timeout(1500)
-def test_zero3_nvme_offload_trains_resumes_after_sigkill_and_converts_exactly(tmp_path, tiny_config, data_dir,
-                                                                             hf_checkpoint):
-    """No CPU flat buffers (nvme_max_in_cpu 0), the engine DeepSpeed's load_checkpoint fails on; the tiny model's
-    partitions are all under 1 MiB, so DeepSpeed keeps them in CPU memory (0 swap bytes). The uninterrupted run also
-    converts to HF exactly (equal to DeepSpeed's own consolidation)."""
-    straight, resumed = resume_after_sigkill(tmp_path, tiny_config, data_dir, hf_checkpoint)
-    print(f"nvme resume (tiny): loss_last {resumed.metrics['loss_last']}, swap bytes "
-          f"{straight.metrics['nvme_swap_bytes']} / {resumed.metrics['nvme_swap_bytes']}, {straight.metrics['wall_s']} s")
-    assert_checkpoint_gate(straight)
-    assert straight.metrics["loss_last"] < straight.metrics["loss_first"]
+def test_zero3_nvme_offload_with_real_swap_resumes_after_sigkill_and_converts_exactly(tmp_path, tiny_config, data_dir,
+                                                                                       wide_checkpoint):
+    """Parameters really on NVMe, with no CPU flat buffers (nvme_max_in_cpu 0, the engine DeepSpeed's own
+    load_checkpoint fails on): the MLP partitions are written to and read from the swap files. An uninterrupted run,
+    and one SIGKILLed after its first checkpoint then resumed, end with the same weights and loss; the uninterrupted
+    one converts to HF exactly (equal to DeepSpeed's own consolidation). DeepSpeed's default 5 swap buffers run out
+    here ('Not enough buffers 0 for swapping 1' in step 3's backward, after the step-2 checkpoint; measured), so the
+    run sets nvme_buffer_count, with 2 MiB buffers (the largest partition is 1 MiB)."""
+    straight, resumed = resume_after_sigkill(tmp_path, tiny_config, data_dir, wide_checkpoint,
+                                             nvme_buffer_count=24, nvme_buffer_size=1 << 19)
+    swapped = (straight.metrics["nvme_swap_bytes"], resumed.metrics["nvme_swap_bytes"])
+    print(f"nvme resume: swap files {swapped} bytes (straight, resumed); loss_last {resumed.metrics['loss_last']}")
+    assert min(swapped) >= 2 * 12 * (1 << 20)  # 2 ranks x 4 layers x 3 MLP matrices x 1 MiB at least
     zero_cfg = straight.extra["zero"]
     assert (zero_cfg["offload_param"]["device"], zero_cfg["offload_optimizer"]["device"]) == ("nvme", "cpu")
     assert not (tmp_path / "swap1" / "zero_stage_3").exists()  # cleared after the run
     conv = convert_and_gate(straight.output, tmp_path / "convert", tiny_config, data_dir)
     assert conv.gate["passed"], conv.gate
     assert_same_tensors(hf.load_state_dict(conv.output), deepspeed_reference(straight.output, tmp_path / "ds"))
-
-
-@pytest.mark.long  # with DeepSpeed's async_io JIT build (~5 min once): make test-long
-@pytest.mark.timeout(1500)
-def test_zero3_nvme_offload_with_real_swap_resumes_after_sigkill(tmp_path, tiny_config, data_dir, wide_checkpoint):
-    """Resume with parameters really on NVMe: the MLP partitions are written to and read from the swap files.
-    DeepSpeed's default 5 swap buffers run out here ('Not enough buffers 0 for swapping 1' in step 3's backward,
-    after the step-2 checkpoint; measured), so the run sets nvme_buffer_count, with 2 MiB buffers (the largest
-    partition is 1 MiB)."""
-    straight, resumed = resume_after_sigkill(tmp_path, tiny_config, data_dir, wide_checkpoint,
-                                             nvme_buffer_count=24, nvme_buffer_size=1 << 19)
-    swapped = (straight.metrics["nvme_swap_bytes"], resumed.metrics["nvme_swap_bytes"])
-    print(f"nvme resume: swap files {swapped} bytes (straight, resumed); loss_last {resumed.metrics['loss_last']}")
-    assert min(swapped) >= 2 * 12 * (1 << 20)  # 2 ranks x 4 layers x 3 MLP matrices x 1 MiB at least
 
 
 def resume_after_sigkill(tmp_path, tiny_config, data_dir, checkpoint, **zero_keys):
