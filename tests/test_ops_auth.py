@@ -7,6 +7,7 @@ import base64
 import json
 import urllib.error
 import urllib.request
+import uuid
 
 import psutil
 import pytest
@@ -22,19 +23,21 @@ def _status(url: str, method: str = "GET", user_pass: str | None = None, body: d
                                  data=json.dumps(body).encode() if body is not None else None)
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, dict(r.headers)
+            return r.status, r.headers
     except urllib.error.HTTPError as e:
-        return e.code, dict(e.headers)
+        return e.code, e.headers  # (case-insensitive names)
 
 
 def test_the_prefect_api_answers_only_with_the_auth_string(ops_stack, record_property):
     record_property("fault", "a request to the Prefect API without its auth string")
     api, auth = ops_stack.env["PREFECT_API_URL"], ops_stack.env["PREFECT_API_AUTH_STRING"]
+    flow_run = f"{api}/flow_runs/{uuid.uuid4()}"
     assert _status(f"{api}/admin/version")[0] == 401
-    assert _status(f"{api}/flow_runs/filter", "POST", body={})[0] == 401
-    assert _status(f"{api}/csrf-token?client=x")[0] == 401  # the write token too
+    assert _status(flow_run)[0] == 401
+    assert _status(f"{api}/csrf-token?client=x")[0] == 401  # so no write either: each needs a CSRF token
     assert _status(f"{api}/admin/version", user_pass=auth + "x")[0] == 401
     assert _status(f"{api}/admin/version", user_pass=auth)[0] == 200
+    assert _status(flow_run, user_pass=auth)[0] == 404
     assert _status(f"{api}/health")[0] == 200  # the liveness probe stays open (Prefect's own exemption)
 
 
