@@ -199,7 +199,8 @@ def running_stack(**env):
 
 @pytest.fixture(scope="session")
 def ops_stack():
-    yield from running_stack()
+    # the worker's owner decides retry timing (job variables cannot carry env: bootstrap.LAUNCH_VARIABLES)
+    yield from running_stack(BATON_INFRA_RETRY_DELAY_S="1")
 
 
 def register_initial_champion(stack: Stack, hf_checkpoint: Path, dest: Path) -> dict:

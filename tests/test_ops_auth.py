@@ -74,3 +74,16 @@ def test_the_credentials_are_in_0600_files_and_on_no_command_line(ops_stack, rec
     assert servers["prefect-server"].environ()["PREFECT_SERVER_API_AUTH_STRING"] == secrets[0]
     assert servers["prefect-worker"].environ()["PREFECT_API_AUTH_STRING"] == secrets[0]
     assert servers["mlflow-server"].environ()["MLFLOW_AUTH_ADMIN_PASSWORD"] == secrets[1]
+
+
+@pytest.mark.parametrize("job_variables", [{"env": {"PYTHONPATH": "/tmp/planted"}}, {"command": "touch /tmp/pwned"},
+                                           {"working_dir": "/tmp"}], ids=["env", "command", "working_dir"])
+def test_a_deployment_run_cannot_choose_what_the_worker_runs(ops_stack, job_variables, record_property):
+    record_property("fault", "command or env in a deployment run's job variables")
+    deployment = ops_stack.api("GET", "/deployments/name/baton-pipeline/tiny")
+    far = {"type": "SCHEDULED", "state_details": {"scheduled_time": "2100-01-01T00:00:00Z"}}  # never run if created
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        ops_stack.api("POST", f"/deployments/{deployment['id']}/create_flow_run",
+                      {"job_variables": job_variables, "state": far})
+    assert refused.value.code == 422, refused.value.read()
+    assert f"'{next(iter(job_variables))}' was unexpected" in refused.value.read().decode()
