@@ -1,8 +1,11 @@
-"""`$BATON_HOME/stack.env`: the client settings `make up` writes (where the local Prefect and MLflow servers listen)
-and `baton` reads. BATON_HOME defaults to ./.baton, so the file may come from whatever folder baton is started in:
-it is accepted only as what `make up` writes (these keys, loopback URLs, a plain pool name) in a file the user owns
-with mode 0600. Anything else (a PYTHONPATH copied into every engine's environment, a remote tracking server) is
-refused naming the file, line and key, never echoing a value.
+"""`$BATON_HOME/stack.env`: the client settings `make up` writes (where the local Prefect and MLflow servers listen,
+and the credentials they ask for) and `baton` reads. BATON_HOME defaults to ./.baton, so the file may come from
+whatever folder baton is started in: it is accepted only as what `make up` writes (these keys, loopback URLs, a plain
+pool name, credentials without spaces) in a file the user owns with mode 0600. Anything else (a PYTHONPATH copied into
+every engine's environment, a remote tracking server) is refused naming the file, line and key, never echoing a value.
+
+The same format and rules hold for `$BATON_HOME/stack/secrets.env`, where `make up` keeps the credentials it generated
+once (CREDENTIAL_KEYS only): stack.env, removed by `make down`, is written again from it by each `make up`.
 """
 from __future__ import annotations
 
@@ -16,10 +19,13 @@ from conversions import durable
 from conversions.refusal import Refused
 
 URL_KEYS = ("PREFECT_API_URL", "PREFECT_UI_URL", "MLFLOW_TRACKING_URI")
-KEYS = (*URL_KEYS, "BATON_WORK_POOL")
+# Prefect's client auth string ("user:password", sent as HTTP basic auth) and the MLflow basic-auth user
+CREDENTIAL_KEYS = ("PREFECT_API_AUTH_STRING", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
+KEYS = (*URL_KEYS, "BATON_WORK_POOL", *CREDENTIAL_KEYS)
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 POOL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+CREDENTIAL = re.compile(r"^[A-Za-z0-9_.:~-]{1,256}$")
 HEADER = "# written by `make up`; removed by `make down`\n"
 
 
@@ -27,12 +33,15 @@ class StackEnvError(Refused):
     pass
 
 
-def write(path: Path, env: dict[str, str]) -> Path:
-    """What `make up` writes: the keys above only, 0600 from the start, atomically."""
+def write(path: Path, env: dict[str, str], header: str = HEADER) -> Path:
+    """What `make up` writes: the keys above only, each value as read() accepts it, 0600 from the start, atomically."""
     unknown = sorted(set(env) - set(KEYS))
     if unknown:
         raise StackEnvError(f"{path}: {', '.join(unknown)} not among the keys stack.env holds ({', '.join(KEYS)})")
-    return durable.write_text(Path(path), HEADER + "".join(f"{k}={v}\n" for k, v in env.items()), mode=0o600)
+    bad = [key for key, value in env.items() if _value_problem(key, value)]
+    if bad:
+        raise StackEnvError(f"{path}: {', '.join(bad)}: {_value_problem(bad[0], env[bad[0]])}")
+    return durable.write_text(Path(path), header + "".join(f"{k}={v}\n" for k, v in env.items()), mode=0o600)
 
 
 def _owner_problem(path: Path) -> str | None:
@@ -51,6 +60,8 @@ def _value_problem(key: str, value: str) -> str | None:
         return f"{key} is not a key `make up` writes ({', '.join(KEYS)})"
     if key == "BATON_WORK_POOL":
         return None if POOL_NAME.match(value) else f"{key} is not a plain work pool name"
+    if key in CREDENTIAL_KEYS:
+        return None if CREDENTIAL.match(value) else f"{key} is not a credential as `make up` generates it"
     try:
         url = urlsplit(value)
         host = url.hostname

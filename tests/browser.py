@@ -82,6 +82,28 @@ class Chromium:
         missing = [n for n in needles if n not in text]
         raise AssertionError(f"not rendered after {timeout}s: {missing}\n--- page text ---\n{text[:3000]}")
 
+    def wait_until(self, expression: str, timeout: float = 60) -> None:
+        """Until a JavaScript expression on the page is truthy (AssertionError naming it otherwise)."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.evaluate(expression):
+                return
+            time.sleep(0.3)
+        raise AssertionError(f"still false after {timeout}s: {expression}\n--- page text ---\n{self.text()[:2000]}")
+
+    def type_into(self, selector: str, text: str) -> None:
+        """Focus the first element matching selector and type text into it as a keyboard does (the page's framework
+        sees real input events)."""
+        self.wait_until(f"!!document.querySelector({json.dumps(selector)})")
+        self.evaluate(f"document.querySelector({json.dumps(selector)}).focus()")
+        self.send("Input.insertText", text=text)
+
+    def send_headers(self, headers: dict[str, str]) -> None:
+        """Send these headers with every request from now on: what a browser does with HTTP basic auth once the
+        user has answered its prompt (headless Chromium shows no prompt)."""
+        self.send("Network.enable")
+        self.send("Network.setExtraHTTPHeaders", headers=headers)
+
     def click_text(self, label: str) -> bool:
         """Click the innermost element whose text is label (a tab, a link, a button with an icon), or the button,
         link or tab around it."""

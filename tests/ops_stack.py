@@ -21,9 +21,13 @@ from tasks.distributed.net import free_port
 REPO = Path(__file__).resolve().parent.parent
 
 
+MLFLOW_CREDENTIALS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
+
+
 class Stack:
     def __init__(self, home: Path, db: str = "sqlite"):
         self.home, self.db = home, db
+        self.saved_credentials: dict | None = None
         self.ports = {"BATON_PREFECT_PORT": str(free_port()), "BATON_MLFLOW_PORT": str(free_port()),
                       "BATON_PG_PORT": str(free_port())}
 
@@ -31,7 +35,8 @@ class Stack:
         # the stack's own Prefect profiles (`make up` makes a `baton` profile active there), not the test session's
         env = dict(os.environ, BATON_HOME=str(self.home), PREFECT_HOME=str(self.home / "prefect-client"), **self.ports,
                    **more)
-        for k in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", "PREFECT_UI_URL", "PREFECT_PROFILE"):
+        for k in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", "PREFECT_UI_URL", "PREFECT_PROFILE", *MLFLOW_CREDENTIALS,
+                  "PREFECT_API_AUTH_STRING"):
             env.pop(k, None)
         return env
 
@@ -44,6 +49,12 @@ class Stack:
         return proc
 
     def down(self, purge: bool = True) -> None:
+        for k, v in (self.saved_credentials or {}).items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        self.saved_credentials = None
         subprocess.run(["make", "--no-print-directory", "down"], cwd=REPO, env=self.make_env(), capture_output=True,
                        text=True, timeout=180)
         if purge:
@@ -80,9 +91,17 @@ class Stack:
 
         req = urllib.request.Request(self.env["PREFECT_API_URL"] + path, method=method,
                                      data=json.dumps(body).encode() if body is not None else None,
-                                     headers={"Content-Type": "application/json", **self.csrf_headers()})
+                                     headers={"Content-Type": "application/json", **self.auth_headers(),
+                                              **self.csrf_headers()})
         with urllib.request.urlopen(req, timeout=30) as r:
             return json.loads(r.read() or b"null")
+
+    def auth_headers(self) -> dict:
+        """The stack's Prefect server wants its auth string (stack.env) as HTTP basic auth, as Prefect's clients
+        send it."""
+        import base64
+
+        return {"Authorization": "Basic " + base64.b64encode(self.env["PREFECT_API_AUTH_STRING"].encode()).decode()}
 
     def csrf_headers(self) -> dict:
         """The stack's Prefect server wants a CSRF token on every write, as its own clients and UI send one."""
@@ -90,12 +109,24 @@ class Stack:
         import uuid
 
         client = uuid.uuid4().hex
-        with urllib.request.urlopen(f"{self.env['PREFECT_API_URL']}/csrf-token?client={client}", timeout=30) as r:
+        req = urllib.request.Request(f"{self.env['PREFECT_API_URL']}/csrf-token?client={client}",
+                                     headers=self.auth_headers())
+        with urllib.request.urlopen(req, timeout=30) as r:
             return {"Prefect-Csrf-Token": json.loads(r.read())["token"], "Prefect-Csrf-Client": client}
+
+    def use_mlflow_credentials(self) -> None:
+        """MLflow's client reads the basic-auth user from the environment at each request: tests' own MlflowClients
+        (in this process) log in as `baton` does, with the credentials in this stack's stack.env."""
+        env = self.env
+        if self.saved_credentials is None:  # another stack's, given back by down()
+            self.saved_credentials = {k: os.environ.get(k) for k in MLFLOW_CREDENTIALS}
+        for k in MLFLOW_CREDENTIALS:
+            os.environ[k] = env[k]
 
     def mlflow(self):
         from mlflow import MlflowClient
 
+        self.use_mlflow_credentials()
         return MlflowClient(tracking_uri=self.mlflow_url, registry_uri=self.mlflow_url)
 
     def run_deployment(self, name: str, params: dict, watch: bool = True, timeout: float = 1200,
@@ -158,6 +189,7 @@ def running_stack(**env):
     stack = Stack(home)
     try:
         stack.up(**env)
+        stack.use_mlflow_credentials()
         stack.pause_schedules()
         yield stack
     finally:
@@ -167,7 +199,8 @@ def running_stack(**env):
 
 @pytest.fixture(scope="session")
 def ops_stack():
-    yield from running_stack()
+    # the worker's owner decides retry timing (job variables cannot carry env: bootstrap.LAUNCH_VARIABLES)
+    yield from running_stack(BATON_INFRA_RETRY_DELAY_S="1")
 
 
 def register_initial_champion(stack: Stack, hf_checkpoint: Path, dest: Path) -> dict:

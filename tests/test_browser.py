@@ -6,9 +6,14 @@
   the docs' concepts page shows.
 - The nightly retraining: the Prefect flow-run page shows its stage subflows and artifacts; MLflow shows the stage runs
   of the experiment and the registry's `champion` alias.
+
+Both UIs ask who you are (the stack's credentials, in stack.env): Prefect's on its login page, where the tests type the
+auth string as a user pastes it; MLflow's by HTTP basic auth, whose credentials the tests send with every request, as
+a browser does once its prompt is answered.
 """
 from __future__ import annotations
 
+import base64
 import re
 import os
 import tempfile
@@ -37,10 +42,25 @@ def tiny_run(ops_stack, default_run) -> dict:
             "flow_run": ops_stack.flow_run(default_run.summary["prefect_flow_run_id"])}
 
 
+def prefect_login(b: Chromium, ops_stack) -> None:
+    """The Prefect UI's login page, answered with the auth string from stack.env; the UI keeps it for the origin."""
+    b.goto(f"{ops_stack.prefect_url}/login")
+    b.type_into("input[type=password]", ops_stack.env["PREFECT_API_AUTH_STRING"])
+    b.evaluate("document.querySelector('form').requestSubmit()")
+    b.wait_until("location.pathname !== '/login' && !!localStorage.getItem('prefect-password')")
+
+
+def mlflow_login(b: Chromium, ops_stack) -> None:
+    env = ops_stack.env
+    token = base64.b64encode(f"{env['MLFLOW_TRACKING_USERNAME']}:{env['MLFLOW_TRACKING_PASSWORD']}".encode()).decode()
+    b.send_headers({"Authorization": f"Basic {token}"})
+
+
 def test_prefect_flow_run_page_is_named_after_the_run_and_lists_the_stages(ops_stack, tiny_run):
     fr, run_id = tiny_run["flow_run"], tiny_run["summary"]["run_id"]
     assert fr["name"] == f"tiny-{run_id}"
     with Chromium(**SHOT) as b:
+        prefect_login(b, ops_stack)
         b.goto(f"{ops_stack.prefect_url}/runs/flow-run/{fr['id']}")
         b.wait_for([f"tiny-{run_id}", "baton-pipeline", "Completed"])
         assert b.click_text("Subflow Runs")
@@ -57,6 +77,7 @@ def test_prefect_summary_artifact_carries_the_lineage_diagram(ops_stack, tiny_ru
         "flow_run_id": {"any_": [fr["id"]]}, "key": {"any_": ["baton-run-summary"]}}})
     assert "```mermaid" in art["data"] and "flowchart LR" in art["data"]
     with Chromium(**SHOT) as b:
+        prefect_login(b, ops_stack)
         b.goto(f"{ops_stack.prefect_url}/artifacts/artifact/{art['id']}")
         text = b.wait_for(["Lineage", "flowchart LR", "-->"])
         # every step of the chain is a box of the diagram, from the data to the HF checkpoint
@@ -82,6 +103,7 @@ def test_mlflow_run_and_model_version_pages_show_the_training_and_the_gate_repor
     reg = conv["registered"]
     exp = ops_stack.mlflow().get_experiment_by_name("baton").experiment_id
     with Chromium(**SHOT) as b:
+        mlflow_login(b, ops_stack)
         run_page = f"{ops_stack.mlflow_url}/#/experiments/{exp}/runs/{pre['mlflow_run_id']}"
         b.goto(run_page)
         b.wait_for(["pretrain", "Overview", "Finished", "Registered models"])
@@ -105,6 +127,7 @@ def test_mlflow_run_and_model_version_pages_show_the_training_and_the_gate_repor
 def test_prefect_flow_run_page_shows_the_stages(ops_stack, retrain_outcomes):
     fr = retrain_outcomes["v2"]["flow_run"]
     with Chromium() as b:
+        prefect_login(b, ops_stack)
         b.goto(f"{ops_stack.prefect_url}/runs/flow-run/{fr['id']}")
         b.wait_for([fr["name"], "baton-retrain", "nightly", "Completed", "retrain decision: promoted"])
         assert b.click_text("Subflow Runs")
@@ -128,6 +151,7 @@ def test_mlflow_pages_show_the_stage_runs_and_the_champion(ops_stack, retrain_ou
     exp = c.get_experiment_by_name("baton").experiment_id
     champion = retrain_outcomes["v3"]["champion"]
     with Chromium() as b:
+        mlflow_login(b, ops_stack)
         b.goto(f"{ops_stack.mlflow_url}/#/experiments/{exp}/runs")
         b.wait_for(["Run Name", "retrain-decision-"])
         assert b.click_all('button[data-component-id*="runnamecellrenderer"]')  # unfold the stage runs of each parent

@@ -99,8 +99,7 @@ def test_killed_rank_is_retried_then_prefect_cancel_stops_the_engine_and_closes_
     record_property("fault", "rank SIGKILLed, then prefect flow-run cancel mid-training")
     home, cfg = ops_stack.home, _pipeline_config()
     fr_id = ops_stack.run_deployment("baton-pipeline/tiny", {"config": cfg, "from_ref": initial_champion["path"],
-                                                             "run_id": "cancel-1"}, watch=False,
-                                     job_variables={"env": {"BATON_INFRA_RETRY_DELAY_S": "1"}})
+                                                             "run_id": "cancel-1"}, watch=False)
     engine_log = home / "runs" / "cancel-1" / "01-finetune" / "engine.log"
     _wait_for(r'"kind": "checkpoint"', engine_log, timeout=600)
     _kill_a_rank_and_see_it_retried(ops_stack, fr_id, engine_log)

@@ -70,29 +70,58 @@ def test_a_stack_env_owned_by_another_user_or_linked_is_refused(tmp_path, record
         stack_env.read(path)
 
 
-def test_what_make_up_writes_is_read_back(tmp_path):
+def _stack_module():
     sys.path.insert(0, str(REPO / "infra" / "stack"))
     try:
         import stack
     finally:
         sys.path.remove(str(REPO / "infra" / "stack"))
-    assert set(stack.client_env()) <= set(stack_env.KEYS)
-    path = stack_env.write(tmp_path / "stack.env", stack.client_env())
-    assert oct(path.stat().st_mode & 0o777) == "0o600" and stack_env.read(path) == stack.client_env()
+    return stack
+
+
+def test_what_make_up_writes_is_read_back(tmp_path, monkeypatch):
+    stack = _stack_module()
+    monkeypatch.setenv("BATON_HOME", str(tmp_path / "home"))
+    written = {**stack.client_env(), **stack.credentials()}
+    assert set(written) == set(stack_env.KEYS)
+    path = stack_env.write(tmp_path / "stack.env", written)
+    assert oct(path.stat().st_mode & 0o777) == "0o600" and stack_env.read(path) == written
     _plant(tmp_path / "cwd", path.read_text())
     r = _baton_env_in(tmp_path / "cwd")
     assert r.returncode == 0 and r.stdout.split() == ["None", stack.client_env()["MLFLOW_TRACKING_URI"]], r.stderr
+
+
+def test_the_stack_s_credentials_are_made_once_per_baton_home_and_kept_0600(tmp_path, monkeypatch):
+    """MLflow creates its admin user once, with the first password it is given: `make up` must give the same one
+    again (a new one would lock every client out), another BATON_HOME gets its own, and only the user reads them."""
+    stack = _stack_module()
+    monkeypatch.setenv("BATON_HOME", str(tmp_path / "a"))
+    first = stack.credentials()
+    assert first == stack.credentials() and set(first) == set(stack_env.CREDENTIAL_KEYS)
+    assert oct(stack.secrets_file().stat().st_mode & 0o777) == "0o600"
+    assert first["PREFECT_API_AUTH_STRING"].startswith("baton:") and len(first["MLFLOW_TRACKING_PASSWORD"]) >= 40
+    monkeypatch.setenv("BATON_HOME", str(tmp_path / "b"))
+    other = stack.credentials()
+    assert other["PREFECT_API_AUTH_STRING"] != first["PREFECT_API_AUTH_STRING"]
+    assert other["MLFLOW_TRACKING_PASSWORD"] != first["MLFLOW_TRACKING_PASSWORD"]
+    stack.secrets_file().chmod(0o644)
+    with pytest.raises(stack_env.StackEnvError, match="secrets.env: has mode 644"):
+        stack.credentials()
+
+
+def test_a_credential_not_as_make_up_generates_it_is_refused_unechoed(tmp_path, record_property):
+    record_property("fault", "stack.env planted in the current folder")
+    path = _plant(tmp_path, "PREFECT_API_AUTH_STRING=baton:hunter2 --extra\n")
+    with pytest.raises(stack_env.StackEnvError, match=":1: PREFECT_API_AUTH_STRING is not a credential") as e:
+        stack_env.read(path)
+    assert "hunter2" not in str(e.value)
 
 
 def test_the_stack_s_prefect_server_wants_csrf_tokens_and_only_its_ui_s_origin(record_property):
     """A web page the user visits must not drive the API: CSRF on (Prefect's default is off), CORS only for the UI
     (its default is `*`). Checked live with `make up`: a tokenless POST gets 403, another origin's preflight 400."""
     record_property("fault", "Prefect API open to any web page")
-    sys.path.insert(0, str(REPO / "infra" / "stack"))
-    try:
-        import stack
-    finally:
-        sys.path.remove(str(REPO / "infra" / "stack"))
-    env = stack.prefect_server_env(None)
+    stack = _stack_module()
+    env = stack.prefect_server_env(None, "baton:x")
     assert env["PREFECT_SERVER_CSRF_PROTECTION_ENABLED"] == "true"
     assert env["PREFECT_SERVER_CORS_ALLOWED_ORIGINS"] == stack.client_env()["PREFECT_UI_URL"]

@@ -47,3 +47,16 @@ def test_up_activates_a_baton_profile_and_down_restores_the_previous_one(tmp_pat
     view = _prefect(env, "config", "view")
     assert "PREFECT_PROFILE='mine'" in view and "PREFECT_API_URL" not in view
     assert "[profiles.baton]" not in (home / "profiles.toml").read_text()
+
+
+def test_the_profile_carries_the_auth_string_in_a_file_only_the_user_reads(tmp_path):
+    """A fresh shell's `prefect` CLI needs the stack's auth string: the profile holds it, so the profiles file, even
+    one the user had made world-readable, becomes 0600 before the secret goes in."""
+    env = _env(tmp_path)
+    home = tmp_path / "prefect-home"
+    home.mkdir()
+    (home / "profiles.toml").write_text('active = "mine"\n\n[profiles.mine]\n')
+    (home / "profiles.toml").chmod(0o644)
+    _stack(env, "stack.activate_profile('baton:not-a-real-secret')")
+    assert oct((home / "profiles.toml").stat().st_mode & 0o777) == "0o600"
+    assert "PREFECT_API_AUTH_STRING = \"baton:not-a-real-secret\"" in (home / "profiles.toml").read_text()

@@ -5,8 +5,11 @@
     stack.py down [--purge]                                              (make down)
     stack.py status
 
-Everything lives under $BATON_HOME/stack: databases, artifacts, logs, pid files. `up` writes $BATON_HOME/stack.env
-(the client settings `baton` reads), `down` stops every process group it started and removes stack.env.
+Everything lives under $BATON_HOME/stack: databases, artifacts, logs, pid files, and secrets.env: the credentials
+both servers ask for (Prefect's API auth string, MLflow's basic-auth admin), generated on the first `up` in this
+BATON_HOME, 0600, handed to the servers, the worker and clients through their environment only (never a command line).
+`up` writes $BATON_HOME/stack.env (the client settings `baton` reads, credentials included, 0600), `down` stops every
+process group it started and removes stack.env; `down --purge` deletes secrets.env with the databases.
 Ports: BATON_PREFECT_PORT (4211), BATON_MLFLOW_PORT (5011), BATON_PG_PORT (5433). Standard library only; run it
 with the venv's python (prefect and mlflow are taken from beside it).
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -29,6 +33,7 @@ from tasks.launch import kill_group  # noqa: E402
 
 POOL = os.environ.get("BATON_WORK_POOL", "baton-local")
 HOST = "127.0.0.1"
+MLFLOW_ADMIN = "baton"  # the MLflow basic-auth admin user clients log in as
 
 
 def home() -> Path:
@@ -63,13 +68,38 @@ def client_env() -> dict[str, str]:
             "MLFLOW_TRACKING_URI": f"http://{HOST}:{p['mlflow']}", "BATON_WORK_POOL": POOL}
 
 
+def secrets_file() -> Path:
+    return state_dir() / "secrets.env"
+
+
+SECRETS_HEADER = "# the stack's credentials, generated once by `make up`; `stack.py down --purge` deletes them\n"
+
+
+def credentials() -> dict[str, str]:
+    """The stack's credentials (stack_env.CREDENTIAL_KEYS): generated on the first `up` in this BATON_HOME, then read
+    back, since MLflow creates its admin user once, with the password it is first given."""
+    f = secrets_file()
+    if os.path.lexists(f):
+        creds = stack_env.read(f)  # the user's own 0600 file, or refused naming it
+        if set(creds) != set(stack_env.CREDENTIAL_KEYS):
+            raise stack_env.StackEnvError(f"{f}: holds {', '.join(sorted(creds)) or 'nothing'}, not the stack's "
+                                          f"credentials ({', '.join(stack_env.CREDENTIAL_KEYS)}); "
+                                          "`stack.py down --purge` starts afresh")
+        return creds
+    creds = {"PREFECT_API_AUTH_STRING": f"baton:{secrets.token_urlsafe(32)}",
+             "MLFLOW_TRACKING_USERNAME": MLFLOW_ADMIN, "MLFLOW_TRACKING_PASSWORD": secrets.token_urlsafe(32)}
+    f.parent.mkdir(parents=True, exist_ok=True)
+    stack_env.write(f, creds, header=SECRETS_HEADER)
+    return creds
+
+
 def quiet_env() -> dict[str, str]:
     return {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "true", "MLFLOW_DISABLE_TELEMETRY": "true",
             "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120", "HF_HUB_OFFLINE": "1",
             "TOKENIZERS_PARALLELISM": "false"}
 
 
-def prefect_server_env(db_url: str | None) -> dict[str, str]:
+def prefect_server_env(db_url: str | None, auth_string: str) -> dict[str, str]:
     s, p = state_dir() / "prefect", ports()
     env = {"PREFECT_HOME": str(s), "PREFECT_LOCAL_STORAGE_PATH": str(s / "storage"),
            "PREFECT_SERVER_API_HOST": HOST, "PREFECT_SERVER_API_PORT": str(p["prefect"]),
@@ -79,8 +109,26 @@ def prefect_server_env(db_url: str | None) -> dict[str, str]:
            # a web page the user visits must not drive the API: CSRF tokens on every write (Prefect's clients and UI
            # fetch them), and cross-origin reads only for the UI's own origin (Prefect's default is `*`)
            "PREFECT_SERVER_CSRF_PROTECTION_ENABLED": "true",
-           "PREFECT_SERVER_CORS_ALLOWED_ORIGINS": f"http://{HOST}:{p['prefect']}"}
+           "PREFECT_SERVER_CORS_ALLOWED_ORIGINS": f"http://{HOST}:{p['prefect']}",
+           # every API call but the health probe needs it (HTTP basic auth); the UI asks for it on its login page
+           "PREFECT_SERVER_API_AUTH_STRING": auth_string}
     return env
+
+
+def mlflow_server_env(db_url: str | None, creds: dict[str, str]) -> dict[str, str]:
+    """MLflow's basic-auth app: its users in an SQLite database beside the tracking store, the admin user created on
+    the first start with the stack's credentials; everything but /health asks for them."""
+    s = state_dir() / "mlflow"
+    ini = s / "basic_auth.ini"
+    ini.write_text(f"[mlflow]\ndefault_permission = NO_PERMISSIONS\ndatabase_uri = sqlite:///{s / 'auth.db'}\n"
+                   f"admin_username = {creds['MLFLOW_TRACKING_USERNAME']}\n")
+    # GenAI job execution off: otherwise MLflow spawns ~7 huey consumers (~2 GB) that tracking does not need.
+    # The store URI (with the database password) and the admin password through the environment: never on a command
+    # line (`ps`). The Flask key signs the sign-up form's CSRF token only: a fresh one per start does.
+    return {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+            "MLFLOW_BACKEND_STORE_URI": db_url or f"sqlite:///{s / 'mlflow.db'}",
+            "MLFLOW_AUTH_CONFIG_PATH": str(ini), "MLFLOW_AUTH_ADMIN_PASSWORD": creds["MLFLOW_TRACKING_PASSWORD"],
+            "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_urlsafe(32)}
 
 
 def base_env() -> dict[str, str]:
@@ -160,6 +208,10 @@ def up(db: str, worker: bool, deploy: bool) -> None:
         return
     t0 = time.time()
     state_dir().mkdir(parents=True, exist_ok=True)
+    try:
+        creds = credentials()
+    except stack_env.StackEnvError as e:
+        raise SystemExit(f"[stack] {e}") from None
     env = base_env()
     p = ports()
     prefect_db = mlflow_db = None
@@ -169,18 +221,16 @@ def up(db: str, worker: bool, deploy: bool) -> None:
         prefect_db, mlflow_db = pg.url("prefect", "postgresql+asyncpg"), pg.url("mlflow", "postgresql+psycopg2")
     (state_dir() / "mlflow" / "artifacts").mkdir(parents=True, exist_ok=True)
     start("prefect-server", [str(bin_dir() / "prefect"), "server", "start", "--analytics-off"],
-          {**env, **prefect_server_env(prefect_db)})
-    # GenAI job execution off: otherwise MLflow spawns ~7 huey consumers (~2 GB) that tracking does not need
-    # the store URI (with the database password) through the environment: never on a command line (`ps`)
-    start("mlflow-server", [str(bin_dir() / "mlflow"), "server", "--host", HOST, "--port", str(p["mlflow"]),
-                            "--artifacts-destination", str(state_dir() / "mlflow" / "artifacts"), "--workers", "1"],
-          {**env, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
-           "MLFLOW_BACKEND_STORE_URI": mlflow_db or f"sqlite:///{state_dir() / 'mlflow' / 'mlflow.db'}"})
-    cenv = {**env, **client_env()}
+          {**env, **prefect_server_env(prefect_db, creds["PREFECT_API_AUTH_STRING"])})
+    start("mlflow-server", [str(bin_dir() / "mlflow"), "server", "--app-name", "basic-auth", "--host", HOST,
+                            "--port", str(p["mlflow"]), "--artifacts-destination",
+                            str(state_dir() / "mlflow" / "artifacts"), "--workers", "1"],
+          {**env, **mlflow_server_env(mlflow_db, creds)})
+    cenv = {**env, **client_env(), **creds}
     s1 = wait_http(f"http://{HOST}:{p['prefect']}/api/health", "Prefect server", "prefect-server")
     s2 = wait_http(f"http://{HOST}:{p['mlflow']}/health", "MLflow server", "mlflow-server")
     log(f"Prefect API up after {s1:.0f}s, MLflow after {s2:.0f}s")
-    stack_env.write(home() / "stack.env", client_env())  # 0600: baton refuses it otherwise
+    stack_env.write(home() / "stack.env", {**client_env(), **creds})  # 0600: baton refuses it otherwise
     (state_dir() / "stack.json").write_text(json.dumps({"db": db, "ports": p, "pool": POOL}, indent=2) + "\n")
     boot = [str(bin_dir() / "python"), str(Path(__file__).resolve().parent / "bootstrap.py")]
     if worker:
@@ -192,7 +242,7 @@ def up(db: str, worker: bool, deploy: bool) -> None:
         print(run_cli(boot, cenv), end="", flush=True)
     if deploy:
         deploy_all(cenv)
-    previous = activate_profile()
+    previous = activate_profile(creds["PREFECT_API_AUTH_STRING"])
     log(f"Prefect profile '{PROFILE}' active (the `prefect` CLI now talks to this stack; `make down` makes "
         f"'{previous or 'ephemeral'}' active again)")
     log(f"up in {time.time() - t0:.0f}s (db: {db}); client settings in {home() / 'stack.env'}")
@@ -202,17 +252,23 @@ def up(db: str, worker: bool, deploy: bool) -> None:
 PROFILE = "baton"
 
 
-def activate_profile() -> str:
-    """A `baton` Prefect profile pointing at the stack, made active, so `prefect ...` in any fresh shell talks to it
-    (instead of starting its own temporary server). The profile it replaces is remembered for `down`."""
-    from prefect.settings import load_profiles, save_profiles
+def activate_profile(auth_string: str | None = None) -> str:
+    """A `baton` Prefect profile pointing at the stack (with its auth string), made active, so `prefect ...` in any
+    fresh shell talks to it (instead of starting its own temporary server). The profile it replaces is remembered for
+    `down`. The profiles file then holds a secret: it is made 0600, as Prefect creates it."""
+    from prefect.settings import get_current_settings, load_profiles, save_profiles
 
     profiles = load_profiles()
     previous = profiles.active_name if profiles.active_name != PROFILE else _previous_profile()
     env = client_env()
-    profiles.update_profile(PROFILE, settings={"PREFECT_API_URL": env["PREFECT_API_URL"],
-                                               "PREFECT_UI_URL": env["PREFECT_UI_URL"]})
+    settings = {"PREFECT_API_URL": env["PREFECT_API_URL"], "PREFECT_UI_URL": env["PREFECT_UI_URL"]}
+    if auth_string:
+        settings["PREFECT_API_AUTH_STRING"] = auth_string
+    profiles.update_profile(PROFILE, settings=settings)
     profiles.set_active(PROFILE)
+    path = get_current_settings().profiles_path
+    if path.exists():
+        path.chmod(0o600)  # before the secret is written into it
     save_profiles(profiles)
     state_dir().mkdir(parents=True, exist_ok=True)
     (state_dir() / "previous_prefect_profile").write_text(previous or "")
@@ -249,7 +305,9 @@ def deploy_all(cenv: dict) -> None:
 
 def print_addresses() -> None:
     env = client_env()
-    print(f"Prefect UI: {env['PREFECT_UI_URL']}\nMLflow UI:  {env['MLFLOW_TRACKING_URI']}", flush=True)
+    print(f"Prefect UI: {env['PREFECT_UI_URL']}  (login: the value of PREFECT_API_AUTH_STRING in "
+          f"{home() / 'stack.env'})\nMLflow UI:  {env['MLFLOW_TRACKING_URI']}  (user and password: "
+          "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD there)", flush=True)
 
 
 def stop_serving() -> None:
@@ -306,7 +364,7 @@ def main() -> int:
     u.add_argument("--no-deploy", action="store_true", default=os.environ.get("DEPLOY") == "0",
                    help="skip `prefect deploy --all` (make up DEPLOY=0)")
     d = sub.add_parser("down")
-    d.add_argument("--purge", action="store_true", help="also delete the databases, artifacts and logs")
+    d.add_argument("--purge", action="store_true", help="also delete the databases, artifacts, logs and credentials")
     sub.add_parser("status")
     a = ap.parse_args()
     if a.cmd == "up":
