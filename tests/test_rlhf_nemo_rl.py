@@ -234,6 +234,10 @@ def test_grpo_yaml_runs_the_math_recipe_with_our_rewards_and_data(tmp_path):
         assert entry["prompt_file"] is None and entry["split_validation_size"] == 0  # our prompts, as written
         assert (entry["processor"], entry["env_name"]) == ("math_hf_data_processor", "math")
     assert cfg["env"]["math"]["math_verify_impl"] == upstream["env.math.math_verify_impl"] == "hf_math_verify"
+    assert upstream["policy.sequence_packing.enabled"] and cfg["policy"]["sequence_packing"]["enabled"] is False
+    packed = nemo_rl.write_config(tmp_path / "packed.yaml", our_config(runtime, RlhfConfig(**GRPO, packing=True),
+                                                                       algorithm="grpo"))
+    assert nemo_rl.resolve(packed, [])["policy"]["sequence_packing"]["enabled"] is True  # rlhf.packing: true
 
 
 def write_prompts(data_dir: Path, rows: dict[str, list[dict]]) -> Path:
@@ -351,6 +355,14 @@ def test_bad_settings_are_refused_before_launch(tmp_path):
         "rlhf.algorithm=ppo": "rlhf.algorithm",
         "rlhf.backend=nemo_rl,rlhf.algorithm=grpo,runtimes.nemo_rl.kind=slurm": "rlhf.rewards: backend nemo_rl runs "
                                                                                  "grpo on rlhf.rewards",
+        "rlhf.packing=true": r"rlhf.packing: TRL 1.16's DPOTrainer has no packing, and its padding_free is switched "
+                             r"off since its DPO refactor \(it warns and pads anyway\); nothing would be packed",
+        "rlhf.algorithm=rm,rlhf.packing=true": "rlhf.packing: TRL 1.16's RewardTrainer has no packing",
+        "rlhf.algorithm=grpo,rlhf.packing=true": "rlhf.packing: TRL 1.16's GRPOTrainer has no packing",
+        "rlhf.backend=nemo_rl,rlhf.packing=true,runtimes.nemo_rl.kind=slurm": "rlhf.packing: NeMo-RL's DPO refuses "
+                                                                            "sequence packing",
+        "rlhf.backend=nemo_rl,rlhf.algorithm=rm,rlhf.packing=true,runtimes.nemo_rl.kind=slurm":
+            "rlhf.packing: NeMo-RL's reward-model recipe does not pack",
     }
     for overrides, message in cases.items():
         with pytest.raises(ConfigError, match=message.replace("+", r"\+")):
@@ -371,7 +383,8 @@ def grpo_on_nemo_rl(tmp_path: Path, rlhf: dict) -> Path:
 
 
 def test_grpo_with_one_math_answer_reward_goes_to_nemo_rl(tmp_path):
-    cfg = load(grpo_on_nemo_rl(tmp_path, {"rewards": [{"kind": "exact_match", "extract": "boxed"}]}), host=False)
+    cfg = load(grpo_on_nemo_rl(tmp_path, {"rewards": [{"kind": "exact_match", "extract": "boxed"}], "packing": True}),
+               host=False)
     assert checks.resolve_backend(cfg.rlhf, cfg.runtimes) == "nemo_rl"
     launch = nemo_rl.launch_command(algorithm="grpo", cfg=cfg.rlhf, runtime={"kind": "venv", "path": "/opt/RL"},
                                     config_path=OUT / "nemo_rl_grpo.yaml", mounts=[])

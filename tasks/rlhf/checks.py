@@ -232,6 +232,26 @@ def rewards_errors(cfg, pipeline) -> list[ConfigProblem]:
     return errors
 
 
+# why an engine cannot pack an algorithm exactly (read in TRL 1.16.0 and NeMo-RL 7ea279ab)
+CANNOT_PACK = {
+    ("trl", "dpo"): "TRL 1.16's DPOTrainer has no packing, and its padding_free is switched off since its DPO refactor "
+                    "(it warns and pads anyway)",
+    ("trl", "rm"): "TRL 1.16's RewardTrainer has no packing or padding-free option",
+    ("trl", "grpo"): "TRL 1.16's GRPOTrainer has no packing or padding-free option",
+    ("nemo_rl", "dpo"): "NeMo-RL's DPO refuses sequence packing (it reorders the data within a batch: "
+                        "NVIDIA-NeMo/RL#719)",
+    ("nemo_rl", "rm"): "NeMo-RL's reward-model recipe does not pack (its policy.sequence_packing stays off)",
+}
+
+
+def packing_errors(cfg, backend: str) -> list[ConfigProblem]:
+    reason = CANNOT_PACK.get((backend, cfg.algorithm))
+    if not cfg.packing or reason is None:
+        return []
+    return [ConfigProblem("rlhf.packing", f"rlhf.packing: {reason}; nothing would be packed (backend {backend}, "
+                          f"algorithm {cfg.algorithm}: set rlhf.packing=false)")]
+
+
 def validate(cfg, pipeline) -> list[ConfigProblem]:
     errors = []
     set_keys = cfg.model_fields_set
@@ -264,6 +284,8 @@ def validate(cfg, pipeline) -> list[ConfigProblem]:
         errors.append(ConfigProblem("rlhf.max_seq_length", f"rlhf.max_seq_length {cfg.max_seq_length} exceeds "
                                     f"model.seq_length {seq}"))
     runtimes = getattr(pipeline, "runtimes", None) or {}
-    if resolve_backend(cfg, runtimes) == "nemo_rl":
+    backend = resolve_backend(cfg, runtimes)
+    errors += packing_errors(cfg, backend)
+    if backend == "nemo_rl":
         errors += nemo_rl_errors(cfg, nemo_rl_runtime(runtimes), host=False)  # tools: host_errors
     return errors

@@ -77,6 +77,7 @@ GRPO_KEYS = (
     "policy.model_name", "policy.tokenizer.name", "policy.train_global_batch_size", "policy.train_micro_batch_size",
     "policy.max_total_sequence_length", "policy.precision", "policy.generation.backend",
     "policy.generation.max_new_tokens", "policy.generation.temperature", "policy.optimizer.kwargs.lr",
+    "policy.sequence_packing.enabled", "policy.sequence_packing.train_mb_tokens",
     "policy.draft.enabled",
     "data.max_input_seq_length", "data.train.dataset_name", "data.train.data_path", "data.train.input_key",
     "data.train.output_key", "data.train.prompt_file", "data.train.processor", "data.train.env_name",
@@ -226,6 +227,7 @@ def build_config(*, algorithm: str, runtime: dict, input_dir: Path, data_dir: Pa
     }
     if algorithm == "grpo":
         policy["generation"] = {"max_new_tokens": cfg.max_completion_length}
+        policy["sequence_packing"] = {"enabled": cfg.packing}  # the recipe packs; baton's default does not
     return {
         "defaults": f"{recipe_root(runtime)}/{base}",
         section: algorithm_section(algorithm, cfg, seed),
