@@ -64,9 +64,19 @@ def stand_in_checkout(root: Path) -> Path:
     return root
 
 
+# grpo as NeMo-RL runs it: one exact_match (its math environment), weighted so that reward_scaling is written too
+GRPO = dict(algorithm="grpo", micro_batch_size=8, gradient_accumulation_steps=2, num_generations=4,
+            max_completion_length=24, beta=0.04, clip_epsilon=0.2, clip_epsilon_high=0.28, loss_type="grpo",
+            scale_rewards="none", rewards=[{"kind": "exact_match", "extract": "boxed", "weight": 2.0}])
+
+
+def rlhf_config(algorithm: str) -> RlhfConfig:
+    return RlhfConfig(**GRPO) if algorithm == "grpo" else RlhfConfig(algorithm=algorithm)
+
+
 def our_config(runtime: dict, cfg: RlhfConfig | None = None, algorithm: str = "dpo") -> dict:
     return nemo_rl.build_config(algorithm=algorithm, runtime=runtime, input_dir=INPUT, data_dir=DATA, out_dir=OUT,
-                                cfg=cfg or RlhfConfig(algorithm=algorithm), seed=7, max_length=128,
+                                cfg=cfg or rlhf_config(algorithm), seed=7, max_length=128,
                                 tracking_uri="http://mlflow:5000", experiment="baton", mlflow_run_id="stage-run-id")
 
 
@@ -120,15 +130,16 @@ def test_every_key_baton_sets_is_one_nemo_rl_has_with_a_type_it_takes(algorithm)
     PreferenceDatasetConfig, DPOConfig), with a type that NeMo-RL's validation accepts."""
     runtime = {"kind": "venv", "path": "/opt/RL", "nodes": 2}
     written = {k: v for k, v in leaves(our_config(runtime, algorithm=algorithm)) if k != "defaults"}
-    overridden = command_line_overrides(RlhfConfig(algorithm=algorithm), runtime)
+    overridden = command_line_overrides(rlhf_config(algorithm), runtime)
     facts = RECIPE_FACTS[algorithm]
     problems = [p for key, value in [*written.items(), *overridden.items()] if (p := type_problem(facts, key, value))]
     assert problems == []
 
 
-def test_every_key_dpo_needs_is_a_real_nemo_rl_key():
-    facts = RECIPE_FACTS["dpo"]
-    unknown = [key for key in nemo_rl.DPO_KEYS if key not in facts["keys"] and key not in facts["declared"]]
+@pytest.mark.parametrize("algorithm", sorted(nemo_rl.KEYS_READ))
+def test_every_key_an_algorithm_reads_is_a_real_nemo_rl_key(algorithm):
+    facts = RECIPE_FACTS[algorithm]
+    unknown = [key for key in nemo_rl.KEYS_READ[algorithm] if key not in facts["keys"] and key not in facts["declared"]]
     assert unknown == []
 
 
@@ -139,10 +150,10 @@ def test_the_resolved_config_misses_no_key(algorithm, tmp_path):
     checkout = stand_in_checkout(tmp_path / "RL")
     runtime = {"kind": "venv", "path": str(checkout)}
     path = nemo_rl.write_config(tmp_path / f"nemo_rl_{algorithm}.yaml", our_config(runtime, algorithm=algorithm))
-    cfg = nemo_rl.resolve(path, nemo_rl.overrides(RlhfConfig(algorithm=algorithm), runtime))
+    cfg = nemo_rl.resolve(path, nemo_rl.overrides(rlhf_config(algorithm), runtime))
     facts = RECIPE_FACTS[algorithm]
     assert nemo_rl.missing_keys(cfg, keys=tuple(facts["keys"])) == []
-    assert algorithm != "dpo" or nemo_rl.missing_keys(cfg) == []
+    assert nemo_rl.missing_keys(cfg, keys=nemo_rl.KEYS_READ.get(algorithm, ())) == []
     resolved = OmegaConf.create(cfg)
     interpolated = [key for key, value in facts["values"].items() if "${" in str(value)]
     problems = [p for key in interpolated if (p := type_problem(facts, key, OmegaConf.select(resolved, key)))]
@@ -177,6 +188,96 @@ def test_yaml_loads_inherits_and_our_choices_win(tmp_path):
     assert cfg["logger"]["mlflow_enabled"] and cfg["logger"]["mlflow"] == {
         "experiment_name": "baton", "run_name": "rlhf", "tracking_uri": "http://mlflow:5000", "run_id": "stage-run-id"}
     assert cfg["cluster"] == {"gpus_per_node": 8, "num_nodes": 2, "segment_size": None}
+
+
+def filled_from_default(data: dict, split: str) -> dict:
+    """A dataset entry as NeMo-RL's setup_response_data hands it to ResponseDataset: data.default fills the keys the
+    entry lacks (update_single_dataset_config), the entry's own keys win."""
+    return {**(data.get("default") or {}), **data[split]}
+
+
+def test_grpo_yaml_runs_the_math_recipe_with_our_rewards_and_data(tmp_path):
+    checkout = stand_in_checkout(tmp_path / "RL")
+    runtime = {"kind": "venv", "path": str(checkout), "nodes": 1}
+    rl = RlhfConfig(**GRPO)
+    path = nemo_rl.write_config(tmp_path / "nemo_rl_grpo.yaml", our_config(runtime, rl, algorithm="grpo"))
+    assert OmegaConf.load(path).defaults == str(checkout / "examples" / "configs" / "grpo_math_1B.yaml")
+    cfg = nemo_rl.resolve(path, nemo_rl.overrides(rl, runtime))
+    upstream = RECIPE_FACTS["grpo"]["values"]
+
+    grpo, loss = cfg["grpo"], cfg["loss_fn"]
+    assert upstream["grpo.num_generations_per_prompt"] != 4 and grpo["num_generations_per_prompt"] == 4
+    # 8 completions × 2 accumulation = 16 a step: 4 prompts of 4, one optimizer step on all of them
+    assert grpo["num_prompts_per_step"] == 4 and cfg["policy"]["train_global_batch_size"] == 16
+    assert grpo["max_num_steps"] == rl.steps and grpo["val_at_end"] and upstream["grpo.val_at_end"] is False
+    assert upstream["grpo.normalize_rewards"] and grpo["normalize_rewards"] is False  # scale_rewards none
+    assert grpo["adv_estimator"]["normalize_rewards"] is False  # the recipe's ${grpo.normalize_rewards}, resolved
+    assert upstream["grpo.use_leave_one_out_baseline"] and grpo["adv_estimator"]["use_leave_one_out_baseline"] is False
+    assert grpo["reward_scaling"] == {"enabled": True, "source_min": 0.0, "source_max": 1.0, "target_min": 0.0,
+                                      "target_max": 2.0}  # the reward's weight
+    assert upstream["loss_fn.reference_policy_kl_penalty"] != 0.04 and loss["reference_policy_kl_penalty"] == 0.04
+    assert (loss["ratio_clip_min"], loss["ratio_clip_max"]) == (0.2, 0.28)
+    assert upstream["loss_fn.token_level_loss"] and loss["token_level_loss"] is False  # loss_type grpo
+    assert cfg["policy"]["generation"]["max_new_tokens"] == 24
+    assert cfg["policy"]["generation"]["vllm_cfg"]["max_model_len"] == 128  # inherited interpolation, resolved
+    assert cfg["policy"]["sequence_packing"]["train_mb_tokens"] == 128 * rl.nemo_rl.micro_batch_size  # ${mul:...}
+    assert (cfg["checkpointing"]["metric_name"], cfg["checkpointing"]["higher_is_better"]) == ("val:accuracy", True)
+    assert cfg["checkpointing"]["save_consolidated"] and not upstream["checkpointing.save_consolidated"]
+
+    assert upstream["data.train.split_validation_size"] > 0 and upstream["data.validation"] is None
+    assert upstream["data.default.prompt_file"] == "examples/prompts/cot.txt"
+    for split, name in (("train", "train"), ("validation", "heldout")):
+        entry = filled_from_default(cfg["data"], split)
+        assert entry["dataset_name"] == "ResponseDataset" and entry["data_path"] == str(OUT / "data" /
+                                                                                        f"prompts_{name}.jsonl")
+        assert (entry["input_key"], entry["output_key"], entry["split"]) == ("prompt", "answer", "train")
+        assert entry["prompt_file"] is None and entry["split_validation_size"] == 0  # our prompts, as written
+        assert (entry["processor"], entry["env_name"]) == ("math_hf_data_processor", "math")
+    assert cfg["env"]["math"]["math_verify_impl"] == upstream["env.math.math_verify_impl"] == "hf_math_verify"
+    assert upstream["policy.sequence_packing.enabled"] and cfg["policy"]["sequence_packing"]["enabled"] is False
+    packed = nemo_rl.write_config(tmp_path / "packed.yaml", our_config(runtime, RlhfConfig(**GRPO, packing=True),
+                                                                       algorithm="grpo"))
+    assert nemo_rl.resolve(packed, [])["policy"]["sequence_packing"]["enabled"] is True  # rlhf.packing: true
+
+
+def write_prompts(data_dir: Path, rows: dict[str, list[dict]]) -> Path:
+    (data_dir / "prompts").mkdir(parents=True)
+    for split, split_rows in rows.items():
+        (data_dir / "prompts" / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in split_rows))
+    return data_dir
+
+
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def test_prompt_files_are_what_the_math_recipe_reads(tmp_path):
+    """The columns written are the ones the config names (input_key, output_key): the prompt's text, the answer from
+    the reward's answer_field as text (the math environment wraps it in \\boxed{})."""
+    data = write_prompts(tmp_path / "data", {
+        "train": [{"prompt": user("3+4="), "answer": "x", "total": 7}, {"prompt": user("2+2="), "total": "4"}],
+        "heldout": [{"prompt": user("1+5="), "answer": "6", "total": 6.5}]})
+    paths = nemo_rl.prompt_files(data, tmp_path / "nr", answer_field="total")
+    section = nemo_rl.data_section("grpo", tmp_path / "nr", 128)
+    assert [section["train"]["data_path"], section["validation"]["data_path"]] == [str(paths["train"]),
+                                                                                   str(paths["heldout"])]
+    keys = (section["train"]["input_key"], section["train"]["output_key"])
+    rows = {split: [json.loads(line) for line in path.read_text().splitlines()] for split, path in paths.items()}
+    assert rows == {"train": [dict(zip(keys, ("3+4=", "7"))), dict(zip(keys, ("2+2=", "4")))],
+                    "heldout": [dict(zip(keys, ("1+5=", "6.5")))]}
+    with pytest.raises(ValueError, match=r"train.jsonl:2: column 'answer' \(rlhf.rewards\[0\].answer_field\) is "
+                                         r"None"):
+        nemo_rl.prompt_files(data, tmp_path / "nr", answer_field="answer")  # the second train row has none
+
+
+def test_a_prompt_of_several_messages_is_refused_naming_its_line(tmp_path):
+    system = [{"role": "system", "content": "Be brief."}, *user("3+4=")]
+    data = write_prompts(tmp_path / "data", {"train": [{"prompt": user("1+1="), "answer": "2"},
+                                                       {"prompt": system, "answer": "7"}],
+                                             "heldout": [{"prompt": user("1+5="), "answer": "6"}]})
+    with pytest.raises(ValueError, match=r"prompts/train.jsonl:2: NeMo-RL's math recipe takes a prompt of one user "
+                                         r"message \(this one has 2: system, user\); use rlhf.backend=trl"):
+        nemo_rl.prompt_files(data, tmp_path / "nr", answer_field="answer")
 
 
 def test_overrides_follow_nemo_rl_rules(tmp_path):
@@ -252,11 +353,75 @@ def test_bad_settings_are_refused_before_launch(tmp_path):
         f"rlhf.reference_model={tmp_path}": "is not an HF checkpoint folder",
         "rlhf.max_seq_length=4096": "exceeds model.seq_length",
         "rlhf.algorithm=ppo": "rlhf.algorithm",
-        "rlhf.backend=nemo_rl,rlhf.algorithm=grpo,runtimes.nemo_rl.kind=slurm": "grpo needs a NeMo-RL environment",
+        "rlhf.backend=nemo_rl,rlhf.algorithm=grpo,runtimes.nemo_rl.kind=slurm": "rlhf.rewards: backend nemo_rl runs "
+                                                                                 "grpo on rlhf.rewards",
+        "rlhf.packing=true": r"rlhf.packing: TRL 1.16's DPOTrainer has no packing, and its padding_free is switched "
+                             r"off since its DPO refactor \(it warns and pads anyway\); nothing would be packed",
+        "rlhf.algorithm=rm,rlhf.packing=true": "rlhf.packing: TRL 1.16's RewardTrainer has no packing",
+        "rlhf.algorithm=grpo,rlhf.packing=true": "rlhf.packing: TRL 1.16's GRPOTrainer has no packing",
+        "rlhf.backend=nemo_rl,rlhf.packing=true,runtimes.nemo_rl.kind=slurm": "rlhf.packing: NeMo-RL's DPO refuses "
+                                                                            "sequence packing",
+        "rlhf.backend=nemo_rl,rlhf.algorithm=rm,rlhf.packing=true,runtimes.nemo_rl.kind=slurm":
+            "rlhf.packing: NeMo-RL's reward-model recipe does not pack",
     }
     for overrides, message in cases.items():
         with pytest.raises(ConfigError, match=message.replace("+", r"\+")):
             load(TINY, overrides.split(","))
+
+
+def grpo_on_nemo_rl(tmp_path: Path, rlhf: dict) -> Path:
+    """A run config: grpo on NeMo-RL through Slurm (a checkout with ray.sub, an image: a CPU machine gets as far as the
+    rlhf checks), synthetic prompts with answers."""
+    raw = yaml.safe_load(TINY.read_text())
+    raw["rlhf"] = {"backend": "nemo_rl", "algorithm": "grpo", "micro_batch_size": 8, "num_generations": 4, **rlhf}
+    raw["data"]["prompts"] = {"kind": "synthetic"}
+    raw.setdefault("runtimes", {})["nemo_rl"] = {"kind": "slurm", "path": str(stand_in_checkout(tmp_path / "RL")),
+                                                 "image": "nvcr.io/nvidia/nemo-rl:v0.7.0"}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_grpo_with_one_math_answer_reward_goes_to_nemo_rl(tmp_path):
+    cfg = load(grpo_on_nemo_rl(tmp_path, {"rewards": [{"kind": "exact_match", "extract": "boxed"}], "packing": True}),
+               host=False)
+    assert checks.resolve_backend(cfg.rlhf, cfg.runtimes) == "nemo_rl"
+    launch = nemo_rl.launch_command(algorithm="grpo", cfg=cfg.rlhf, runtime={"kind": "venv", "path": "/opt/RL"},
+                                    config_path=OUT / "nemo_rl_grpo.yaml", mounts=[])
+    assert launch.cwd == Path("/opt/RL") and launch.cmd == [
+        "uv", "run", "python", "examples/run_grpo.py", "--config", str(OUT / "nemo_rl_grpo.yaml"),
+        "cluster.gpus_per_node=8", "cluster.num_nodes=1"]
+
+
+EXACT = {"kind": "exact_match"}
+FUNCTION = {"kind": "function", "function": "{tmp}/rewards.py:close_enough"}
+
+
+@pytest.mark.parametrize("rlhf, line", [
+    ({"rewards": [EXACT, {"kind": "regex", "pattern": "^\\d+$"}]},
+     "rlhf.rewards[1]: NeMo-RL's math recipe scores each completion with one environment, and rlhf.rewards[0] is it "
+     "(use rlhf.backend=trl to sum rewards)"),
+    ({"rewards": [FUNCTION]}, "rlhf.rewards[0]: a user function runs in baton's TRL worker; NeMo-RL scores with its "
+                              "own environments and cannot call it (use rlhf.backend=trl)"),
+    ({"rewards": [{"kind": "regex", "pattern": "\\d"}]}, "rlhf.rewards[0]: kind regex has no NeMo-RL environment "
+                                                        "(baton runs exact_match through its math environment; use "
+                                                        "rlhf.backend=trl)"),
+    ({"rewards": [{"kind": "json_schema", "json_schema": {"type": "object"}}]},
+     "rlhf.rewards[0]: kind json_schema has no NeMo-RL environment"),
+    ({"rewards": [{"kind": "length", "max_chars": 9}]}, "rlhf.rewards[0]: kind length has no NeMo-RL environment"),
+    ({"rewards": [{"kind": "exact_match", "extract": "full"}]},
+     "rlhf.rewards[0].extract: full has no NeMo-RL environment (its math environment reads the last \\boxed{} or the "
+     "last expression: extract boxed or last_number; use rlhf.backend=trl)"),
+    ({"rewards": [EXACT], "loss_type": "dr_grpo"}, "rlhf.loss_type: dr_grpo has no NeMo-RL counterpart"),
+    ({"rewards": [EXACT], "scale_rewards": "batch"}, "rlhf.scale_rewards: batch has no NeMo-RL counterpart"),
+])
+def test_what_nemo_rl_cannot_run_is_refused_in_one_line_naming_it(tmp_path, rlhf, line):
+    (tmp_path / "rewards.py").write_text("def close_enough(prompt, completion, **row):\n    return 1.0\n")
+    rlhf = json.loads(json.dumps(rlhf).replace("{tmp}", str(tmp_path)))
+    with pytest.raises(ConfigError) as refused:
+        load(grpo_on_nemo_rl(tmp_path, rlhf), host=False)
+    problems = [p.strip() for p in str(refused.value).splitlines()[1:]]
+    assert len(problems) == 1 and problems[0].startswith(line), problems
 
 
 def test_reads_consolidated_weights_and_adds_the_tokenizer(tmp_path, hf_checkpoint, data_dir, capsys):
@@ -295,3 +460,25 @@ def test_reads_consolidated_weights_and_adds_the_tokenizer(tmp_path, hf_checkpoi
     result = next(e for e in map(events.parse, capsys.readouterr().out.splitlines()) if e and e["kind"] == "result")
     assert result["metric"] == "heldout_pref_accuracy" and result["before"] == result["after"]  # same weights
     assert abs(result["heldout_kl_to_reference"]) < 1e-6
+
+
+def test_a_grpo_output_is_measured_by_the_rewards_as_written(tmp_path, hf_checkpoint, data_dir, capsys):
+    """After NeMo-RL (its math environment), the gate measures input and output with baton's own rewards on the
+    held-out prompts; the worker only evaluates (same weights here: the same reward), it trains nothing."""
+    from test_rlhf_trl import prompts_data
+
+    from tasks import events
+    from tasks.rlhf import worker
+    from tasks.rlhf.task import worker_command
+    from tasks.stage import StageContext
+
+    data = prompts_data(data_dir, tmp_path / "data")
+    ctx = StageContext(stage="rlhf", run_id="test", run_dir=tmp_path, work_dir=tmp_path, model={}, seed=0,
+                       data_dir=data, input=hf_checkpoint, input_format="hf-safetensors")
+    cmd = worker_command(ctx, RlhfConfig(**GRPO), hf_checkpoint, evaluate=True)
+    capsys.readouterr()
+    worker.main(cmd[cmd.index("--spec"):])
+    result = next(e for e in map(events.parse, capsys.readouterr().out.splitlines()) if e and e["kind"] == "result")
+    assert result["metric"] == "heldout_reward" and result["heldout_prompts"] == 8, result
+    assert result["before"] == result["after"] and result["solved_before"] == result["solved_after"], result
+    assert not (hf_checkpoint.parent / f"{hf_checkpoint.name}.trl").exists()  # no trainer ran

@@ -208,3 +208,25 @@ def test_dpo_killed_mid_run_resumes_from_its_newest_good_checkpoint(tmp_path, ti
     diff = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
     print(f"rlhf resume after SIGKILL at step {start}: max |Δweight| vs uninterrupted = {diff:g}")
     assert diff <= RESUME_TOLERANCE
+
+
+def test_trl_packs_no_rlhf_algorithm_so_rlhf_packing_is_refused(tmp_path, hf_checkpoint):
+    """The engine facts behind rlhf.packing's refusal on trl (tasks/rlhf/checks.py CANNOT_PACK), read from the runtime's
+    TRL: DPOConfig has no packing and DPOTrainer turns padding_free=True back off (it would pad and train anyway);
+    RewardConfig and GRPOConfig have neither option. When a TRL upgrade packs exactly, this fails: wire it up then."""
+    import dataclasses
+
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer, GRPOConfig, RewardConfig
+
+    def options(config) -> set[str]:
+        return {f.name for f in dataclasses.fields(config)} & {"packing", "padding_free"}
+
+    assert (options(DPOConfig), options(RewardConfig), options(GRPOConfig)) == ({"padding_free"}, set(), set())
+    pairs = Dataset.from_list([{"prompt": "1+1=", "chosen": "2", "rejected": "3"}] * 2)
+    args = DPOConfig(output_dir=str(tmp_path), padding_free=True, per_device_train_batch_size=2, report_to=[],
+                     use_cpu=True, max_length=32)
+    trainer = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(str(hf_checkpoint)), args=args,
+                         train_dataset=pairs, processing_class=AutoTokenizer.from_pretrained(str(hf_checkpoint)))
+    assert trainer.padding_free is False

@@ -9,6 +9,7 @@ from pathlib import Path
 from tasks.gates import lm_eval_errors
 from tasks.hardware import visible_gpus
 from tasks.problems import ConfigProblem
+from tasks.rlhf.nemo_rl import NORMALIZE_REWARDS, TOKEN_LEVEL_LOSS
 
 GRPO_ONLY = ("num_generations", "max_completion_length", "rewards", "clip_epsilon", "clip_epsilon_high", "loss_type",
              "scale_rewards")
@@ -28,6 +29,8 @@ def resolve_backend(cfg, runtimes: dict | None) -> str:
     """auto → nemo_rl only where it can run (a GPU here, a NeMo-RL runtime configured, an algorithm it runs)."""
     if cfg.backend != "auto":
         return cfg.backend
+    # grpo stays on trl: NeMo-RL scores with its math environment (math-verify), not with baton's rewards as written,
+    # so running it is a choice the config states (rlhf.backend: nemo_rl)
     if cfg.algorithm != "grpo" and (runtimes or {}).get("nemo_rl") and has_nvidia_gpu():
         return "nemo_rl"
     return "trl"
@@ -46,11 +49,7 @@ def nemo_rl_errors(cfg, runtime: dict, host: bool = True) -> list[ConfigProblem]
                               "(no /dev/nvidia*, no GPU from nvidia-smi); NeMo-RL has no CPU path. Use "
                               "rlhf.backend=trl (or auto) here, or runtimes.nemo_rl.kind=slurm to submit to a GPU "
                               "cluster")]
-    errors = []
-    if cfg.algorithm == "grpo":
-        errors.append(ConfigProblem("rlhf", "rlhf: backend nemo_rl runs algorithm dpo or rm here; grpo needs a "
-                                    "NeMo-RL environment for its reward, which baton does not ship (use "
-                                    "rlhf.backend=trl)"))
+    errors = nemo_rl_grpo_errors(cfg) if cfg.algorithm == "grpo" else []
     if kind == "venv":
         path = runtime.get("path")
         if not path:
@@ -75,6 +74,47 @@ def nemo_rl_errors(cfg, runtime: dict, host: bool = True) -> list[ConfigProblem]
         errors.append(ConfigProblem("runtimes.nemo_rl.kind", f"runtimes.nemo_rl.kind={kind!r}: supported kinds are "
                                     "venv (a checkout), container, slurm"))
     return errors + (nemo_rl_tool_errors(kind) if host else [])
+
+
+USE_TRL = "use rlhf.backend=trl"
+MATH_EXTRACTS = ("last_number", "boxed")  # what NeMo-RL's math environment (math-verify) reads as the final answer
+
+
+def nemo_rl_reward_errors(reward, key: str) -> list[ConfigProblem]:
+    """One rlhf.rewards entry under NeMo-RL: only exact_match on the last number or \\boxed{} has an environment
+    (math); a user function runs in baton's worker, which NeMo-RL never calls."""
+    if reward.kind == "function":
+        return [ConfigProblem(key, f"{key}: a user function runs in baton's TRL worker; NeMo-RL scores with its own "
+                              f"environments and cannot call it ({USE_TRL})")]
+    if reward.kind != "exact_match":
+        return [ConfigProblem(key, f"{key}: kind {reward.kind} has no NeMo-RL environment (baton runs exact_match "
+                              f"through its math environment; {USE_TRL})")]
+    if reward.extract not in MATH_EXTRACTS:
+        return [ConfigProblem(f"{key}.extract", f"{key}.extract: {reward.extract} has no NeMo-RL environment (its "
+                              "math environment reads the last \\boxed{} or the last expression: extract boxed or "
+                              f"last_number; {USE_TRL})")]
+    return []
+
+
+def nemo_rl_grpo_errors(cfg) -> list[ConfigProblem]:
+    """What of a grpo config NeMo-RL's math recipe cannot run: the rewards (one exact_match), and the TRL loss and
+    advantage options without a NeMo-RL counterpart."""
+    if not cfg.rewards:
+        return [ConfigProblem("rlhf.rewards", "rlhf.rewards: backend nemo_rl runs grpo on rlhf.rewards with "
+                              "data.prompts (its math environment scores them); grpo's reward from preference pairs "
+                              f"has no NeMo-RL environment ({USE_TRL})")]
+    errors = nemo_rl_reward_errors(cfg.rewards[0], "rlhf.rewards[0]")
+    errors += [ConfigProblem(f"rlhf.rewards[{i}]", f"rlhf.rewards[{i}]: NeMo-RL's math recipe scores each "
+                             f"completion with one environment, and rlhf.rewards[0] is it ({USE_TRL} to sum rewards)")
+               for i in range(1, len(cfg.rewards))]
+    if cfg.loss_type not in TOKEN_LEVEL_LOSS:
+        errors.append(ConfigProblem("rlhf.loss_type", f"rlhf.loss_type: {cfg.loss_type} has no NeMo-RL counterpart "
+                                    f"(its loss averages per token, dapo, or per completion, grpo; {USE_TRL})"))
+    if cfg.scale_rewards not in NORMALIZE_REWARDS:
+        errors.append(ConfigProblem("rlhf.scale_rewards", f"rlhf.scale_rewards: {cfg.scale_rewards} has no NeMo-RL "
+                                    "counterpart (it divides advantages by the group's reward std, or not: group or "
+                                    f"none; {USE_TRL})"))
+    return errors
 
 
 NEMO_RL_TOOLS = {"venv": ("uv", "rlhf: backend nemo_rl runs NeMo-RL with `uv run`, and uv is not on PATH"),
@@ -192,6 +232,26 @@ def rewards_errors(cfg, pipeline) -> list[ConfigProblem]:
     return errors
 
 
+# why an engine cannot pack an algorithm exactly (read in TRL 1.16.0 and NeMo-RL 7ea279ab)
+CANNOT_PACK = {
+    ("trl", "dpo"): "TRL 1.16's DPOTrainer has no packing, and its padding_free is switched off since its DPO refactor "
+                    "(it warns and pads anyway)",
+    ("trl", "rm"): "TRL 1.16's RewardTrainer has no packing or padding-free option",
+    ("trl", "grpo"): "TRL 1.16's GRPOTrainer has no packing or padding-free option",
+    ("nemo_rl", "dpo"): "NeMo-RL's DPO refuses sequence packing (it reorders the data within a batch: "
+                        "NVIDIA-NeMo/RL#719)",
+    ("nemo_rl", "rm"): "NeMo-RL's reward-model recipe does not pack (its policy.sequence_packing stays off)",
+}
+
+
+def packing_errors(cfg, backend: str) -> list[ConfigProblem]:
+    reason = CANNOT_PACK.get((backend, cfg.algorithm))
+    if not cfg.packing or reason is None:
+        return []
+    return [ConfigProblem("rlhf.packing", f"rlhf.packing: {reason}; nothing would be packed (backend {backend}, "
+                          f"algorithm {cfg.algorithm}: set rlhf.packing=false)")]
+
+
 def validate(cfg, pipeline) -> list[ConfigProblem]:
     errors = []
     set_keys = cfg.model_fields_set
@@ -224,6 +284,8 @@ def validate(cfg, pipeline) -> list[ConfigProblem]:
         errors.append(ConfigProblem("rlhf.max_seq_length", f"rlhf.max_seq_length {cfg.max_seq_length} exceeds "
                                     f"model.seq_length {seq}"))
     runtimes = getattr(pipeline, "runtimes", None) or {}
-    if resolve_backend(cfg, runtimes) == "nemo_rl":
+    backend = resolve_backend(cfg, runtimes)
+    errors += packing_errors(cfg, backend)
+    if backend == "nemo_rl":
         errors += nemo_rl_errors(cfg, nemo_rl_runtime(runtimes), host=False)  # tools: host_errors
     return errors

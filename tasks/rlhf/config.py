@@ -52,7 +52,8 @@ class RlhfConfig(TrainingConfig):
         "max_length": "max_seq_length", "nproc": "nproc_per_node", "processes": "nproc_per_node"}
 
     backend: Literal["auto", "trl", "nemo_rl"] = Field(
-        "auto", description="auto: nemo_rl when a GPU and a NeMo-RL runtime are present, else trl")
+        "auto", description="auto: nemo_rl when a GPU and a NeMo-RL runtime are present (dpo, rm; grpo only when "
+                            "set to nemo_rl), else trl")
     algorithm: Literal["dpo", "rm", "grpo"] = Field(
         "dpo", description="dpo: DPO plus an SFT loss on the chosen replies; rm: a reward model saved beside, the "
                            "policy unchanged; grpo: rlhf.rewards on data.prompts, else a reward from the preference "
@@ -85,4 +86,9 @@ class RlhfConfig(TrainingConfig):
                                                       "the dataset; above ~8 CPU RAM blows up)")
     gate: GateConfig = GateConfig()
     overlong: Literal["drop", "truncate"] = Field("drop", description="pairs longer than max_seq_length")
+    packing: bool = Field(False, description="pack examples into max_seq_length windows (no attention across "
+                                             "examples; position ids restart per example): each micro batch row is "
+                                             "then a window, so steps cover more examples and no padding is trained. "
+                                             "Only nemo_rl grpo packs (NeMo-RL's sequence packing); refused where "
+                                             "the engine cannot (TRL 1.16: dpo, rm, grpo; NeMo-RL: dpo, rm)")
     nemo_rl: NemoRlConfig = NemoRlConfig()

@@ -4,7 +4,12 @@ NeMo-RL (GPU only, Python 3.13, a uv project) is never imported. It runs as its 
 (`runtimes.nemo_rl: {kind: venv, path: ...}`), its NGC container (`kind: container, image: ...`; the checkout is
 /opt/nemo-rl inside), or on Slurm through the checkout's `ray.sub` (`kind: slurm`, multi-node with `nodes`).
 Our YAML inherits NeMo-RL's own recipe through `defaults:` and overrides only what baton decides.
-Key names follow NVIDIA-NeMo/RL at 7ea279ab (2026-08-22); DPO_KEYS lists what its DPO reads.
+Key names follow NVIDIA-NeMo/RL at 7ea279ab (2026-08-22); DPO_KEYS and GRPO_KEYS list what its DPO and GRPO read.
+
+GRPO runs NeMo-RL's math recipe: one rlhf.rewards entry, exact_match on the last number or the last \\boxed{}, becomes
+its math environment, which scores a completion 1.0 when math-verify finds its final answer (the last \\boxed{} or
+expression) equal to the row's answer, compared as mathematics rather than as text. Every other reward is refused
+before launch (checks.nemo_rl_reward_errors).
 """
 from __future__ import annotations
 
@@ -18,12 +23,14 @@ from pathlib import Path
 
 import yaml
 
+from conversions import durable
 from conversions.probe import DTYPE_OF_PRECISION
 
 CONTAINER_PATH = "/opt/nemo-rl"         # WORKDIR of the nvcr.io/nvidia/nemo-rl images
 RECIPES = {                              # algorithm -> (base config, entry script, its top-level section)
     "dpo": ("examples/configs/dpo.yaml", "examples/run_dpo.py", "dpo"),
     "rm": ("examples/configs/rm.yaml", "examples/run_rm.py", "rm"),
+    "grpo": ("examples/configs/grpo_math_1B.yaml", "examples/run_grpo.py", "grpo"),
 }
 CONVERTER = "examples/converters/convert_dcp_to_hf.py"
 
@@ -54,6 +61,36 @@ DPO_KEYS = (
     "logger.mlflow.tracking_uri", "logger.mlflow.run_id",
     "cluster.gpus_per_node", "cluster.num_nodes",
 )
+# What its GRPO reads beyond the shared policy/logger/cluster keys (run_grpo.py, algorithms/grpo.py, its ClippedPGLoss,
+# data/utils.py setup_response_data, environments/math_environment.py).
+GRPO_KEYS = (
+    "grpo.num_prompts_per_step", "grpo.num_generations_per_prompt", "grpo.max_num_epochs", "grpo.max_num_steps",
+    "grpo.normalize_rewards", "grpo.use_leave_one_out_baseline", "grpo.val_period", "grpo.val_at_start",
+    "grpo.val_at_end", "grpo.max_val_samples", "grpo.val_batch_size", "grpo.seed", "grpo.async_grpo.enabled",
+    "grpo.reward_scaling.enabled", "grpo.adv_estimator.name", "grpo.adv_estimator.normalize_rewards",
+    "grpo.adv_estimator.use_leave_one_out_baseline",
+    "loss_fn.reference_policy_kl_penalty", "loss_fn.ratio_clip_min", "loss_fn.ratio_clip_max",
+    "loss_fn.token_level_loss",
+    "checkpointing.enabled", "checkpointing.checkpoint_dir", "checkpointing.metric_name",
+    "checkpointing.higher_is_better", "checkpointing.keep_top_k", "checkpointing.save_period",
+    "checkpointing.model_save_format", "checkpointing.save_consolidated",
+    "policy.model_name", "policy.tokenizer.name", "policy.train_global_batch_size", "policy.train_micro_batch_size",
+    "policy.max_total_sequence_length", "policy.precision", "policy.generation.backend",
+    "policy.generation.max_new_tokens", "policy.generation.temperature", "policy.optimizer.kwargs.lr",
+    "policy.sequence_packing.enabled", "policy.sequence_packing.train_mb_tokens",
+    "policy.draft.enabled",
+    "data.max_input_seq_length", "data.train.dataset_name", "data.train.data_path", "data.train.input_key",
+    "data.train.output_key", "data.train.prompt_file", "data.train.processor", "data.train.env_name",
+    "data.validation.data_path", "data.validation.env_name", "env.math.num_workers", "env.math.math_verify_impl",
+    "logger.log_dir", "logger.mlflow_enabled", "logger.mlflow.tracking_uri", "logger.mlflow.run_id",
+    "cluster.gpus_per_node", "cluster.num_nodes",
+)
+KEYS_READ = {"dpo": DPO_KEYS, "grpo": GRPO_KEYS}
+# TRL's loss_type → NeMo-RL's loss_fn.token_level_loss: DAPO averages over every token of the batch (token level),
+# GRPO over each completion's tokens, then over completions (sequence level). dr_grpo and bnpo have no counterpart.
+TOKEN_LEVEL_LOSS = {"dapo": True, "grpo": False}
+# rlhf.scale_rewards → grpo.normalize_rewards (advantages divided by the group's reward std, or not); no batch std.
+NORMALIZE_REWARDS = {"group": True, "none": False}
 
 
 def recipe_root(runtime: dict) -> str:
@@ -90,6 +127,86 @@ def _preference_file(path: Path) -> dict:
             "chosen_key": "chosen", "rejected_key": "rejected", "split": "train"}
 
 
+def _answer_text(row: dict, field_name: str, where: str) -> str:
+    answer = row.get(field_name)
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+        raise ValueError(f"{where}: column {field_name!r} (rlhf.rewards[0].answer_field) is {answer!r}; NeMo-RL's "
+                         "math environment compares the reply with an answer written as text or a number")
+    return str(answer)
+
+
+def prompt_files(data_dir: Path, out_dir: Path, answer_field: str) -> dict[str, Path]:
+    """The data stage's prompts with answers as NeMo-RL's ResponseDataset reads them for its math recipe: the prompt
+    as the text of its one user message, the answer as text (the math environment wraps it in \\boxed{} and compares
+    mathematically). A prompt of several messages has no place there (math_hf_data_processor takes the first message
+    as the problem) and is refused."""
+    paths = {}
+    for split in ("train", "heldout"):
+        src, dst = data_dir / "prompts" / f"{split}.jsonl", out_dir / "data" / f"prompts_{split}.jsonl"
+        rows = []
+        for n, line in enumerate(src.read_text().splitlines(), start=1):
+            r = json.loads(line)
+            if [m["role"] for m in r["prompt"]] != ["user"]:
+                raise ValueError(f"{src}:{n}: NeMo-RL's math recipe takes a prompt of one user message (this one has "
+                                 f"{len(r['prompt'])}: {', '.join(m['role'] for m in r['prompt'])}); use "
+                                 "rlhf.backend=trl for system or multi-turn prompts")
+            rows.append(json.dumps({"prompt": r["prompt"][0]["content"],
+                                    "answer": _answer_text(r, answer_field, f"{src}:{n}")}))
+        paths[split] = durable.write_text(dst, "".join(x + "\n" for x in rows))
+    return paths
+
+
+def _prompts_file(path: Path) -> dict:
+    # the math recipe's defaults (data.default) name OpenMathInstruct-2's chain-of-thought prompt file; ours are the
+    # data stage's prompts as written, so no prompt file, and no 5% of train split off as validation
+    return {"dataset_name": "ResponseDataset", "data_path": str(path), "input_key": "prompt", "output_key": "answer",
+            "split": "train", "split_validation_size": 0, "prompt_file": None, "system_prompt_file": None,
+            "processor": "math_hf_data_processor", "env_name": "math"}
+
+
+def _validation(steps: int) -> dict:
+    """Validate at the start and at the last step only (the checkpoint keeps the best by a validation metric)."""
+    return {"max_num_steps": steps, "max_num_epochs": 1000,  # steps decide; epochs only bound them
+            "val_period": steps, "val_at_start": True, "val_at_end": True}
+
+
+def algorithm_section(algorithm: str, cfg, seed: int) -> dict:
+    """The recipe's own section (dpo:, rm:, grpo:) with baton's choices."""
+    nr = cfg.nemo_rl
+    if algorithm == "grpo":
+        return {**_validation(cfg.steps), "seed": seed, "num_generations_per_prompt": cfg.num_generations,
+                "num_prompts_per_step": cfg.micro_batch_size * cfg.accumulation() // cfg.num_generations,
+                "normalize_rewards": NORMALIZE_REWARDS[cfg.scale_rewards],
+                "use_leave_one_out_baseline": False,  # the group's plain mean, as TRL's GRPO (baton's meaning)
+                **({"reward_scaling": {"enabled": True, "source_min": 0.0, "source_max": 1.0, "target_min": 0.0,
+                                       "target_max": cfg.rewards[0].weight}}
+                   if cfg.rewards and cfg.rewards[0].weight != 1 else {})}
+    return {**_validation(cfg.steps), "val_batches": 0, "seed": seed,
+            "val_global_batch_size": nr.gpus_per_node * nr.micro_batch_size,
+            "val_micro_batch_size": nr.micro_batch_size,
+            **({"reference_policy_kl_penalty": cfg.beta, "sft_loss_weight": cfg.sft_weight}
+               if algorithm == "dpo" else {})}
+
+
+def grpo_loss(cfg) -> dict:
+    return {"reference_policy_kl_penalty": cfg.beta, "ratio_clip_min": cfg.clip_epsilon,
+            "ratio_clip_max": cfg.clip_epsilon_high or cfg.clip_epsilon,
+            "token_level_loss": TOKEN_LEVEL_LOSS[cfg.loss_type]}
+
+
+def data_section(algorithm: str, out_dir: Path, max_length: int) -> dict:
+    """The files preference_files() or prompt_files() write, as the recipe's data section reads them."""
+    if algorithm == "grpo":
+        return {"max_input_seq_length": max_length, "train": _prompts_file(out_dir / "data" / "prompts_train.jsonl"),
+                "validation": _prompts_file(out_dir / "data" / "prompts_heldout.jsonl")}
+    return {"max_input_seq_length": max_length, "train": _preference_file(out_dir / "data" / "train.jsonl"),
+            "validation": _preference_file(out_dir / "data" / "heldout.jsonl")}
+
+
+# the checkpoint kept: the best by this validation metric (GRPO's math environment reports accuracy)
+BEST_BY = {"grpo": ("val:accuracy", True)}
+
+
 def build_config(*, algorithm: str, runtime: dict, input_dir: Path, data_dir: Path, out_dir: Path, cfg, seed: int,
                  max_length: int, tracking_uri: str, experiment: str, mlflow_run_id: str | None,
                  chat_template: str | None = None) -> dict:
@@ -97,37 +214,31 @@ def build_config(*, algorithm: str, runtime: dict, input_dir: Path, data_dir: Pa
     base, _, section = RECIPES[algorithm]
     nr = cfg.nemo_rl
     steps = cfg.steps
+    metric, higher_is_better = BEST_BY.get(algorithm, ("val:validation-default_loss", False))
+    policy = {
+        "model_name": str(input_dir),
+        "tokenizer": {"name": str(input_dir), "chat_template": chat_template or "default"},  # "default": its own
+        "train_global_batch_size": cfg.micro_batch_size * cfg.accumulation(),
+        "train_micro_batch_size": nr.micro_batch_size,
+        "max_total_sequence_length": max_length,
+        "precision": DTYPE_OF_PRECISION[nr.precision],
+        "dtensor_cfg": {"enabled": True, "_v2": True},
+        "optimizer": {"kwargs": {"lr": cfg.lr}},
+    }
+    if algorithm == "grpo":
+        policy["generation"] = {"max_new_tokens": cfg.max_completion_length}
+        policy["sequence_packing"] = {"enabled": cfg.packing}  # the recipe packs; baton's default does not
     return {
         "defaults": f"{recipe_root(runtime)}/{base}",
-        section: {
-            "max_num_steps": steps, "max_num_epochs": 1000,  # steps decide; epochs only bound them
-            "val_period": steps, "val_at_start": True, "val_at_end": True, "val_batches": 0,
-            "val_global_batch_size": nr.gpus_per_node * nr.micro_batch_size,
-            "val_micro_batch_size": nr.micro_batch_size,
-            "seed": seed,
-            **({"reference_policy_kl_penalty": cfg.beta, "sft_loss_weight": cfg.sft_weight}
-               if algorithm == "dpo" else {}),
-        },
+        section: algorithm_section(algorithm, cfg, seed),
+        **({"loss_fn": grpo_loss(cfg)} if algorithm == "grpo" else {}),
         "checkpointing": {
             "enabled": True, "checkpoint_dir": str(out_dir / "results"), "save_period": steps, "keep_top_k": 1,
-            "metric_name": "val:validation-default_loss", "higher_is_better": False, "save_optimizer": False,
+            "metric_name": metric, "higher_is_better": higher_is_better, "save_optimizer": False,
             "model_save_format": "safetensors", "save_consolidated": True,
         },
-        "policy": {
-            "model_name": str(input_dir),
-            "tokenizer": {"name": str(input_dir), "chat_template": chat_template or "default"},  # "default": its own
-            "train_global_batch_size": cfg.micro_batch_size * cfg.accumulation(),
-            "train_micro_batch_size": nr.micro_batch_size,
-            "max_total_sequence_length": max_length,
-            "precision": DTYPE_OF_PRECISION[nr.precision],
-            "dtensor_cfg": {"enabled": True, "_v2": True},
-            "optimizer": {"kwargs": {"lr": cfg.lr}},
-        },
-        "data": {
-            "max_input_seq_length": max_length,
-            "train": _preference_file(out_dir / "data" / "train.jsonl"),        # preference_files() writes them
-            "validation": _preference_file(out_dir / "data" / "heldout.jsonl"),
-        },
+        "policy": policy,
+        "data": data_section(algorithm, out_dir, max_length),
         "logger": {
             "log_dir": str(out_dir / "logs"), "mlflow_enabled": True, "wandb_enabled": False,
             "tensorboard_enabled": False, "swanlab_enabled": False,
@@ -181,10 +292,24 @@ def apply_overrides(cfg, items: list[str]):
     return cfg
 
 
-def resolve(config_path: Path, items: list[str]) -> dict:
-    """The final config run_dpo.py would build: inheritance, overrides, interpolations resolved."""
+# the arithmetic resolvers NeMo-RL registers before loading a config (nemo_rl/utils/config.py); its GRPO recipes use
+# ${mul:...} for the token budgets of dynamic batching and sequence packing
+RESOLVERS = {"add": lambda a, b: a + b, "mul": lambda a, b: a * b, "div": lambda a, b: a / b, "max": max}
+
+
+def register_resolvers() -> None:
     from omegaconf import OmegaConf
 
+    for name, fn in RESOLVERS.items():
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, fn)
+
+
+def resolve(config_path: Path, items: list[str]) -> dict:
+    """The final config run_<algorithm>.py would build: inheritance, overrides, interpolations resolved."""
+    from omegaconf import OmegaConf
+
+    register_resolvers()
     return OmegaConf.to_container(apply_overrides(load_with_defaults(config_path), items), resolve=True)
 
 

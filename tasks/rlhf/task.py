@@ -238,6 +238,17 @@ def run_trl(ctx: StageContext, cfg: RlhfConfig) -> StageOutput:
         extra={"algorithm": cfg.algorithm, **({"reward_model": str(trained)} if cfg.algorithm == "rm" else {})})
 
 
+def write_data_files(cfg: RlhfConfig, data_dir: Path, nr_dir: Path) -> None:
+    """The data stage's rows as NeMo-RL reads them: prompts with answers (grpo), else preference pairs."""
+    try:
+        if cfg.algorithm == "grpo":
+            nemo_rl.prompt_files(data_dir, nr_dir, cfg.rewards[0].answer_field)
+        else:
+            nemo_rl.preference_files(data_dir, nr_dir)
+    except ValueError as e:
+        raise RlhfInputError(str(e)) from None
+
+
 def run_nemo_rl(ctx: StageContext, cfg: RlhfConfig) -> StageOutput:
     """NeMo-RL on GPUs: our YAML over its recipe, its launcher, its consolidated HF weights + our tokenizer, a gate."""
     runtime = checks.nemo_rl_runtime(ctx.runtimes)
@@ -248,7 +259,7 @@ def run_nemo_rl(ctx: StageContext, cfg: RlhfConfig) -> StageOutput:
 
     work = Path(ctx.work_dir)
     nr_dir = work / "nemo_rl"
-    nemo_rl.preference_files(Path(ctx.data_dir), nr_dir)
+    write_data_files(cfg, Path(ctx.data_dir), nr_dir)
     template = chat_template.for_input(ctx)
     config = nemo_rl.build_config(
         algorithm=cfg.algorithm, runtime=runtime, input_dir=Path(ctx.input), data_dir=Path(ctx.data_dir),
@@ -258,9 +269,10 @@ def run_nemo_rl(ctx: StageContext, cfg: RlhfConfig) -> StageOutput:
     path = nemo_rl.write_config(nr_dir / f"nemo_rl_{cfg.algorithm}.yaml", config)
     if Path(config["defaults"]).exists():  # the recipes are on this machine: check what NeMo-RL will read first
         resolved = nemo_rl.resolve(path, nemo_rl.overrides(cfg, runtime))
-        missing = nemo_rl.missing_keys(resolved) if cfg.algorithm == "dpo" else []
+        missing = nemo_rl.missing_keys(resolved, nemo_rl.KEYS_READ.get(cfg.algorithm, ()))
         if missing:
-            raise RlhfInputError(f"{path}: NeMo-RL's DPO reads keys the config lacks: {', '.join(missing)}")
+            raise RlhfInputError(f"{path}: NeMo-RL's {cfg.algorithm.upper()} reads keys the config lacks: "
+                                 f"{', '.join(missing)}")
     mounts = [work, Path(ctx.input), Path(ctx.data_dir), *([Path(runtime["path"])] if runtime.get("path") else [])]
     if config["logger"]["mlflow"]["tracking_uri"].startswith("sqlite:///"):  # a file store must be visible inside too
         mounts.append(Path(config["logger"]["mlflow"]["tracking_uri"][len("sqlite:///"):]).parent)
@@ -294,9 +306,11 @@ def run_nemo_rl(ctx: StageContext, cfg: RlhfConfig) -> StageOutput:
                      timeout=cfg.timeout_s)
     facts = res.results()
     ev, eval_check = gate_eval(cfg, ctx, facts, trained)
+    metrics = {"heldout_kl_to_reference": facts.get("heldout_kl_to_reference")}
+    if cfg.rewards:
+        metrics.update(heldout_solved_before=facts.get("solved_before"), heldout_solved_after=facts.get("solved_after"))
     return StageOutput(output=out, engine="nemo-rl", backend="nemo_rl",
-                       gate=gate(cfg.algorithm, out, trained, Path(ctx.input), eval_check),
-                       metrics={"heldout_kl_to_reference": facts.get("heldout_kl_to_reference")}, eval=ev,
+                       gate=gate(cfg.algorithm, out, trained, Path(ctx.input), eval_check), metrics=metrics, eval=ev,
                        extra={"algorithm": cfg.algorithm, "nemo_rl_config": str(path), "command": launch.cmd})
 
 

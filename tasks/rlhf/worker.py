@@ -563,6 +563,14 @@ def prompts_recipe(a, tok) -> Recipe:
                   evaluate=lambda before: evaluate_rewards(a, tok, held, before), facts={"train_prompts": len(train)})
 
 
+def evaluate_only(a, tok) -> dict:
+    """The held-out facts of the input and of the output in --output, trained elsewhere."""
+    if a.dataset == "prompts":
+        held = format_prompts(tok, read_jsonl(a.data / "prompts" / "heldout.jsonl"), "heldout")
+        return evaluate_rewards(a, tok, held, rewards_before(a, tok, held))
+    return evaluate(a, tok, format_pairs(tok, read_jsonl(a.data / "preference" / "heldout.jsonl")))
+
+
 FINAL_FACTS = {"heldout_kl_to_reference": "heldout_kl_to_reference", "heldout_loss_after": "heldout_loss",
                "solved_after": "heldout_solved"}  # summary fact → its eval/ metric at the last step
 
@@ -578,15 +586,13 @@ def main(argv=None) -> None:
         tok.chat_template = a.chat_template.read_text(encoding="utf-8")
     if not tok.chat_template:
         raise SystemExit(f"{a.input}: the tokenizer has no chat template; preference prompts cannot be formatted")
+    if a.evaluate:  # an output another engine wrote (NeMo-RL): measure it the same way
+        events.emit("result", **evaluate_only(a, tok), algorithm=a.algorithm)
+        return
     if a.dataset == "prompts":
         recipe = prompts_recipe(a, tok)
     else:
-        held_pairs = format_pairs(tok, read_jsonl(a.data / "preference" / "heldout.jsonl"))
-        if a.evaluate:  # an output another engine wrote (NeMo-RL): measure it the same way
-            facts = evaluate(a, tok, held_pairs)
-            events.emit("result", **facts, algorithm=a.algorithm)
-            return
-        recipe = preference_recipe(a, tok, held_pairs)
+        recipe = preference_recipe(a, tok, format_pairs(tok, read_jsonl(a.data / "preference" / "heldout.jsonl")))
 
     before = None
     if RANK == 0:
