@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
 
 from tasks import events
 
@@ -26,6 +26,7 @@ log = logging.getLogger("baton.launch")
 _active: set[subprocess.Popen] = set()
 _active_lock = threading.Lock()
 _handlers_installed = False
+R = TypeVar("R", bound=events.WorkerResult)
 
 
 # what step.log puts before a relayed line: "04:31:45 INFO    prefect.task_runs: [pretrain] "
@@ -73,6 +74,13 @@ class LaunchResult:
             if e["kind"] == "result":
                 out.update({k: v for k, v in e.items() if k != "kind"})
         return out
+
+    def result(self, model: type[R]) -> R:
+        """The worker's one `result` event read back into its model (tasks.events: FinetuneResult, ...)."""
+        found = [e for e in self.events if e["kind"] == "result"]
+        if len(found) != 1:
+            raise RuntimeError(f"the worker printed {len(found)} result events (its contract is one, at the end)")
+        return model.model_validate({k: v for k, v in found[0].items() if k != "kind"})
 
     def metrics(self) -> list[dict]:
         return [e for e in self.events if e["kind"] == "metric"]

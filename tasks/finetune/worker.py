@@ -491,8 +491,10 @@ def report_step(engine, done: int, steps: int, loss: float, tokens: int, step_ti
         events.progress(done, steps)
 
 
-def finish(engine, tok, heldout: list, held_ids: list, spec: dict, stage: int, rank: int, timings: dict) -> None:
-    """Score again, write the in-memory model's probe logits (and the LoRA config the converter merges with)."""
+def finish(engine, tok, heldout: list, held_ids: list, spec: dict, stage: int, rank: int, timings: dict,
+           opening: dict) -> None:
+    """Score again, write the in-memory model's probe logits (and the LoRA config the converter merges with), then
+    the run's one result: `opening` (what start_step measured) and what this measures."""
     ckpt_dir, dev, device = Path(spec["output"]), engine.device, spec["device"]
     after, samples = evaluate(engine, tok, heldout, held_ids, spec, stage == 3)
     ids, logits = probe_logits(engine.module, engine.module.config.vocab_size, dev)
@@ -501,14 +503,16 @@ def finish(engine, tok, heldout: list, held_ids: list, spec: dict, stage: int, r
         probe.save_reference(ckpt_dir, ids, logits, source=f"deepspeed ZeRO-{stage} engine, {final_tag}")
         if spec["lora"]["enabled"]:  # how the converter merges the adapters (r, lora_alpha, ...)
             engine.module.peft_config["default"].save_pretrained(str(ckpt_dir))
-        events.emit("result", after=after, samples=samples, tag=final_tag, steps=spec["steps"], timings=timings,
-                    peak_mem_mib=peak_memory_mib(device), peak_reserved_mib=peak_reserved_mib(device))
+        events.result(events.FinetuneResult(
+            **opening, after=after, samples=samples, tag=final_tag, steps=spec["steps"], timings=timings,
+            peak_mem_mib=peak_memory_mib(device), peak_reserved_mib=peak_reserved_mib(device)))
     dist.barrier()
 
 
 def start_step(engine, tok, heldout: list, held_ids: list, spec: dict, facts: dict, rank: int, timings: dict,
-               counts: dict, n_train: int) -> int:
-    """Score the input, resume from the newest complete checkpoint, announce where training starts."""
+               counts: dict, n_train: int) -> tuple[int, dict]:
+    """Score the input, resume from the newest complete checkpoint, announce where training starts. Returns that
+    step and the facts the result reports about the start."""
     stage, world = facts["zero_stage"], facts["world_size"]
     t = time.time()
     before, _ = evaluate(engine, tok, heldout, held_ids, spec, stage == 3)
@@ -522,9 +526,10 @@ def start_step(engine, tok, heldout: list, held_ids: list, spec: dict, facts: di
         print(f"rank 0: {n_train} training examples, {len(heldout)} held out; before {before}; {counts}; "
               f"ZeRO-{stage}, {world} ranks, starting at step {start}; start-up "
               + ", ".join(f"{k} {v:.1f}" for k, v in timings.items()), flush=True)
-        events.emit("result", before=before, resumed_from=start, train_examples=n_train, world_size=world,
-                    zero_stage=stage, **counts)
-    return start
+        events.started(start)
+    opening = dict(before=before, resumed_from=start, train_examples=n_train, world_size=world, zero_stage=stage,
+                   **counts)
+    return start, opening
 
 
 def main() -> None:
@@ -541,13 +546,13 @@ def main() -> None:
         dist.barrier()
         return
     n_examples = sum(map(len, train)) if spec.get("packing") else len(train)
-    start = start_step(engine, tok, heldout, held_ids, spec, facts, rank, timings, counts, n_examples)
+    start, opening = start_step(engine, tok, heldout, held_ids, spec, facts, rank, timings, counts, n_examples)
     t_train = time.time()
     train_steps(engine, tok, train, spec, ds_config, start, rank, world, facts)
     if start >= spec["steps"] and rank == 0:
         print(f"rank 0: checkpoint at step {start} already complete; nothing to train", flush=True)
     timings["train_s"] = time.time() - t_train
-    finish(engine, tok, heldout, held_ids, spec, stage, rank, timings)
+    finish(engine, tok, heldout, held_ids, spec, stage, rank, timings, opening)
 
 
 if __name__ == "__main__":

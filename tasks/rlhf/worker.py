@@ -583,8 +583,7 @@ def main(argv=None) -> None:
     else:
         held_pairs = format_pairs(tok, read_jsonl(a.data / "preference" / "heldout.jsonl"))
         if a.evaluate:  # an output another engine wrote (NeMo-RL): measure it the same way
-            facts = evaluate(a, tok, held_pairs)
-            events.emit("result", **facts, algorithm=a.algorithm)
+            events.result(events.RlhfResult(**evaluate(a, tok, held_pairs), algorithm=a.algorithm))
             return
         recipe = preference_recipe(a, tok, held_pairs)
 
@@ -598,8 +597,9 @@ def main(argv=None) -> None:
     trainer = recipe.make_trainer(work)
     trainer.remove_callback(PrinterCallback)  # our callback streams the same logs as events
     trainer.add_callback(checkpoint_callback(a.keep_checkpoints))
+    resumed_from = _step_of(resume) if resume else 0
     if RANK == 0:
-        events.emit("result", resumed_from=_step_of(resume) if resume else 0)
+        events.started(resumed_from)
     train_naming_a_full_disk(trainer, work, resume)
     trainer.accelerator.wait_for_everyone()
 
@@ -618,7 +618,8 @@ def main(argv=None) -> None:
                 final[name] = facts[key]
         events.metric(trainer.state.global_step, eval_metrics(final))
         write_manifest(a, a.output, {"eval": facts})
-        events.emit("result", **facts, algorithm=a.algorithm, backend="trl", steps=trainer.state.global_step)
+        events.result(events.RlhfResult(**facts, algorithm=a.algorithm, backend="trl", resumed_from=resumed_from,
+                                         steps=trainer.state.global_step))
     trainer.accelerator.wait_for_everyone()
 
 
