@@ -406,8 +406,8 @@ class Run:
         memory = self.memory_peaks()
         if self.rank == 0:
             ev = self.events()
-            ev.result(ev.PretrainProbeResult(probe_steps=self.cfg["steps"], micro_batch_size=self.cfg["micro_batch_size"],
-                                             memory=memory))
+            ev.result(ev.PretrainProbeResult(probe_steps=self.cfg["steps"],
+                                             micro_batch_size=self.cfg["micro_batch_size"], memory=memory))
         dist.barrier()
         dist.destroy_process_group()
 
