@@ -6,6 +6,7 @@ Prefect; its one `result` event, a typed model below, is what the stage task rea
     @@baton {"kind": "progress", "step": 3, "total": 100}
     @@baton {"kind": "start", "resumed_from": 0}          (where training starts: a log landmark, read by nothing)
     @@baton {"kind": "result", ...}            (the run's facts, once, at the end: FinetuneResult, RlhfResult, ...)
+    @@baton {"kind": "failure", "cause": "non-finite loss", "detail": "..."}    (a cause the worker found itself)
 
 Plain lines are ordinary logs. Only rank 0 should emit events in a distributed job.
 The result models live here, not in tasks/<stage>/: a worker imports only conversions, this module and its engine, and
@@ -14,14 +15,18 @@ importing its stage package would load the stage's config and Prefect-side modul
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import re
 import sys
+from enum import StrEnum
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
+
+from conversions import durable
 
 PREFIX = "@@baton "
 
@@ -235,6 +240,61 @@ class PretrainProbeResult(WorkerResult):
 
 def result(facts: WorkerResult) -> None:
     emit("result", **facts.model_dump(mode="json"))
+
+
+# ---- failures: causes baton's own code finds in a rank, announced before the rank exits ---------------------------
+# Only INFRASTRUCTURE is retried (flows/step_runner.py failure_class); everything else fails the stage at once.
+class EngineCause(StrEnum):
+    """Why an engine's processes failed: from a rank's `failure` event, else read from the engine's log lines."""
+
+    INFRASTRUCTURE = "infrastructure"
+    TIMEOUT = "timeout"
+    OUT_OF_MEMORY = "out of memory"
+    DISK_FULL = "disk full"
+    NON_FINITE_LOSS = "non-finite loss"
+    ERROR = "error"
+
+
+class FailureEvent(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    cause: EngineCause
+    detail: str                                # the rank's one line: what it found, where
+
+
+def failure(cause: EngineCause, detail: str) -> None:
+    """Announce a cause this rank found (any rank: the one that found it). One write, so ranks never interleave."""
+    line = PREFIX + json.dumps({"kind": "failure", **FailureEvent(cause=cause, detail=detail).model_dump(mode="json")})
+    sys.stdout.flush()
+    os.write(1, (line + "\n").encode())
+
+
+@contextlib.contextmanager
+def disk_full_exits(partial: Path, rank: int):
+    """Around a rank's checkpoint save: on ENOSPC (durable.disk_full_names_the_disk removes the partial folder) the
+    rank announces DISK_FULL, prints the disk and its free space in one write, and exits 1: not retried."""
+    try:
+        with durable.disk_full_names_the_disk(partial):
+            yield
+    except durable.DiskFullError as e:
+        line = f"rank {rank}: {e}; not retried"
+        failure(EngineCause.DISK_FULL, line)
+        os.write(2, (line + "\n").encode())
+        raise SystemExit(1) from None
+
+
+@contextlib.contextmanager
+def causes_announced():
+    """Around a worker's main: Python's MemoryError and baton's DiskFullError (a durable write that ran out of space
+    outside a checkpoint save) are announced as their cause before they propagate as they would anyway."""
+    try:
+        yield
+    except MemoryError as e:
+        failure(EngineCause.OUT_OF_MEMORY, f"MemoryError: {e}")
+        raise
+    except durable.DiskFullError as e:
+        failure(EngineCause.DISK_FULL, str(e))
+        raise
 
 
 def parse(line: str) -> dict | None:

@@ -404,8 +404,10 @@ def probe_logits(model, vocab_size: int, device):
 def stop_if_not_finite(loss: float, rank: int, step: int, micro: int) -> None:
     """A diverged run stops here, before it can overwrite good checkpoints (and is not retried)."""
     if not math.isfinite(loss):
-        raise SystemExit(f"rank {rank}: non-finite loss {loss} at step {step} (micro-batch {micro}); lower the lr or "
-                         "check the data; not retried")
+        why = (f"rank {rank}: non-finite loss {loss} at step {step} (micro-batch {micro}); lower the lr or check the "
+               "data; not retried")
+        events.failure(events.EngineCause.NON_FINITE_LOSS, why)
+        raise SystemExit(why)
 
 
 # ---- checkpoints -----------------------------------------------------------------------------------------------------
@@ -427,11 +429,11 @@ def save(engine, ckpt_dir: Path, step: int, keep: int, rank: int, facts: dict) -
     if rank == 0 and (ckpt_dir / tag).exists():
         shutil.rmtree(ckpt_dir / tag)  # an unfinished save of this step from an interrupted attempt
     dist.barrier()
-    with durable.disk_full_exits(ckpt_dir / tag, rank):
+    with events.disk_full_exits(ckpt_dir / tag, rank):
         engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"baton_step": step}, save_latest=False)
     dist.barrier()  # every rank's partitions are on disk: only now does the tag count
     if rank == 0:
-        with durable.disk_full_exits(ckpt_dir / tag, rank):
+        with events.disk_full_exits(ckpt_dir / tag, rank):
             durable.sync_tree(ckpt_dir / tag)
             sealed.seal(ckpt_dir / tag, COMPLETE, step=step, **facts)  # last: sizes and sha256 of what is on disk now
         write_atomic(ckpt_dir / "latest", tag)
@@ -504,4 +506,5 @@ def peak_reserved_mib(device: str) -> float | None:
 
 
 if __name__ == "__main__":
-    main()
+    with events.causes_announced():
+        main()

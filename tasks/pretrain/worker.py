@@ -254,7 +254,9 @@ class Run:
                                 self.spec["seq_length"], self.cfg["micro_batch_size"], forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:
-            raise RuntimeError(f"optimizer step {it + 1} failed (non-finite gradients)")
+            why = f"rank {self.rank}: optimizer step {it + 1} failed (non-finite gradients); not retried"
+            self.events().failure(self.events().EngineCause.NON_FINITE_LOSS, why)
+            raise RuntimeError(why)
         self.scheduler.step(increment=1)
         return self.reduce_loss(reduced), float(grad_norm or 0.0)
 
@@ -444,4 +446,7 @@ class Run:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from tasks import events
+
+    with events.causes_announced():
+        sys.exit(main())

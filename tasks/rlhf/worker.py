@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from conversions import chat, durable, hf, manifest as mf, rewards as rw, sealed
+from conversions import chat, hf, manifest as mf, rewards as rw, sealed
 from conversions.manifest import Format
 from tasks import events
 
@@ -110,7 +110,7 @@ def save_and_measure(a: argparse.Namespace, recipe: Recipe, trainer, before: dic
     and the run's one result."""
     model = trainer.accelerator.unwrap_model(trainer.model)
     a.output.mkdir(parents=True, exist_ok=True)
-    with durable.disk_full_exits(a.output, RANK):
+    with events.disk_full_exits(a.output, RANK):
         model.save_pretrained(str(a.output), safe_serialization=True)
         hf.copy_tokenizer(a.input, a.output, chat_template=a.chat_template)
     seconds = round(time.time() - t0, 2)
@@ -427,7 +427,7 @@ def train_naming_a_full_disk(trainer, work: Path, resume: Path | None) -> None:
         saving = work / f"checkpoint-{trainer.state.global_step}"
         if is_complete(saving):  # not inside a save
             raise
-        with durable.disk_full_exits(saving, RANK):
+        with events.disk_full_exits(saving, RANK):
             raise
 
 
@@ -647,4 +647,5 @@ def _printed(facts: dict) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    with events.causes_announced():
+        main()
