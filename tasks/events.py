@@ -290,7 +290,7 @@ def causes_announced():
     try:
         yield
     except MemoryError as e:
-        failure(EngineCause.OUT_OF_MEMORY, f"MemoryError: {e}")
+        failure(EngineCause.OUT_OF_MEMORY, f"rank {os.environ.get('RANK', 0)}: MemoryError {e}".rstrip())
         raise
     except durable.DiskFullError as e:
         failure(EngineCause.DISK_FULL, str(e))

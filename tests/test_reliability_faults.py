@@ -74,7 +74,7 @@ def test_a_memory_error_in_a_worker_is_announced_and_decides(record_property):
     record_property("fault", "MemoryError in a rank")
     e = _fail(f"import sys; sys.path.insert(0, {str(REPO)!r})\nfrom tasks import events\n"
               "with events.causes_announced():\n    bytearray(1 << 60)")
-    assert [(f.cause, f.detail) for f in e.failures] == [(events.EngineCause.OUT_OF_MEMORY, "MemoryError: ")]
+    assert [(f.cause, f.detail) for f in e.failures] == [(events.EngineCause.OUT_OF_MEMORY, "rank 0: MemoryError")]
     assert step_runner.failure_class(e) == "out of memory"
     assert step_runner.failure_class(launch.LaunchError("rank", 1, ["(the tail lost to other ranks' lines)"],
                                                         failures=e.failures)) == "out of memory"
