@@ -132,7 +132,8 @@ def command_for(name: str, stage: str, size: str, overrides: dict, root: Path, d
 
 
 def measured_peaks(cmd: list[str], env: dict, log: Path, timeout: float = 900) -> dict:
-    """Run the worker; the peaks from its events (the last ones carrying [perf/]rank<N>_peak_mem_mib)."""
+    """Run the worker; the peaks from its events (the last ones carrying [perf/]rank<N>_peak_mem_mib; the pretrain
+    worker's result carries them in its `memory`)."""
     found: dict = {}
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -142,7 +143,8 @@ def measured_peaks(cmd: list[str], env: dict, log: Path, timeout: float = 900) -
             f.write(line)
             ev = events.parse(line.rstrip("\n"))
             if ev:
-                found.update({k: v for k, v in ev.items() if k.endswith("peak_mem_mib")})
+                fields = {**ev, **(ev.get("memory") or {})}
+                found.update({k: v for k, v in fields.items() if k.endswith("peak_mem_mib")})
             if time.time() - t0 > timeout:
                 proc.kill()
         rc = proc.wait()

@@ -112,18 +112,6 @@ def disk_full_names_the_disk(partial: Path, what: str = "checkpoint"):
                                           f"again to resume ({type(e).__name__}: {_first_line(e)})") from e
 
 
-@contextmanager
-def disk_full_exits(partial: Path, rank: int):
-    """In an engine's rank, around its checkpoint save: on ENOSPC (disk_full_names_the_disk) the rank prints the
-    disk and its free space in one write (ranks' lines never interleave) and exits 1, so the stage fails at once."""
-    try:
-        with disk_full_names_the_disk(partial):
-            yield
-    except DiskFullError as e:
-        os.write(2, f"rank {rank}: {e}; not retried\n".encode())
-        raise SystemExit(1) from None
-
-
 def _first_line(e: BaseException) -> str:
     lines = str(e).strip().splitlines()
     return lines[0][:200] if lines else ""

@@ -7,7 +7,6 @@ import os
 import time
 import traceback
 from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
 
 from prefect import flow, get_run_logger
@@ -24,6 +23,7 @@ from tasks import chat_template, events, streaming, tracking
 from tasks.launch import LaunchError
 from tasks import memory_plan as mp
 from tasks.registry import STAGES, TRAINING_STAGES
+from tasks.events import EngineCause
 from tasks.stage import Failure, StageContext, StageOutput, Status
 
 
@@ -115,25 +115,13 @@ def _register(c, cfg: PipelineConfig, step: Step, out: Path, run_id: str, mlflow
 # Only an infrastructure fault (a rank or launcher killed by a signal: preemption, a lost node; or a lost peer) is
 # retried, in the same work dir, so the engine resumes from its last complete checkpoint. Everything else fails at once
 # with its cause: an OOM kill (the same size fails again), a full disk, a non-finite loss, a timeout (a hang), an exit
-# code (a bug, bad input).
-class EngineCause(StrEnum):
-    """Why an engine's processes failed (failure_class); only INFRASTRUCTURE is retried."""
-
-    INFRASTRUCTURE = "infrastructure"
-    TIMEOUT = "timeout"
-    OUT_OF_MEMORY = "out of memory"
-    DISK_FULL = "disk full"
-    NON_FINITE_LOSS = "non-finite loss"
-    ERROR = "error"
-
-
-# An engine's own output is all a launcher sees of its ranks (the libraries raise nothing baton could catch here), so
-# the causes are read from the lines they print.
+# code (a bug, bad input). A cause baton's own code finds in a rank (a non-finite loss, ENOSPC in a save, a MemoryError)
+# arrives as the rank's failure event (tasks.events.failure); the marks below are for causes from outside it.
 KILLED_MARKS = ("return code = -9", "exitcode  : -9", "Signal 9 (SIGKILL)", "SIGKILL", "Connection reset by peer",
                 "Connection closed by peer")
-FATAL_MARKS = {
-    EngineCause.DISK_FULL: ("No space left on device", "ENOSPC", "DiskFullError"),
-    EngineCause.NON_FINITE_LOSS: ("non-finite loss", "non-finite gradients", "loss is nan", "loss is inf"),
+FATAL_MARKS = {  # what torch, DeepSpeed, transformers and the OS print
+    EngineCause.DISK_FULL: ("No space left on device", "ENOSPC"),
+    EngineCause.NON_FINITE_LOSS: ("loss is nan", "loss is inf"),
     EngineCause.OUT_OF_MEMORY: ("MemoryError", "OutOfMemoryError", "CUDA out of memory"),
 }
 
@@ -176,6 +164,8 @@ def failure_class(e: LaunchError, oom_kills_before: int | None = None) -> Engine
     MemoryError), DISK_FULL, NON_FINITE_LOSS, ERROR."""
     if e.timed_out:
         return EngineCause.TIMEOUT
+    if e.failures:  # the first rank that found its cause said so: nothing to guess from text
+        return e.failures[0].cause
     text = "\n".join(e.tail)
     for cause, marks in FATAL_MARKS.items():  # first: a rank's real cause beats its peers' "connection closed"
         if any(m in text for m in marks):
@@ -189,9 +179,12 @@ def failure_class(e: LaunchError, oom_kills_before: int | None = None) -> Engine
 
 
 def cause_line(e: LaunchError, cause: EngineCause) -> str:
-    """': <the engine's line that names the cause>' (the first with the most of its marks: a rank's ENOSPC line,
-    naming the disk and its free space, over a library's bare errno), so the stage's one-line error says it; ''
-    when no line does."""
+    """': <the line that names the cause>': the announcing rank's own (its failure event), else the engine's line
+    with the most of the cause's marks (the first of those), so the stage's one-line error says it; '' when none
+    does."""
+    announced = [f.detail for f in e.failures if f.cause == cause]
+    if announced:
+        return f": {announced[0].strip()[:600]}"
     marks = FATAL_MARKS.get(cause, ())
     hits = [(sum(m in line for m in marks), -i, line) for i, line in enumerate(e.tail)]
     best = max(hits, default=(0, 0, ""))
@@ -211,7 +204,7 @@ def _run_with_retries(step: Step, ctx: StageContext, stage_cfg) -> StageOutput:
             cause = failure_class(e, before)
             if cause != EngineCause.INFRASTRUCTURE:
                 raise LaunchError(f"{str(e).splitlines()[0]} ({cause}; not retried){cause_line(e, cause)}",
-                                  e.returncode, e.tail, timed_out=e.timed_out) from None
+                                  e.returncode, e.tail, timed_out=e.timed_out, failures=e.failures) from None
             if attempt == retries:
                 raise
             get_run_logger().warning("%s: infrastructure failure (%s); retry %d of %d in %.0fs, resuming from the last "

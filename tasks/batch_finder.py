@@ -75,11 +75,12 @@ def probe_command(stage: str, ctx: StageContext, cfg) -> tuple[list[str], dict, 
 
 
 def peaks_of(res: launch.LaunchResult, device: str) -> dict:
-    """Every rank's peak (MiB) from the worker's events: the pretrain worker's result, the finetune worker's last
-    step metric (the same fields the stage's memory monitoring reads)."""
+    """Every rank's peak (MiB) from the worker's events: the pretrain worker's result (its `memory`), the finetune
+    worker's last step metric (the same fields the stage's memory monitoring reads)."""
     found: dict = {}
     for e in res.events:
-        found.update({k: v for k, v in e.items() if k.endswith("peak_mem_mib") or k.endswith("gpu_allocated_mib")})
+        fields = {**e, **(e.get("memory") or {})}
+        found.update({k: v for k, v in fields.items() if k.endswith("peak_mem_mib") or k.endswith("gpu_allocated_mib")})
     rss = [v for k, v in found.items() if re.fullmatch(r"(perf/)?rank\d+_peak_mem_mib", k)]
     gpu = [v for k, v in found.items() if re.fullmatch(r"rank\d+_peak_gpu_allocated_mib", k)]
     if device == "cuda" and not gpu:  # the finetune worker reports CUDA's max allocated as its peak on a GPU

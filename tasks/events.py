@@ -1,22 +1,32 @@
 """The worker contract: a worker reads one JSON spec (`worker.py --spec SPEC.json`, written by its stage task from
 the stage's config model: defaults live only there) and prints structured lines the launcher streams into MLflow and
-Prefect; its `result` events are what the stage task reads back.
+Prefect; its one `result` event, a typed model below, is what the stage task reads back (LaunchResult.result).
 
     @@baton {"kind": "metric", "step": 3, "train/loss": 2.31, "train/lr": 0.001}
     @@baton {"kind": "progress", "step": 3, "total": 100}
-    @@baton {"kind": "result", ...}            (final facts the stage task reads back)
+    @@baton {"kind": "start", "resumed_from": 0}          (where training starts: a log landmark, read by nothing)
+    @@baton {"kind": "result", ...}            (the run's facts, once, at the end: FinetuneResult, RlhfResult, ...)
+    @@baton {"kind": "failure", "cause": "non-finite loss", "detail": "..."}    (a cause the worker found itself)
 
 Plain lines are ordinary logs. Only rank 0 should emit events in a distributed job.
+The result models live here, not in tasks/<stage>/: a worker imports only conversions, this module and its engine, and
+importing its stage package would load the stage's config and Prefect-side modules into the engine's processes.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import re
 import sys
+from enum import StrEnum
 from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from conversions import durable
 
 PREFIX = "@@baton "
 
@@ -131,6 +141,160 @@ def metric(step: int, values: dict) -> None:
 
 def progress(step: int, total: int) -> None:
     emit("progress", step=step, total=total)
+
+
+def started(resumed_from: int) -> None:
+    """Where training starts (0, or the step of the checkpoint it resumed from): marks the attempt in the log."""
+    emit("start", resumed_from=resumed_from)
+
+
+# ---- results: one typed `result` event per run, emitted by rank 0 at the end --------------------------------------
+class WorkerResult(BaseModel):
+    """A worker's final facts. Unknown fields are refused on both sides: a worker and its stage task that disagree
+    fail on the first run, naming the field. Floats that may be non-finite are optional (emit writes NaN as null)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class FinetuneResult(WorkerResult):
+    before: dict[str, float | None]            # held-out facts of the input: heldout_loss, exact_match
+    after: dict[str, float | None]             # the same of the trained model
+    samples: list[dict[str, str]]              # a few held-out prompts, answers and greedy outputs
+    resumed_from: int
+    tag: str                                   # the final checkpoint's tag folder
+    steps: int
+    world_size: int
+    zero_stage: int
+    train_examples: int
+    overlong_dropped: int
+    overlong_truncated: int
+    packed_windows: int | None = None          # packing only
+    packed_fill: float | None = None
+    timings: dict[str, float]                  # start-up phases and training, seconds
+    peak_mem_mib: float | None
+    peak_reserved_mib: float | None            # CUDA's caching allocator at its peak (None on CPU)
+
+
+class RlhfResult(WorkerResult):
+    """rlhf's worker: a TRL run, or (evaluate only) the measurement of another engine's output."""
+
+    algorithm: str
+    metric: str                                # heldout_pref_accuracy, heldout_reward_accuracy, heldout_reward
+    before: float | None
+    after: float | None
+    heldout_pairs: int | None = None
+    heldout_prompts: int | None = None         # GRPO with rlhf.rewards
+    heldout_kl_to_reference: float | None = None
+    heldout_loss_before: float | None = None
+    heldout_loss_after: float | None = None
+    solved_before: float | None = None
+    solved_after: float | None = None
+    train_pairs: int | None = None
+    train_prompts: int | None = None
+    overlong_dropped: int | None = None
+    overlong_truncated: int | None = None
+    resumed_from: int | None = None            # training runs only, from here on
+    backend: str | None = None
+    steps: int | None = None
+    seconds: float | None = None
+    peak_mem_mib: float | None = None          # rank 0's peak RSS
+
+
+class InputParity(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_abs_diff: float
+    top1_agreement: float
+    reference: str
+
+
+class PretrainResult(WorkerResult):
+    resumed_from: int
+    parameters: int
+    layer_spec: str
+    input_parity: InputParity | None           # an input with probe logits, reproduced by the loaded model
+    iteration: int
+    checkpoint: str
+    output: str
+    padded_vocab_size: int
+    layout: dict[str, int]                     # tensor/pipeline/data parallel (and virtual pipeline) sizes
+    reload_param_max_abs_diff: float | None
+    reload_logits_max_abs_diff: float | None
+    loss_first: float | None
+    heldout_before: list[float | None] | None  # [step, loss, perplexity]
+    heldout_after: list[float | None] | None
+    train_time_s: float
+    peak_tflops_per_rank: float
+    peak_tflops_source: str
+    consumed_samples: int
+    memory: dict[str, float]                   # peak_mem_mib, rank<n>_peak_mem_mib, peak_gpu_allocated_mib, ...
+
+
+class PretrainProbeResult(WorkerResult):
+    """The batch finder's probe run: training steps only, then every rank's peak memory."""
+
+    probe_steps: int
+    micro_batch_size: int
+    memory: dict[str, float]
+
+
+def result(facts: WorkerResult) -> None:
+    emit("result", **facts.model_dump(mode="json"))
+
+
+# ---- failures: causes baton's own code finds in a rank, announced before the rank exits ---------------------------
+# Only INFRASTRUCTURE is retried (flows/step_runner.py failure_class); everything else fails the stage at once.
+class EngineCause(StrEnum):
+    """Why an engine's processes failed: from a rank's `failure` event, else read from the engine's log lines."""
+
+    INFRASTRUCTURE = "infrastructure"
+    TIMEOUT = "timeout"
+    OUT_OF_MEMORY = "out of memory"
+    DISK_FULL = "disk full"
+    NON_FINITE_LOSS = "non-finite loss"
+    ERROR = "error"
+
+
+class FailureEvent(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    cause: EngineCause
+    detail: str                                # the rank's one line: what it found, where
+
+
+def failure(cause: EngineCause, detail: str) -> None:
+    """Announce a cause this rank found (any rank: the one that found it). One write, so ranks never interleave."""
+    line = PREFIX + json.dumps({"kind": "failure", **FailureEvent(cause=cause, detail=detail).model_dump(mode="json")})
+    sys.stdout.flush()
+    os.write(1, (line + "\n").encode())
+
+
+@contextlib.contextmanager
+def disk_full_exits(partial: Path, rank: int):
+    """Around a rank's checkpoint save: on ENOSPC (durable.disk_full_names_the_disk removes the partial folder) the
+    rank announces DISK_FULL, prints the disk and its free space in one write, and exits 1: not retried."""
+    try:
+        with durable.disk_full_names_the_disk(partial):
+            yield
+    except durable.DiskFullError as e:
+        line = f"rank {rank}: {e}; not retried"
+        failure(EngineCause.DISK_FULL, line)
+        os.write(2, (line + "\n").encode())
+        raise SystemExit(1) from None
+
+
+@contextlib.contextmanager
+def causes_announced():
+    """Around a worker's main: Python's MemoryError and baton's DiskFullError (a durable write that ran out of space
+    outside a checkpoint save) are announced as their cause before they propagate as they would anyway."""
+    try:
+        yield
+    except MemoryError as e:
+        failure(EngineCause.OUT_OF_MEMORY, f"rank {os.environ.get('RANK', 0)}: MemoryError {e}".rstrip())
+        raise
+    except durable.DiskFullError as e:
+        failure(EngineCause.DISK_FULL, str(e))
+        raise
 
 
 def parse(line: str) -> dict | None:

@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
 
 from tasks import events
 
@@ -26,6 +26,7 @@ log = logging.getLogger("baton.launch")
 _active: set[subprocess.Popen] = set()
 _active_lock = threading.Lock()
 _handlers_installed = False
+R = TypeVar("R", bound=events.WorkerResult)
 
 
 # what step.log puts before a relayed line: "04:31:45 INFO    prefect.task_runs: [pretrain] "
@@ -51,10 +52,12 @@ class LaunchError(RuntimeError):
     """An engine that failed; `tail` is its last output (raw, for the retry classification); the message shows it
     without library traceback frames."""
 
-    def __init__(self, message: str, returncode: int | None, tail: list[str], timed_out: bool = False):
+    def __init__(self, message: str, returncode: int | None, tail: list[str], timed_out: bool = False,
+                 failures: Sequence[events.FailureEvent] = ()):
         self.returncode = returncode
         self.tail = tail
         self.timed_out = timed_out  # killed by its stage's timeout_s (a hang: never retried)
+        self.failures = list(failures)  # causes its ranks found themselves and announced (tasks.events.failure)
         shown = without_library_frames(tail)
         super().__init__(message + ("\n--- last log lines ---\n" + "\n".join(shown) if shown else ""))
 
@@ -73,6 +76,13 @@ class LaunchResult:
             if e["kind"] == "result":
                 out.update({k: v for k, v in e.items() if k != "kind"})
         return out
+
+    def result(self, model: type[R]) -> R:
+        """The worker's one `result` event read back into its model (tasks.events: FinetuneResult, ...)."""
+        found = [e for e in self.events if e["kind"] == "result"]
+        if len(found) != 1:
+            raise RuntimeError(f"the worker printed {len(found)} result events (its contract is one, at the end)")
+        return model.model_validate({k: v for k, v in found[0].items() if k != "kind"})
 
     def metrics(self) -> list[dict]:
         return [e for e in self.events if e["kind"] == "metric"]
@@ -239,6 +249,18 @@ def _reap(proc: subprocess.Popen) -> None:
         _active.discard(proc)
 
 
+def _failures(collected: list[dict]) -> list[events.FailureEvent]:
+    """The ranks' failure events, in the order they came; one that does not parse is left to the log's text."""
+    found = []
+    for e in collected:
+        if e["kind"] == "failure":
+            try:
+                found.append(events.FailureEvent.model_validate({k: v for k, v in e.items() if k != "kind"}))
+            except ValueError:
+                log.warning("unreadable failure event %s", e)
+    return found
+
+
 def run(
     cmd: Sequence[str],
     *,
@@ -273,7 +295,9 @@ def run(
             _close_log(logf)
         _reap(proc)
     if timed_out.is_set():
-        raise LaunchError(f"{name} timed out after {timeout}s", proc.returncode, list(tail), timed_out=True)
+        raise LaunchError(f"{name} timed out after {timeout}s", proc.returncode, list(tail), timed_out=True,
+                          failures=_failures(collected))
     if proc.returncode != 0:
-        raise LaunchError(f"{name} failed with exit code {proc.returncode}", proc.returncode, list(tail))
+        raise LaunchError(f"{name} failed with exit code {proc.returncode}", proc.returncode, list(tail),
+                          failures=_failures(collected))
     return LaunchResult(proc.returncode, collected, list(tail), time.time() - t0)

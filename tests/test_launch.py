@@ -34,6 +34,28 @@ def test_events_and_lines_are_streamed(tmp_path):
     assert "hello" in (tmp_path / "log").read_text()
 
 
+def test_a_worker_result_is_read_back_into_its_model_or_refused():
+    """The result contract: one `result` event, read back into its stage's model; a field the model lacks (a worker
+    and a task that disagree) or a second result event fails the read, naming it."""
+    from pydantic import ValidationError
+
+    from tasks import events
+
+    class Facts(events.WorkerResult):
+        steps: int
+        before: float | None
+
+    def read(*results: dict):
+        return launch.LaunchResult(0, events=[{"kind": "metric", "step": 1}]
+                                   + [{"kind": "result", **r} for r in results]).result(Facts)
+
+    assert read({"steps": 3, "before": None}) == Facts(steps=3, before=None)
+    with pytest.raises(ValidationError, match="stepz"):
+        read({"steps": 3, "before": 1.0, "stepz": 3})
+    with pytest.raises(RuntimeError, match="2 result events"):
+        read({"steps": 3, "before": 1.0}, {"steps": 3, "before": 1.0})
+
+
 def test_failure_carries_exit_code_and_tail(tmp_path):
     cmd = _script(tmp_path, """
         print("step 1 ok")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import REPO
 from flows import step_runner
 from tasks import events, launch
 
@@ -67,6 +68,19 @@ def test_disk_full_is_not_retried(record_property):
 
 
 @pytest.mark.fast
+def test_a_memory_error_in_a_worker_is_announced_and_decides(record_property):
+    """A worker's main runs under events.causes_announced: Python's MemoryError is announced by the rank as
+    OUT_OF_MEMORY, and that event decides even when the log's last lines say nothing of memory."""
+    record_property("fault", "MemoryError in a rank")
+    e = _fail(f"import sys; sys.path.insert(0, {str(REPO)!r})\nfrom tasks import events\n"
+              "with events.causes_announced():\n    bytearray(1 << 60)")
+    assert [(f.cause, f.detail) for f in e.failures] == [(events.EngineCause.OUT_OF_MEMORY, "rank 0: MemoryError")]
+    assert step_runner.failure_class(e) == "out of memory"
+    assert step_runner.failure_class(launch.LaunchError("rank", 1, ["(the tail lost to other ranks' lines)"],
+                                                        failures=e.failures)) == "out of memory"
+
+
+@pytest.mark.fast
 def test_ordinary_exception_is_not_retried(record_property):
     record_property("fault", "ordinary exception")
     e = _fail("raise ValueError('a bug')")
@@ -80,8 +94,13 @@ def test_a_diverging_finetune_stops_at_its_first_non_finite_loss(record_property
     up and a later step's loss is NaN. The stage stops there, once, naming that step, before any checkpoint."""
     record_property("fault", "non-finite loss")
     monkeypatch.setenv("BATON_INFRA_RETRY_DELAY_S", "0")  # were it retried, the retry would start at once
-    message = str(_run_finetune_into_divergence(tmp_path, tiny_config, data_dir, hf_checkpoint)).splitlines()[0]
+    error = _run_finetune_into_divergence(tmp_path, tiny_config, data_dir, hf_checkpoint)
+    message = str(error).splitlines()[0]
     assert "(non-finite loss; not retried)" in message, message
+    # the rank announced the cause it found; its words are not searched for: the same log without the event is an
+    # ordinary error, so the event alone decided
+    assert [f.cause for f in error.failures] == [events.EngineCause.NON_FINITE_LOSS]
+    assert step_runner.failure_class(launch.LaunchError("finetune", error.returncode, error.tail)) == "error"
     named = re.search(r"non-finite loss nan at step (\d+) \(micro-batch 0\)", message)
     assert named, message
     finite_steps = _reported_finite_losses(tmp_path / "engine.log")

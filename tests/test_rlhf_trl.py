@@ -173,7 +173,7 @@ def _metric_steps_after_resume(work: Path) -> tuple[int, list[int]]:
     """The last attempt's resume point and the training steps it logged (engine.log accumulates attempts)."""
     lines = [json.loads(line[len("@@baton "):]) for line in (work / "engine.log").read_text().splitlines()
              if line.startswith("@@baton ")]
-    start = max(i for i, e in enumerate(lines) if "resumed_from" in e)
+    start = max(i for i, e in enumerate(lines) if e["kind"] == "start")
     return lines[start]["resumed_from"], [e["step"] for e in lines[start:] if e["kind"] == "metric" and "train/loss" in e]
 
 

@@ -60,4 +60,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with events.causes_announced():
+        main()

@@ -121,7 +121,7 @@ def prepare(ctx: StageContext, cfg: FinetuneConfig, probe: bool = False) -> tupl
     return cmd, engine_env.worker_env(cfg.resolved_device()), out, port
 
 
-def finalize(out: Path, ctx: StageContext, cfg: FinetuneConfig, r: dict) -> dict:
+def finalize(out: Path, ctx: StageContext, cfg: FinetuneConfig, r: events.FinetuneResult) -> dict:
     """Keep only the final tag (earlier ones served resumption), then write the manifest."""
     final = (out / "latest").read_text().strip()
     for d in out.glob(f"{TAG_PREFIX}*"):
@@ -135,8 +135,7 @@ def finalize(out: Path, ctx: StageContext, cfg: FinetuneConfig, r: dict) -> dict
                 **mf.engine_versions("deepspeed", "torch", "transformers")},
         architecture=dict(ctx.architecture(), hf_architectures=config.get("architectures")), parameter_count=params,
         dtype=cfg.torch_dtype(), parent=mf.parent_ref(Path(ctx.input)),
-        extra={"zero_stage": cfg.zero.stage, "world_size": r.get("world_size", cfg.world_size()), "tag": final,
-               "step": r.get("steps"), "lora": cfg.lora.model_dump() if cfg.lora.enabled else None,
+        extra={"zero_stage": cfg.zero.stage, "world_size": r.world_size, "tag": final, "step": r.steps, "lora": cfg.lora.model_dump() if cfg.lora.enabled else None,
                "deepspeed_config": json.loads((Path(ctx.work_dir) / "ds_config.json").read_text())},
         tokenizer_dir=out / "tokenizer")
     mf.write(out, m)
@@ -182,30 +181,29 @@ def run_finetune(ctx: StageContext, cfg: FinetuneConfig) -> StageOutput:
     finally:
         if port:
             remove_shm_segments(port)
-    r = res.results()
+    r = res.result(events.FinetuneResult)
     swap_bytes = clear_nvme_swap(cfg)
     m = finalize(out, ctx, cfg, r)
-    before, after = r["before"], r["after"]
+    before, after = r.before, r.after
     metric = json.loads((Path(ctx.work_dir) / "finetune_spec.json").read_text())["gate_metric"]
     ev, eval_check = gate_eval(ctx, cfg, out, metric, before, after)
     metric_events = res.metrics()
     last = metric_events[-1] if metric_events else {}
     return StageOutput(
-        output=out, engine="deepspeed", backend=f"ZeRO-{cfg.zero.stage} x{r.get('world_size', cfg.world_size())} "
+        output=out, engine="deepspeed", backend=f"ZeRO-{cfg.zero.stage} x{r.world_size} "
                                                 f"{cfg.resolved_device()} {cfg.precision}",
         gate=verify.report(verify.integrity(out) + [eval_check]),
         metrics={"loss_first": metric_events[0].get(events.TRAIN_LOSS) if metric_events else None,
                  "loss_last": last.get(events.TRAIN_LOSS),
                  **heldout_metrics(before, after), **gates.lm_eval_metrics(ev),
-                 "overlong_dropped": r.get("overlong_dropped"), "overlong_truncated": r.get("overlong_truncated"),
-                 **({"packed_windows": r.get("packed_windows"), "packed_fill": r.get("packed_fill")}
-                    if cfg.packing else {}),
-                 "peak_mem_mib": last.get(events.PEAK_MEM_MIB, r.get("peak_mem_mib")),
-                 "peak_reserved_mib": r.get("peak_reserved_mib"),
-                 "resumed_from_step": r.get("resumed_from"),
+                 "overlong_dropped": r.overlong_dropped, "overlong_truncated": r.overlong_truncated,
+                 **({"packed_windows": r.packed_windows, "packed_fill": r.packed_fill} if cfg.packing else {}),
+                 "peak_mem_mib": last.get(events.PEAK_MEM_MIB, r.peak_mem_mib),
+                 "peak_reserved_mib": r.peak_reserved_mib,
+                 "resumed_from_step": r.resumed_from,
                  "last_step_time_s": last.get(events.STEP_TIME_S), "last_tokens_per_s": last.get(events.TOKENS_PER_S),
                  "wall_s": round(res.seconds, 2),
                  **({"nvme_swap_bytes": swap_bytes} if ds_config.uses_nvme(cfg) else {})},
         eval=ev,
         extra={"zero": m["extra"]["deepspeed_config"]["zero_optimization"], "deepspeed_config":
-               m["extra"]["deepspeed_config"], "tag": m["extra"]["tag"], "samples": r.get("samples")})
+               m["extra"]["deepspeed_config"], "tag": m["extra"]["tag"], "samples": r.samples})

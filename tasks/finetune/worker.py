@@ -19,6 +19,7 @@ import shutil
 import time
 from pathlib import Path
 
+
 T_START = time.time()
 
 import deepspeed  # noqa: E402  (imports dominate start-up on small CPUs: timed below)
@@ -35,7 +36,159 @@ TAG_PREFIX = "global_step"
 IGNORE = chat.IGNORE
 
 
-# ---- data ----------------------------------------------------------------------------------------------------------
+# ---- main: the recipe; the phases follow in the order it runs them ---------------------------------------------------
+def main() -> None:
+    spec = events.read_spec()  # (and --local_rank, which the deepspeed launcher passes)
+    ds_config = json.loads(Path(spec["ds_config"]).read_text())
+    timings = {"imports_s": time.time() - T_START}
+    rank, world = init_process(spec, timings)
+    stage = ds_config["zero_optimization"]["stage"]
+    facts = {"world_size": world, "zero_stage": stage}
+    tok, train, heldout, held_ids, counts = load_data(spec)
+    engine = build_engine(spec, ds_config, stage, timings)
+    if spec.get("probe"):  # the batch finder: only the training steps; every rank's peak is in the metric events
+        train_steps(engine, tok, train, spec, ds_config, 0, rank, world, facts)
+        dist.barrier()
+        return
+    n_examples = sum(map(len, train)) if spec.get("packing") else len(train)
+    start, opening = start_step(engine, tok, heldout, held_ids, spec, facts, rank, timings, counts, n_examples)
+    t_train = time.time()
+    train_steps(engine, tok, train, spec, ds_config, start, rank, world, facts)
+    if start >= spec["steps"] and rank == 0:
+        print(f"rank 0: checkpoint at step {start} already complete; nothing to train", flush=True)
+    timings["train_s"] = time.time() - t_train
+    finish(engine, tok, heldout, held_ids, spec, stage, rank, timings, opening)
+
+
+def init_process(spec: dict, timings: dict) -> tuple[int, int]:
+    t = time.time()
+    deepspeed.init_distributed(dist_backend="nccl" if spec["device"] == "cuda" else "gloo")
+    timings["init_distributed_s"] = time.time() - t
+    if spec["device"] == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    torch.manual_seed(spec["seed"])
+    return dist.get_rank(), dist.get_world_size()
+
+
+def load_data(spec: dict):
+    """The tokenizer, the encoded training examples (over-long ones dropped or truncated, counted), the held-out rows
+    and their encodings."""
+    input_dir, data_dir = Path(spec["input"]), Path(spec["data_dir"])
+    tok = AutoTokenizer.from_pretrained(str(input_dir))
+    if not tok.chat_template and spec.get("chat_template"):  # model.chat_template, for an input without one
+        tok.chat_template = Path(spec["chat_template"]).read_text(encoding="utf-8")
+    train_rows = read_jsonl(data_dir / "sft" / "train.jsonl")
+    heldout = read_jsonl(data_dir / "sft" / "heldout.jsonl")
+    train, length_counts = encode_rows(tok, train_rows, spec["max_seq_length"], spec["overlong"])
+    held_ids, _ = encode_rows(tok, heldout, spec["max_seq_length"], "truncate")
+    if not train:
+        raise SystemExit(f"no training example fits in max_seq_length {spec['max_seq_length']} "
+                         f"({length_counts['overlong_dropped']} dropped as over-long)")
+    if spec.get("packing"):  # a training sample is then a window of examples
+        windows = pack(train, spec["max_seq_length"])
+        length_counts.update(packed_windows=len(windows), packed_fill=round(
+            sum(len(x) for x, _ in train) / (len(windows) * spec["max_seq_length"]), 4))
+        train = windows
+    return tok, train, heldout, held_ids, length_counts
+
+
+def build_engine(spec: dict, ds_config: dict, stage: int, timings: dict):
+    t = time.time()
+    model = build_model(Path(spec["input"]), ds_config, zero3=stage == 3 and spec.get("zero_init", True))
+    if spec.get("activation_checkpointing"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if spec["lora"]["enabled"]:
+        model = add_lora(model, spec["lora"])
+    groups = param_groups(model, ds_config["optimizer"]["params"]["weight_decay"])
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config)
+    timings["model_and_engine_s"] = time.time() - t
+    return engine
+
+
+def start_step(engine, tok, heldout: list, held_ids: list, spec: dict, facts: dict, rank: int, timings: dict,
+               counts: dict, n_train: int) -> tuple[int, dict]:
+    """Score the input, resume from the newest complete checkpoint, announce where training starts. Returns that
+    step and the facts the result reports about the start."""
+    stage, world = facts["zero_stage"], facts["world_size"]
+    t = time.time()
+    before, _ = evaluate(engine, tok, heldout, held_ids, spec, stage == 3)
+    timings["eval_before_s"] = time.time() - t
+    ckpt_dir = Path(spec["output"])
+    start = resume(engine, ckpt_dir, rank, facts)
+    if start > spec["steps"]:
+        raise SystemExit(f"{ckpt_dir}: the checkpoint at step {start} is past steps={spec['steps']} "
+                         "(start in a fresh work dir)")
+    if rank == 0:
+        print(f"rank 0: {n_train} training examples, {len(heldout)} held out; before {before}; {counts}; "
+              f"ZeRO-{stage}, {world} ranks, starting at step {start}; start-up "
+              + ", ".join(f"{k} {v:.1f}" for k, v in timings.items()), flush=True)
+        events.started(start)
+    opening = dict(before=before, resumed_from=start, train_examples=n_train, world_size=world, zero_stage=stage,
+                   **counts)
+    return start, opening
+
+
+def train_steps(engine, tok, train: list, spec: dict, ds_config: dict, start: int, rank: int, world: int,
+                facts: dict) -> None:
+    """Steps start..steps: each rank's micro batches at their global sample positions; metrics; checkpoints."""
+    steps, mb, ga = spec["steps"], ds_config["train_micro_batch_size_per_gpu"], ds_config["gradient_accumulation_steps"]
+    ckpt_dir, dev, order_cache = Path(spec["output"]), engine.device, {}
+    engine.train()
+    for step in range(start, steps):
+        t0 = time.time()
+        loss_sum, tokens = 0.0, 0
+        for micro in range(ga):
+            position = ((step * ga + micro) * world + rank) * mb
+            picked = [train[i] for i in sample_ids(len(train), spec["seed"], position, mb, order_cache)]
+            if spec.get("packing"):
+                batch, real = collate_packed(picked, tok.pad_token_id, spec["max_seq_length"])
+            else:
+                batch, real = collate(picked, tok.pad_token_id)
+            tokens += real
+            loss = engine(**{k: v.to(dev) if torch.is_tensor(v) else v for k, v in batch.items()}).loss
+            engine.backward(loss)
+            engine.step()
+            stop_if_not_finite(loss.item(), rank, step + 1, micro)
+            loss_sum += loss.item()
+        done = step + 1
+        if done % spec["log_every"] == 0 or done == steps:
+            report_step(engine, done, steps, loss_sum / ga, tokens, time.time() - t0, spec["device"], rank, world)
+        if not spec.get("probe") and (done % spec["checkpoint_every"] == 0 or done == steps):
+            save(engine, ckpt_dir, done, spec["keep_checkpoints"], rank, facts)
+
+
+def report_step(engine, done: int, steps: int, loss: float, tokens: int, step_time: float, device: str, rank: int,
+                world: int) -> None:
+    stats = torch.zeros(2 + world, dtype=torch.float64)
+    stats[0], stats[1], stats[2 + rank] = loss, tokens, peak_memory_mib(device)
+    dist.all_reduce(stats)  # gloo has no AVG: sum, then divide
+    if rank == 0:
+        mem = {f"perf/rank{r}_peak_mem_mib": stats[2 + r].item() for r in range(world)}
+        events.metric(done, {events.TRAIN_LOSS: stats[0].item() / world, events.TRAIN_LR: engine.get_lr()[0],
+                             events.TOKENS_PER_S: stats[1].item() / step_time, events.STEP_TIME_S: step_time,
+                             events.PEAK_MEM_MIB: max(mem.values()), **mem})
+        events.progress(done, steps)
+
+
+def finish(engine, tok, heldout: list, held_ids: list, spec: dict, stage: int, rank: int, timings: dict,
+           opening: dict) -> None:
+    """Score again, write the in-memory model's probe logits (and the LoRA config the converter merges with), then
+    the run's one result: `opening` (what start_step measured) and what this measures."""
+    ckpt_dir, dev, device = Path(spec["output"]), engine.device, spec["device"]
+    after, samples = evaluate(engine, tok, heldout, held_ids, spec, stage == 3)
+    ids, logits = probe_logits(engine.module, engine.module.config.vocab_size, dev)
+    final_tag = complete_tags(ckpt_dir)[-1][1]
+    if rank == 0:
+        probe.save_reference(ckpt_dir, ids, logits, source=f"deepspeed ZeRO-{stage} engine, {final_tag}")
+        if spec["lora"]["enabled"]:  # how the converter merges the adapters (r, lora_alpha, ...)
+            engine.module.peft_config["default"].save_pretrained(str(ckpt_dir))
+        events.result(events.FinetuneResult(
+            **opening, after=after, samples=samples, tag=final_tag, steps=spec["steps"], timings=timings,
+            peak_mem_mib=peak_memory_mib(device), peak_reserved_mib=peak_reserved_mib(device)))
+    dist.barrier()
+
+
+# ---- data ------------------------------------------------------------------------------------------------------------
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
@@ -112,7 +265,7 @@ def collate_packed(windows: list[list[tuple[list[int], list[int]]]], pad_id: int
     return {"input_ids": ids, "labels": labels, "position_ids": positions, "use_cache": False}, tokens
 
 
-# ---- model ---------------------------------------------------------------------------------------------------------
+# ---- model -----------------------------------------------------------------------------------------------------------
 def model_class(config):
     """The HF class named by config.json, imported here: importing it inside zero.Init (which patches
     torch.Tensor.__new__) breaks torch._dynamo's import with a signature mismatch."""
@@ -180,7 +333,7 @@ def param_groups(model, weight_decay: float) -> list[dict]:
                         {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
 
 
-# ---- evaluation ----------------------------------------------------------------------------------------------------
+# ---- evaluation ------------------------------------------------------------------------------------------------------
 @torch.no_grad()
 def heldout_exact_match(model, tok, rows: list[dict], max_new_tokens: int, synced: bool,
                         device) -> tuple[float, list]:
@@ -251,11 +404,13 @@ def probe_logits(model, vocab_size: int, device):
 def stop_if_not_finite(loss: float, rank: int, step: int, micro: int) -> None:
     """A diverged run stops here, before it can overwrite good checkpoints (and is not retried)."""
     if not math.isfinite(loss):
-        raise SystemExit(f"rank {rank}: non-finite loss {loss} at step {step} (micro-batch {micro}); lower the lr or "
-                         "check the data; not retried")
+        why = (f"rank {rank}: non-finite loss {loss} at step {step} (micro-batch {micro}); lower the lr or check the "
+               "data; not retried")
+        events.failure(events.EngineCause.NON_FINITE_LOSS, why)
+        raise SystemExit(why)
 
 
-# ---- checkpoints ---------------------------------------------------------------------------------------------------
+# ---- checkpoints -----------------------------------------------------------------------------------------------------
 def complete_tags(ckpt_dir: Path) -> list[tuple[int, str]]:
     """(step, tag) of every checkpoint whose save finished on all ranks, oldest first."""
     out = []
@@ -274,11 +429,11 @@ def save(engine, ckpt_dir: Path, step: int, keep: int, rank: int, facts: dict) -
     if rank == 0 and (ckpt_dir / tag).exists():
         shutil.rmtree(ckpt_dir / tag)  # an unfinished save of this step from an interrupted attempt
     dist.barrier()
-    with durable.disk_full_exits(ckpt_dir / tag, rank):
+    with events.disk_full_exits(ckpt_dir / tag, rank):
         engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"baton_step": step}, save_latest=False)
     dist.barrier()  # every rank's partitions are on disk: only now does the tag count
     if rank == 0:
-        with durable.disk_full_exits(ckpt_dir / tag, rank):
+        with events.disk_full_exits(ckpt_dir / tag, rank):
             durable.sync_tree(ckpt_dir / tag)
             sealed.seal(ckpt_dir / tag, COMPLETE, step=step, **facts)  # last: sizes and sha256 of what is on disk now
         write_atomic(ckpt_dir / "latest", tag)
@@ -326,8 +481,10 @@ def resume(engine, ckpt_dir: Path, rank: int, facts: dict) -> int:
         if saved.get(key) != facts[key]:
             raise SystemExit(f"cannot resume {ckpt_dir / tag}: saved with {key}={saved.get(key)}, "
                              f"this run has {key}={facts[key]} (start in a fresh work dir)")
-    if params_off_flat_buffers(engine):
-        client = load_with_params_on_nvme(engine, ckpt_dir, tag)
+    import deepspeed_compat  # beside this file (the script's folder is on sys.path)
+
+    if deepspeed_compat.params_off_flat_buffers(engine):
+        client = deepspeed_compat.load_with_params_on_nvme(engine, ckpt_dir, tag)
     else:
         _, client = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=True,
                                            load_lr_scheduler_states=True)
@@ -336,63 +493,7 @@ def resume(engine, ckpt_dir: Path, rank: int, facts: dict) -> int:
     return int(client["baton_step"])
 
 
-def params_off_flat_buffers(engine) -> bool:
-    """ZeRO-3 with offload_param nvme: sub-groups beyond max_in_cpu have no CPU flat buffer (None), their partitions
-    live in DeepSpeed's NVMe swapper. DeepSpeed 0.19.8's engine.load_checkpoint cannot load into those: stage3.py
-    _rigid_load_state_dict copies into fp16_partitioned_groups_flat[i].data with no None check (AttributeError), and
-    every other load path (load_module_only, load_optimizer_states=False) ends in _restore_from_bit16_weights, which
-    does the same."""
-    flats = getattr(engine.optimizer, "fp16_partitioned_groups_flat", None)
-    return bool(flats) and any(f is None for f in flats)
-
-
-# what engine._load_checkpoint keeps out of the client state it returns (DeepSpeed 0.19.8 engine.py)
-DS_STATES = {"module", "skipped_steps", "global_steps", "dp_world_size", "mp_world_size", "data_sampler", "random_ltd",
-             "lr_scheduler", "optimizer"}
-
-
-def load_with_params_on_nvme(engine, ckpt_dir: Path, tag: str) -> dict:
-    """The same state engine.load_checkpoint restores, loaded through DeepSpeed's own pieces so NVMe-resident
-    sub-groups work: lr scheduler, step counters, module buffers and the client state from this rank's
-    *_model_states.pt; its Adam state and fp32 master partitions from its *_optim_states.pt; then each sub-group's
-    parameters rewritten from the fp32 masters by _reassign_or_swap_out_partitioned_parameters, the call every
-    optimizer step ends with (a copy into the CPU flat buffer, or a write of the NVMe swap file)."""
-    opt = engine.optimizer
-    if opt.swap_optimizer:
-        raise SystemExit("resume with offload_optimizer nvme is not supported (refused before launch)")
-    folder = ckpt_dir / tag
-    model_sd = engine.checkpoint_engine.load(engine._get_ckpt_name(str(ckpt_dir), tag), map_location="cpu")
-    rank = dist.get_rank(group=opt.dp_process_group)
-    name = engine._get_rank_zero_ckpt_name(str(ckpt_dir), tag, engine.checkpoint_mp_rank, rank,
-                                           engine.bfloat16_enabled())
-    zero_sd = engine.checkpoint_engine.load(name, map_location="cpu")["optimizer_state_dict"]
-    opt.checkpoint_event_prologue()  # every parameter partitioned, as engine.load_checkpoint does first
-    engine.load_module_state_dict(checkpoint=model_sd, strict=True)  # buffers; ZeRO-3 parameters are placeholders
-    if engine.lr_scheduler is not None:
-        engine.lr_scheduler.load_state_dict(model_sd["lr_scheduler"])
-    engine.global_steps, engine.skipped_steps = model_sd["global_steps"], model_sd["skipped_steps"]
-    engine.global_samples = model_sd.get("global_samples", engine.global_steps * engine.train_batch_size())
-    engine.loaded_checkpoint_dp_world_size = model_sd["dp_world_size"]
-    engine.loaded_checkpoint_mp_world_size = model_sd["mp_world_size"]
-    opt.loss_scaler, opt.dynamic_loss_scale, opt.overflow = (zero_sd["loss_scaler"], zero_sd["dynamic_loss_scale"],
-                                                             zero_sd["overflow"])
-    opt._set_fp32_optimizer_param_groups()
-    opt.optimizer.load_state_dict(zero_sd["optimizer_state_dict"])
-    opt._clear_fp32_optimizer_param_groups()
-    saved = zero_sd["fp32_flat_groups"]
-    if len(saved) != len(opt.fp32_partitioned_groups_flat):
-        raise SystemExit(f"{folder}: {len(saved)} fp32 sub-groups saved, this run has "
-                         f"{len(opt.fp32_partitioned_groups_flat)}")
-    for i, fp32 in enumerate(saved):
-        opt.fp32_partitioned_groups_flat[i].data.copy_(fp32.data)
-        opt._reassign_or_swap_out_partitioned_parameters(i)
-    if opt.persistent_parameters:  # as load_state_dict does: re-partition, the epilogue gathers them again
-        opt.persistent_parameters[0].partition(opt.persistent_parameters)
-    opt.checkpoint_event_epilogue()
-    return {k: v for k, v in model_sd.items() if k not in DS_STATES}
-
-
-# ---- main ----------------------------------------------------------------------------------------------------------
+# ---- memory ----------------------------------------------------------------------------------------------------------
 def peak_memory_mib(device: str) -> float:
     if device == "cuda":
         return torch.cuda.max_memory_allocated() / 2**20
@@ -404,151 +505,6 @@ def peak_reserved_mib(device: str) -> float | None:
     return torch.cuda.max_memory_reserved() / 2**20 if device == "cuda" else None
 
 
-def init_process(spec: dict, timings: dict) -> tuple[int, int]:
-    t = time.time()
-    deepspeed.init_distributed(dist_backend="nccl" if spec["device"] == "cuda" else "gloo")
-    timings["init_distributed_s"] = time.time() - t
-    if spec["device"] == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    torch.manual_seed(spec["seed"])
-    return dist.get_rank(), dist.get_world_size()
-
-
-def load_data(spec: dict):
-    """The tokenizer, the encoded training examples (over-long ones dropped or truncated, counted), the held-out rows
-    and their encodings."""
-    input_dir, data_dir = Path(spec["input"]), Path(spec["data_dir"])
-    tok = AutoTokenizer.from_pretrained(str(input_dir))
-    if not tok.chat_template and spec.get("chat_template"):  # model.chat_template, for an input without one
-        tok.chat_template = Path(spec["chat_template"]).read_text(encoding="utf-8")
-    train_rows = read_jsonl(data_dir / "sft" / "train.jsonl")
-    heldout = read_jsonl(data_dir / "sft" / "heldout.jsonl")
-    train, length_counts = encode_rows(tok, train_rows, spec["max_seq_length"], spec["overlong"])
-    held_ids, _ = encode_rows(tok, heldout, spec["max_seq_length"], "truncate")
-    if not train:
-        raise SystemExit(f"no training example fits in max_seq_length {spec['max_seq_length']} "
-                         f"({length_counts['overlong_dropped']} dropped as over-long)")
-    if spec.get("packing"):  # a training sample is then a window of examples
-        windows = pack(train, spec["max_seq_length"])
-        length_counts.update(packed_windows=len(windows), packed_fill=round(
-            sum(len(x) for x, _ in train) / (len(windows) * spec["max_seq_length"]), 4))
-        train = windows
-    return tok, train, heldout, held_ids, length_counts
-
-
-def build_engine(spec: dict, ds_config: dict, stage: int, timings: dict):
-    t = time.time()
-    model = build_model(Path(spec["input"]), ds_config, zero3=stage == 3 and spec.get("zero_init", True))
-    if spec.get("activation_checkpointing"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if spec["lora"]["enabled"]:
-        model = add_lora(model, spec["lora"])
-    groups = param_groups(model, ds_config["optimizer"]["params"]["weight_decay"])
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config)
-    timings["model_and_engine_s"] = time.time() - t
-    return engine
-
-
-def train_steps(engine, tok, train: list, spec: dict, ds_config: dict, start: int, rank: int, world: int,
-                facts: dict) -> None:
-    """Steps start..steps: each rank's micro batches at their global sample positions; metrics; checkpoints."""
-    steps, mb, ga = spec["steps"], ds_config["train_micro_batch_size_per_gpu"], ds_config["gradient_accumulation_steps"]
-    ckpt_dir, dev, order_cache = Path(spec["output"]), engine.device, {}
-    engine.train()
-    for step in range(start, steps):
-        t0 = time.time()
-        loss_sum, tokens = 0.0, 0
-        for micro in range(ga):
-            position = ((step * ga + micro) * world + rank) * mb
-            picked = [train[i] for i in sample_ids(len(train), spec["seed"], position, mb, order_cache)]
-            if spec.get("packing"):
-                batch, real = collate_packed(picked, tok.pad_token_id, spec["max_seq_length"])
-            else:
-                batch, real = collate(picked, tok.pad_token_id)
-            tokens += real
-            loss = engine(**{k: v.to(dev) if torch.is_tensor(v) else v for k, v in batch.items()}).loss
-            engine.backward(loss)
-            engine.step()
-            stop_if_not_finite(loss.item(), rank, step + 1, micro)
-            loss_sum += loss.item()
-        done = step + 1
-        if done % spec["log_every"] == 0 or done == steps:
-            report_step(engine, done, steps, loss_sum / ga, tokens, time.time() - t0, spec["device"], rank, world)
-        if not spec.get("probe") and (done % spec["checkpoint_every"] == 0 or done == steps):
-            save(engine, ckpt_dir, done, spec["keep_checkpoints"], rank, facts)
-
-
-def report_step(engine, done: int, steps: int, loss: float, tokens: int, step_time: float, device: str, rank: int,
-                world: int) -> None:
-    stats = torch.zeros(2 + world, dtype=torch.float64)
-    stats[0], stats[1], stats[2 + rank] = loss, tokens, peak_memory_mib(device)
-    dist.all_reduce(stats)  # gloo has no AVG: sum, then divide
-    if rank == 0:
-        mem = {f"perf/rank{r}_peak_mem_mib": stats[2 + r].item() for r in range(world)}
-        events.metric(done, {events.TRAIN_LOSS: stats[0].item() / world, events.TRAIN_LR: engine.get_lr()[0],
-                             events.TOKENS_PER_S: stats[1].item() / step_time, events.STEP_TIME_S: step_time,
-                             events.PEAK_MEM_MIB: max(mem.values()), **mem})
-        events.progress(done, steps)
-
-
-def finish(engine, tok, heldout: list, held_ids: list, spec: dict, stage: int, rank: int, timings: dict) -> None:
-    """Score again, write the in-memory model's probe logits (and the LoRA config the converter merges with)."""
-    ckpt_dir, dev, device = Path(spec["output"]), engine.device, spec["device"]
-    after, samples = evaluate(engine, tok, heldout, held_ids, spec, stage == 3)
-    ids, logits = probe_logits(engine.module, engine.module.config.vocab_size, dev)
-    final_tag = complete_tags(ckpt_dir)[-1][1]
-    if rank == 0:
-        probe.save_reference(ckpt_dir, ids, logits, source=f"deepspeed ZeRO-{stage} engine, {final_tag}")
-        if spec["lora"]["enabled"]:  # how the converter merges the adapters (r, lora_alpha, ...)
-            engine.module.peft_config["default"].save_pretrained(str(ckpt_dir))
-        events.emit("result", after=after, samples=samples, tag=final_tag, steps=spec["steps"], timings=timings,
-                    peak_mem_mib=peak_memory_mib(device), peak_reserved_mib=peak_reserved_mib(device))
-    dist.barrier()
-
-
-def start_step(engine, tok, heldout: list, held_ids: list, spec: dict, facts: dict, rank: int, timings: dict,
-               counts: dict, n_train: int) -> int:
-    """Score the input, resume from the newest complete checkpoint, announce where training starts."""
-    stage, world = facts["zero_stage"], facts["world_size"]
-    t = time.time()
-    before, _ = evaluate(engine, tok, heldout, held_ids, spec, stage == 3)
-    timings["eval_before_s"] = time.time() - t
-    ckpt_dir = Path(spec["output"])
-    start = resume(engine, ckpt_dir, rank, facts)
-    if start > spec["steps"]:
-        raise SystemExit(f"{ckpt_dir}: the checkpoint at step {start} is past steps={spec['steps']} "
-                         "(start in a fresh work dir)")
-    if rank == 0:
-        print(f"rank 0: {n_train} training examples, {len(heldout)} held out; before {before}; {counts}; "
-              f"ZeRO-{stage}, {world} ranks, starting at step {start}; start-up "
-              + ", ".join(f"{k} {v:.1f}" for k, v in timings.items()), flush=True)
-        events.emit("result", before=before, resumed_from=start, train_examples=n_train, world_size=world,
-                    zero_stage=stage, **counts)
-    return start
-
-
-def main() -> None:
-    spec = events.read_spec()  # (and --local_rank, which the deepspeed launcher passes)
-    ds_config = json.loads(Path(spec["ds_config"]).read_text())
-    timings = {"imports_s": time.time() - T_START}
-    rank, world = init_process(spec, timings)
-    stage = ds_config["zero_optimization"]["stage"]
-    facts = {"world_size": world, "zero_stage": stage}
-    tok, train, heldout, held_ids, counts = load_data(spec)
-    engine = build_engine(spec, ds_config, stage, timings)
-    if spec.get("probe"):  # the batch finder: only the training steps; every rank's peak is in the metric events
-        train_steps(engine, tok, train, spec, ds_config, 0, rank, world, facts)
-        dist.barrier()
-        return
-    n_examples = sum(map(len, train)) if spec.get("packing") else len(train)
-    start = start_step(engine, tok, heldout, held_ids, spec, facts, rank, timings, counts, n_examples)
-    t_train = time.time()
-    train_steps(engine, tok, train, spec, ds_config, start, rank, world, facts)
-    if start >= spec["steps"] and rank == 0:
-        print(f"rank 0: checkpoint at step {start} already complete; nothing to train", flush=True)
-    timings["train_s"] = time.time() - t_train
-    finish(engine, tok, heldout, held_ids, spec, stage, rank, timings)
-
-
 if __name__ == "__main__":
-    main()
+    with events.causes_announced():
+        main()

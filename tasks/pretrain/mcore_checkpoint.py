@@ -20,6 +20,7 @@ from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from conversions import durable, sealed
 from conversions.manifest import Format
 from conversions.megatron import ARCH_KEY
+from tasks import events
 
 # Written last inside a checkpoint: what a resume needs to know without torch.
 STATE_FILE = sealed.MARKERS[Format.MEGATRON_DIST]
@@ -162,11 +163,11 @@ def save(root: Path, iteration: int, state: dict, info: dict, keep: int) -> Path
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    with durable.disk_full_exits(tmp, dist.get_rank()):
+    with events.disk_full_exits(tmp, dist.get_rank()):
         dist_checkpointing.save(state, str(tmp))
     dist.barrier()
     if dist.get_rank() == 0:
-        with durable.disk_full_exits(tmp, dist.get_rank()):
+        with events.disk_full_exits(tmp, dist.get_rank()):
             durable.sync_tree(tmp)
             sealed.seal(tmp, STATE_FILE, iteration=iteration, **info)  # last: the checkpoint exists from here
         if final.exists():

@@ -3,11 +3,14 @@
 Megatron-Core assumes CUDA in a few places that matter on CPU: `torch.cuda.current_device()` for placing tensors,
 `device="cuda"` / `.cuda()` in buffers and reductions, `Tensor.type() == "torch.cuda.FloatTensor"` assertions in
 gradient clipping, and the CUDA RNG tracker that is forked on every tensor-parallel layer (even with dropout 0).
-Each is pointed at the CPU here, and nothing else is changed.
+Each is pointed at the CPU here, and nothing else is changed. Read against megatron-core 0.16.1 (the `main` runtime's
+version): an upgrade re-checks these places first.
 """
 from __future__ import annotations
 
 import os
+
+MEGATRON_CORE_VERSION = "0.16.1"  # what the patched places were read against
 
 _applied = False
 

@@ -110,7 +110,7 @@ def command(ctx: StageContext, cfg: PretrainConfig, spec_path: Path) -> list[str
         raise PretrainInputError(f"pretrain: {e}") from None
 
 
-def package(ctx: StageContext, cfg: PretrainConfig, spec: dict, r: dict) -> Path:
+def package(ctx: StageContext, cfg: PretrainConfig, spec: dict, r: events.PretrainResult) -> Path:
     """checkpoint.partial (dist checkpoint + probe logits, from the worker) + tokenizer + manifest → checkpoint."""
     partial, out = ctx.work_dir / "checkpoint.partial", ctx.work_dir / "checkpoint"
     folder.copy_tree(ctx.data_dir / "tokenizer", partial / "tokenizer")
@@ -119,10 +119,10 @@ def package(ctx: StageContext, cfg: PretrainConfig, spec: dict, r: dict) -> Path
     data_m = mf.read(ctx.data_dir)
     m = mf.build(
         partial, format=Format.MEGATRON_DIST, stage=ctx.stage, architecture=arch,
-        engine={"name": "megatron-core", "layer_spec": r.get("layer_spec"), **mf.engine_versions("megatron-core", "torch")},
-        parameter_count=r.get("parameters"), dtype=cfg.torch_dtype(),
+        engine={"name": "megatron-core", "layer_spec": r.layer_spec, **mf.engine_versions("megatron-core", "torch")},
+        parameter_count=r.parameters, dtype=cfg.torch_dtype(),
         parent=mf.parent_ref(ctx.input) if ctx.input is not None else None,
-        extra={"layout": r.get("layout"), "iteration": r.get("iteration"), "consumed_samples": r.get("consumed_samples"),
+        extra={"layout": r.layout, "iteration": r.iteration, "consumed_samples": r.consumed_samples,
                "sharded_backend": "torch_dist", "optimizer_state": True,
                "distributed_optimizer": cfg.distributed_optimizer, "seq_length": spec["seq_length"],
                "data_digest": mf.digest_of(data_m) if data_m else None},
@@ -135,19 +135,18 @@ def package(ctx: StageContext, cfg: PretrainConfig, spec: dict, r: dict) -> Path
     return out
 
 
-def gate(out: Path, r: dict, dtype: str = "float32") -> dict:
+def gate(out: Path, r: events.PretrainResult, dtype: str = "float32") -> dict:
     checks = verify.integrity(out)
-    p, l = r.get("reload_param_max_abs_diff"), r.get("reload_logits_max_abs_diff")
+    p, l = r.reload_param_max_abs_diff, r.reload_logits_max_abs_diff
     exact = p == 0.0 and l == 0.0
     checks.append(verify.check("L1.reload", exact, f"fresh model loaded from the dist checkpoint: max |Δparam| {p}, "
                                                   f"max |Δprobe logit| {l} (must be exactly 0)"))
-    if r.get("input_parity"):  # the input's own probe logits, reproduced by the loaded Megatron model
-        ip = r["input_parity"]
+    if ip := r.input_parity:  # the input's own probe logits, reproduced by the loaded Megatron model
         lim = probe.THRESHOLDS[dtype]
-        ok = ip["max_abs_diff"] <= lim["max_abs_diff"] and ip["top1_agreement"] >= lim["top1_agreement"]
-        checks.append(verify.check("L2.input_parity", ok, f"input loaded into Megatron vs {ip['reference']}: max "
-                                   f"|Δlogit| {ip['max_abs_diff']:.3g} (≤ {lim['max_abs_diff']:g}), top-1 agreement "
-                                   f"{ip['top1_agreement']:.3f} [{dtype}]"))
+        ok = ip.max_abs_diff <= lim["max_abs_diff"] and ip.top1_agreement >= lim["top1_agreement"]
+        checks.append(verify.check("L2.input_parity", ok, f"input loaded into Megatron vs {ip.reference}: max "
+                                   f"|Δlogit| {ip.max_abs_diff:.3g} (≤ {lim['max_abs_diff']:g}), top-1 agreement "
+                                   f"{ip.top1_agreement:.3f} [{dtype}]"))
     checks.append(verify.check("probe_logits", (out / "probe_logits.safetensors").exists(),
                                "engine logits on the probe batch for the conversion's L2 parity"))
     return verify.report(checks)
@@ -178,24 +177,23 @@ def run_pretrain(ctx: StageContext, cfg: PretrainConfig) -> StageOutput:
     spec_path = events.write_spec(ctx.work_dir / "worker_spec.json", spec)
     res = ctx.launch(command(ctx, cfg, spec_path), name="pretrain", timeout=cfg.timeout_s,
                      env=engine_env(spec["device"]))
-    r = res.results()
+    r = res.result(events.PretrainResult)
     out = package(ctx, cfg, spec, r)
     train = [e for e in res.metrics() if events.TRAIN_LOSS in e]
-    before, after = r.get("heldout_before"), r.get("heldout_after")
+    before, after = r.heldout_before, r.heldout_after
     return StageOutput(
         output=out, engine="megatron-core",
         backend=backend(cfg, spec["device"]),
         gate=gate(out, r, cfg.torch_dtype()),
-        metrics={"loss_first": r.get("loss_first"), "loss_last": train[-1][events.TRAIN_LOSS] if train else None,
+        metrics={"loss_first": r.loss_first, "loss_last": train[-1][events.TRAIN_LOSS] if train else None,
                  "heldout_loss": after[1] if after else None, "heldout_ppl": after[2] if after else None,
                  "tokens_per_s": _median([e[events.TOKENS_PER_S] for e in train]),
-                 "mfu": _median([e[events.MFU] for e in train]), "peak_tflops_per_rank": r.get("peak_tflops_per_rank"),
-                 "train_time_s": r.get("train_time_s"), "iteration": r.get("iteration"),
-                 "resumed_from_step": r.get("resumed_from"),
-                 **{k: v for k, v in r.items() if k.endswith("_mib")}},
+                 "mfu": _median([e[events.MFU] for e in train]), "peak_tflops_per_rank": r.peak_tflops_per_rank,
+                 "train_time_s": r.train_time_s, "iteration": r.iteration, "resumed_from_step": r.resumed_from,
+                 **r.memory},
         eval={"metric": "heldout_ppl", "before": before[2] if before else None, "after": after[2] if after else None},
-        extra={"layout": r.get("layout"), "padded_vocab_size": spec["padded_vocab_size"], "fp8": cfg.fp8,
-               "peak_tflops_source": r.get("peak_tflops_source"),
+        extra={"layout": r.layout, "padded_vocab_size": spec["padded_vocab_size"], "fp8": cfg.fp8,
+               "peak_tflops_source": r.peak_tflops_source,
                **({"input_rewritten": f"{ctx.input}: not sealed by this BATON_HOME ({rewritten}); Megatron loaded "
                                       f"baton's rewrite of its weights, {spec['input']}"} if rewritten else {})},
     )

@@ -141,6 +141,7 @@ class Run:
 
         ckpt.clean_partials(self.ckpt_root)
         state = {"loss_first": None, "heldout": [], "train_time_s": 0.0}
+        self.opening = {"resumed_from": 0, "parameters": int(n_params), "layer_spec": impl, "input_parity": None}
         start = 0
         last = ckpt.latest(self.ckpt_root)
         if last is not None:
@@ -153,7 +154,9 @@ class Run:
             self.optimizer.reload_model_params()
             self.log(f"initialised from the weights of {self.spec['input']}")
             self.check_input_parity(Path(self.spec["input"]))
-        self.events().emit("result", resumed_from=start, parameters=int(n_params), layer_spec=impl)
+        self.opening["resumed_from"] = start
+        if self.rank == 0:
+            self.events().started(start)
         return start, state
 
     def train(self, start: int, state: dict) -> tuple[float, str]:
@@ -251,7 +254,9 @@ class Run:
                                 self.spec["seq_length"], self.cfg["micro_batch_size"], forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:
-            raise RuntimeError(f"optimizer step {it + 1} failed (non-finite gradients)")
+            why = f"rank {self.rank}: optimizer step {it + 1} failed (non-finite gradients); not retried"
+            self.events().failure(self.events().EngineCause.NON_FINITE_LOSS, why)
+            raise RuntimeError(why)
         self.scheduler.step(increment=1)
         return self.reduce_loss(reduced), float(grad_norm or 0.0)
 
@@ -336,9 +341,7 @@ class Run:
             diff, agree = res["max_abs_diff"], res["top1_agreement"]
         diff, agree = self.to_rank0([diff, agree], owner)
         self.log(f"input parity vs {ref}: max |Δlogit| {diff:.3g}, top-1 agreement {agree:.3f}")
-        if self.rank == 0:
-            self.events().emit("result", input_parity={"max_abs_diff": diff, "top1_agreement": agree,
-                                                       "reference": str(ref)})
+        self.opening["input_parity"] = {"max_abs_diff": diff, "top1_agreement": agree, "reference": str(ref)}
 
     def finish(self, steps: int, state: dict, peak: float, peak_src: str) -> None:
         import torch
@@ -383,13 +386,14 @@ class Run:
         memory = self.memory_peaks()
         self.log(f"L1 reload of {final.name}: max |Δparam| {param_diff:g}, max |Δlogit| {logit_diff:g}")
         if self.rank == 0:
-            self.events().emit(
-                "result", iteration=steps, checkpoint=str(final), output=str(out),
+            ev = self.events()
+            ev.result(ev.PretrainResult(
+                **self.opening, iteration=steps, checkpoint=str(final), output=str(out),
                 padded_vocab_size=self.padded_vocab, layout=ckpt.layout(), reload_param_max_abs_diff=param_diff,
                 reload_logits_max_abs_diff=logit_diff, loss_first=state["loss_first"],
                 heldout_before=heldout[0] if heldout else None, heldout_after=heldout[-1] if heldout else None,
                 train_time_s=state["train_time_s"], peak_tflops_per_rank=peak, peak_tflops_source=peak_src,
-                consumed_samples=steps * self.cfg["global_batch_size"], **memory)
+                consumed_samples=steps * self.cfg["global_batch_size"], memory=memory))
         dist.barrier()
         dist.destroy_process_group()
 
@@ -403,8 +407,9 @@ class Run:
             self.log(f"probe step {it + 1}: loss {loss:.4f}")
         memory = self.memory_peaks()
         if self.rank == 0:
-            self.events().emit("result", probe_steps=self.cfg["steps"], micro_batch_size=self.cfg["micro_batch_size"],
-                               **memory)
+            ev = self.events()
+            ev.result(ev.PretrainProbeResult(probe_steps=self.cfg["steps"],
+                                             micro_batch_size=self.cfg["micro_batch_size"], memory=memory))
         dist.barrier()
         dist.destroy_process_group()
 
@@ -441,4 +446,7 @@ class Run:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from tasks import events
+
+    with events.causes_announced():
+        sys.exit(main())

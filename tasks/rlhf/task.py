@@ -87,25 +87,23 @@ def _series(res, name: str) -> list[float]:
     return [e[name] for e in res.metrics() if isinstance(e.get(name), (int, float))]
 
 
-def gate_eval(cfg: RlhfConfig, ctx: StageContext, facts: dict, out: Path) -> tuple[dict, dict]:
+def gate_eval(cfg: RlhfConfig, ctx: StageContext, facts: events.RlhfResult, out: Path) -> tuple[dict, dict]:
     """(summary eval entry, gate check) for the configured metric: held-out loss on the chosen replies, an lm-eval
     task on the input and the output policy `out`, or held-out preference accuracy (reward models have no loss:
     always their accuracy)."""
     metric = gates.resolve_metric(cfg.gate, ctx.data_dir, "preference", "preference_accuracy")
     if cfg.rewards and metric != "lm_eval":
-        ev = {"metric": "heldout_reward", **{k: facts.get(k) for k in (
-            "before", "after", "solved_before", "solved_after", "heldout_prompts")}}
+        ev = {"metric": "heldout_reward", **facts.model_dump(include={
+            "before", "after", "solved_before", "solved_after", "heldout_prompts"})}
         return ev, gates.check("heldout_reward", ev["before"], ev["after"], cfg.gate.min_improvement)
     if metric == "lm_eval" and cfg.algorithm != "rm":
         ev = gates.run_lm_eval(ctx, cfg.gate, out, cfg.resolved_device(), cfg.timeout_s)
         return ev, gates.lm_eval_check(ev, cfg.gate.min_improvement)
     if metric == "heldout_loss" and cfg.algorithm != "rm":
-        ev = {"metric": "heldout_loss", "before": facts.get("heldout_loss_before"),
-              "after": facts.get("heldout_loss_after")}
+        ev = {"metric": "heldout_loss", "before": facts.heldout_loss_before, "after": facts.heldout_loss_after}
     else:
         metric = "preference_accuracy"
-        ev = {"metric": facts.get("metric", "heldout_pref_accuracy"), "before": facts.get("before"),
-              "after": facts.get("after")}
+        ev = {"metric": facts.metric, "before": facts.before, "after": facts.after}
     return ev, gates.check(metric, ev["before"], ev["after"], cfg.gate.min_improvement, name=ev["metric"])
 
 
@@ -215,19 +213,17 @@ def run_trl(ctx: StageContext, cfg: RlhfConfig) -> StageOutput:
     # TRL's checkpoints outlive a failed attempt (the next one resumes from them), not a finished one
     shutil.rmtree(work / f"{partial.name}.trl", ignore_errors=True)
     partial.rename(trained)
-    facts = res.results()
+    facts = res.result(events.RlhfResult)
     if cfg.algorithm == "rm":
         pass_through_policy(Path(ctx.input), out, trained, ctx.stage, backend="trl", template=template)
     margins = _series(res, "train/rewards_margins") or _series(res, "train/margin") or _series(res, "train/reward")
-    metrics = {k: facts.get(k) for k in ("heldout_kl_to_reference", "train_pairs", "heldout_pairs",
-                                         "overlong_dropped", "overlong_truncated", "heldout_loss_before",
-                                         "heldout_loss_after", "train_prompts", "heldout_prompts")}
-    metrics["wall_s"] = facts.get("seconds")
-    metrics["peak_mem_mib"] = facts.get("peak_mem_mib")
-    metrics["resumed_from_step"] = facts.get("resumed_from")
-    metrics.update({f"{facts.get('metric')}_{k}": facts.get(k) for k in ("before", "after")})
+    metrics = facts.model_dump(include={"heldout_kl_to_reference", "train_pairs", "heldout_pairs", "overlong_dropped",
+                                        "overlong_truncated", "heldout_loss_before", "heldout_loss_after",
+                                        "train_prompts", "heldout_prompts"})
+    metrics.update(wall_s=facts.seconds, peak_mem_mib=facts.peak_mem_mib, resumed_from_step=facts.resumed_from)
+    metrics.update({f"{facts.metric}_before": facts.before, f"{facts.metric}_after": facts.after})
     if cfg.rewards:
-        metrics.update(heldout_solved_before=facts.get("solved_before"), heldout_solved_after=facts.get("solved_after"))
+        metrics.update(heldout_solved_before=facts.solved_before, heldout_solved_after=facts.solved_after)
     ev, eval_check = gate_eval(cfg, ctx, facts, out)
     metrics.update(gates.lm_eval_metrics(ev))
     if margins:
@@ -304,11 +300,11 @@ def run_nemo_rl(ctx: StageContext, cfg: RlhfConfig) -> StageOutput:
     # held-out accuracy of input and output, measured the same way as for TRL (the worker's evaluation only)
     res = ctx.launch(worker_command(ctx, cfg, trained, template, evaluate=True), name="rlhf-eval",
                      timeout=cfg.timeout_s)
-    facts = res.results()
+    facts = res.result(events.RlhfResult)
     ev, eval_check = gate_eval(cfg, ctx, facts, trained)
-    metrics = {"heldout_kl_to_reference": facts.get("heldout_kl_to_reference")}
+    metrics = {"heldout_kl_to_reference": facts.heldout_kl_to_reference}
     if cfg.rewards:
-        metrics.update(heldout_solved_before=facts.get("solved_before"), heldout_solved_after=facts.get("solved_after"))
+        metrics.update(heldout_solved_before=facts.solved_before, heldout_solved_after=facts.solved_after)
     return StageOutput(output=out, engine="nemo-rl", backend="nemo_rl",
                        gate=gate(cfg.algorithm, out, trained, Path(ctx.input), eval_check), metrics=metrics, eval=ev,
                        extra={"algorithm": cfg.algorithm, "nemo_rl_config": str(path), "command": launch.cmd})

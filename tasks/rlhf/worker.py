@@ -1,7 +1,7 @@
 """TRL preference optimisation of an HF checkpoint: DPO, a reward model, or GRPO. Launched by tasks/rlhf/task.py:
 
-    python worker.py --input HF_DIR --data DATA_DIR --output OUT_DIR --algorithm dpo --steps 60 ...
-    python -m torch.distributed.run --nproc_per_node 2 worker.py ...      (2 CPU processes, gloo)
+    python worker.py --spec <work_dir>/rlhf_spec.json
+    python -m torch.distributed.run --nproc_per_node 2 worker.py --spec ...      (2 CPU processes, gloo)
 
 The recipe, top to bottom: read the preference pairs and chat-format them with the checkpoint's own template; measure
 held-out preference accuracy of the input model; train with TRL (metrics streamed as events); save an HF folder with
@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from conversions import chat, durable, hf, manifest as mf, rewards as rw, sealed
+from conversions import chat, hf, manifest as mf, rewards as rw, sealed
 from conversions.manifest import Format
 from tasks import events
 
@@ -34,6 +34,141 @@ TRL_NAMES = {"loss": events.TRAIN_LOSS, "learning_rate": events.TRAIN_LR, "grad_
              "step_time": events.STEP_TIME_S}
 
 
+# ---- main: the recipe; the phases follow in the order it runs them ---------------------------------------------------
+def main(argv=None) -> None:
+    a = parse_args(argv)
+    from transformers import set_seed
+
+    set_seed(a.seed)
+    t0 = time.time()
+    tok = load_tokenizer(a)
+    if a.evaluate:  # an output another engine wrote (NeMo-RL): measure it the same way
+        events.result(events.RlhfResult(**evaluate_only(a, tok), algorithm=a.algorithm))
+        return
+    if a.dataset == "prompts":
+        recipe = prompts_recipe(a, tok)
+    else:
+        recipe = preference_recipe(a, tok, format_pairs(tok, read_jsonl(a.data / "preference" / "heldout.jsonl")))
+
+    before = None
+    if RANK == 0:
+        before = recipe.measure_before()
+        events.metric(0, eval_metrics(before))
+    trainer, resumed_from = train(a, recipe)
+    if RANK == 0:
+        save_and_measure(a, recipe, trainer, before, resumed_from, t0)
+    trainer.accelerator.wait_for_everyone()
+
+
+SPEC_PATHS = ("input", "data", "output", "reference_model", "chat_template")
+SPEC_KEYS = ("input", "data", "output", "algorithm", "steps", "micro_batch_size", "gradient_accumulation_steps", "lr",
+             "lr_schedule", "warmup_steps", "grad_clip", "weight_decay", "precision", "beta", "max_seq_length",
+             "overlong", "sft_weight", "reference", "reference_model", "num_generations", "max_completion_length", "seed",
+             "dataloader_workers", "checkpoint_every", "keep_checkpoints", "stage", "chat_template", "evaluate",
+             "dataset", "rewards", "clip_epsilon", "clip_epsilon_high", "loss_type", "scale_rewards")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The spec tasks/rlhf/task.py wrote from the rlhf config (every key given: no default lives here)."""
+    spec = events.read_spec(argv, required=SPEC_KEYS)
+    return argparse.Namespace(**{k: Path(v) if k in SPEC_PATHS and v is not None else v for k, v in spec.items()})
+
+
+def load_tokenizer(a: argparse.Namespace):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(a.input))
+    if not tok.chat_template and a.chat_template:
+        tok.chat_template = a.chat_template.read_text(encoding="utf-8")
+    if not tok.chat_template:
+        raise SystemExit(f"{a.input}: the tokenizer has no chat template; preference prompts cannot be formatted")
+    return tok
+
+
+def train(a: argparse.Namespace, recipe: Recipe):
+    """TRL's trainer on the recipe, resumed from the newest complete checkpoint of an earlier attempt. Returns the
+    trainer and the step it resumed from (0: a fresh start)."""
+    from transformers import PrinterCallback
+
+    work = a.output.parent / (a.output.name + ".trl")
+    resume = newest_complete(work) if a.checkpoint_every > 0 else None
+    trainer = recipe.make_trainer(work)
+    trainer.remove_callback(PrinterCallback)  # our callback streams the same logs as events
+    trainer.add_callback(checkpoint_callback(a.keep_checkpoints))
+    resumed_from = _step_of(resume) if resume else 0
+    if RANK == 0:
+        events.started(resumed_from)
+    train_naming_a_full_disk(trainer, work, resume)
+    trainer.accelerator.wait_for_everyone()
+    return trainer, resumed_from
+
+
+def save_and_measure(a: argparse.Namespace, recipe: Recipe, trainer, before: dict, resumed_from: int,
+                     t0: float) -> None:
+    """Rank 0: the trained model as an HF folder with the input's tokenizer, measured as the input was; its manifest
+    and the run's one result."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    a.output.mkdir(parents=True, exist_ok=True)
+    with events.disk_full_exits(a.output, RANK):
+        model.save_pretrained(str(a.output), safe_serialization=True)
+        hf.copy_tokenizer(a.input, a.output, chat_template=a.chat_template)
+    seconds = round(time.time() - t0, 2)
+    facts = {**recipe.evaluate(before), **recipe.facts, "seconds": seconds,
+             "peak_mem_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # rank 0's peak RSS
+    final = {facts["metric"]: facts["after"]}
+    for key, name in FINAL_FACTS.items():
+        if key in facts:
+            final[name] = facts[key]
+    events.metric(trainer.state.global_step, eval_metrics(final))
+    write_manifest(a, a.output, {"eval": facts})
+    events.result(events.RlhfResult(**facts, algorithm=a.algorithm, backend="trl", resumed_from=resumed_from,
+                                     steps=trainer.state.global_step))
+
+
+@dataclass
+class Recipe:
+    """What one run trains on and how it is measured: preference pairs (dpo, rm, grpo's preference reward) or prompts
+    with answers (grpo with rlhf.rewards)."""
+
+    make_trainer: Callable          # (work folder) → the TRL trainer
+    measure_before: Callable        # () → the input's held-out facts
+    evaluate: Callable              # (before) → the summary's eval facts, input and saved output
+    facts: dict                     # about the training rows
+
+
+def preference_recipe(a, tok, held_pairs: list[dict]) -> Recipe:
+    train_pairs, overlong = drop_overlong(tok, format_pairs(tok, read_jsonl(a.data / "preference" / "train.jsonl")),
+                                          a.max_seq_length, a.overlong)
+    if not train_pairs:
+        raise SystemExit(f"no preference pair fits in --max-seq-length {a.max_seq_length} ({overlong} over-long)")
+    return Recipe(make_trainer=lambda work: TRAINERS[a.algorithm](a, tok, trl_pairs(tok, train_pairs), work),
+                  measure_before=lambda: before_facts(a, tok, held_pairs),
+                  evaluate=lambda before: evaluate(a, tok, held_pairs, before),
+                  facts={"train_pairs": len(train_pairs),
+                         ("overlong_dropped" if a.overlong == "drop" else "overlong_truncated"): overlong})
+
+
+def prompts_recipe(a, tok) -> Recipe:
+    train = format_prompts(tok, read_jsonl(a.data / "prompts" / "train.jsonl"), "train")
+    held = format_prompts(tok, read_jsonl(a.data / "prompts" / "heldout.jsonl"), "heldout")
+    return Recipe(make_trainer=lambda work: train_grpo_rewards(a, tok, train, work),
+                  measure_before=lambda: rewards_before(a, tok, held),
+                  evaluate=lambda before: evaluate_rewards(a, tok, held, before), facts={"train_prompts": len(train)})
+
+
+def evaluate_only(a, tok) -> dict:
+    """The held-out facts of the input and of the output in --output, trained elsewhere."""
+    if a.dataset == "prompts":
+        held = format_prompts(tok, read_jsonl(a.data / "prompts" / "heldout.jsonl"), "heldout")
+        return evaluate_rewards(a, tok, held, rewards_before(a, tok, held))
+    return evaluate(a, tok, format_pairs(tok, read_jsonl(a.data / "preference" / "heldout.jsonl")))
+
+
+FINAL_FACTS = {"heldout_kl_to_reference": "heldout_kl_to_reference", "heldout_loss_after": "heldout_loss",
+               "solved_after": "heldout_solved"}  # summary fact → its eval/ metric at the last step
+
+
+# ---- TRL's logs as baton's metrics -----------------------------------------------------------------------------------
 def trl_metric_name(trl_key: str) -> str:
     """TRL's log key as a baton metric name: the shared ones by name, the rest under train/ ('rewards/margins' →
     'train/rewards_margins')."""
@@ -57,20 +192,6 @@ def trl_metrics(logs: dict) -> dict:
 def eval_metrics(facts: dict) -> dict:
     """Held-out facts (heldout_loss, heldout_pref_accuracy, ...) as eval/ metrics."""
     return {f"eval/{k}": v for k, v in facts.items()}
-
-
-SPEC_PATHS = ("input", "data", "output", "reference_model", "chat_template")
-SPEC_KEYS = ("input", "data", "output", "algorithm", "steps", "micro_batch_size", "gradient_accumulation_steps", "lr",
-             "lr_schedule", "warmup_steps", "grad_clip", "weight_decay", "precision", "beta", "max_seq_length",
-             "overlong", "sft_weight", "reference", "reference_model", "num_generations", "max_completion_length", "seed",
-             "dataloader_workers", "checkpoint_every", "keep_checkpoints", "stage", "chat_template", "evaluate",
-             "dataset", "rewards", "clip_epsilon", "clip_epsilon_high", "loss_type", "scale_rewards")
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    """The spec tasks/rlhf/task.py wrote from the rlhf config (every key given: no default lives here)."""
-    spec = events.read_spec(argv, required=SPEC_KEYS)
-    return argparse.Namespace(**{k: Path(v) if k in SPEC_PATHS and v is not None else v for k, v in spec.items()})
 
 
 # ---- data: the checkpoint's chat template around each prompt; completions end with its EOS ------------------------
@@ -313,7 +434,7 @@ def train_naming_a_full_disk(trainer, work: Path, resume: Path | None) -> None:
         saving = work / f"checkpoint-{trainer.state.global_step}"
         if is_complete(saving):  # not inside a save
             raise
-        with durable.disk_full_exits(saving, RANK):
+        with events.disk_full_exits(saving, RANK):
             raise
 
 
@@ -532,101 +653,6 @@ def _printed(facts: dict) -> dict:
     return facts
 
 
-@dataclass
-class Recipe:
-    """What one run trains on and how it is measured: preference pairs (dpo, rm, grpo's preference reward) or prompts
-    with answers (grpo with rlhf.rewards)."""
-
-    make_trainer: Callable          # (work folder) → the TRL trainer
-    measure_before: Callable        # () → the input's held-out facts
-    evaluate: Callable              # (before) → the summary's eval facts, input and saved output
-    facts: dict                     # about the training rows
-
-
-def preference_recipe(a, tok, held_pairs: list[dict]) -> Recipe:
-    train_pairs, overlong = drop_overlong(tok, format_pairs(tok, read_jsonl(a.data / "preference" / "train.jsonl")),
-                                          a.max_seq_length, a.overlong)
-    if not train_pairs:
-        raise SystemExit(f"no preference pair fits in --max-seq-length {a.max_seq_length} ({overlong} over-long)")
-    return Recipe(make_trainer=lambda work: TRAINERS[a.algorithm](a, tok, trl_pairs(tok, train_pairs), work),
-                  measure_before=lambda: before_facts(a, tok, held_pairs),
-                  evaluate=lambda before: evaluate(a, tok, held_pairs, before),
-                  facts={"train_pairs": len(train_pairs),
-                         ("overlong_dropped" if a.overlong == "drop" else "overlong_truncated"): overlong})
-
-
-def prompts_recipe(a, tok) -> Recipe:
-    train = format_prompts(tok, read_jsonl(a.data / "prompts" / "train.jsonl"), "train")
-    held = format_prompts(tok, read_jsonl(a.data / "prompts" / "heldout.jsonl"), "heldout")
-    return Recipe(make_trainer=lambda work: train_grpo_rewards(a, tok, train, work),
-                  measure_before=lambda: rewards_before(a, tok, held),
-                  evaluate=lambda before: evaluate_rewards(a, tok, held, before), facts={"train_prompts": len(train)})
-
-
-def evaluate_only(a, tok) -> dict:
-    """The held-out facts of the input and of the output in --output, trained elsewhere."""
-    if a.dataset == "prompts":
-        held = format_prompts(tok, read_jsonl(a.data / "prompts" / "heldout.jsonl"), "heldout")
-        return evaluate_rewards(a, tok, held, rewards_before(a, tok, held))
-    return evaluate(a, tok, format_pairs(tok, read_jsonl(a.data / "preference" / "heldout.jsonl")))
-
-
-FINAL_FACTS = {"heldout_kl_to_reference": "heldout_kl_to_reference", "heldout_loss_after": "heldout_loss",
-               "solved_after": "heldout_solved"}  # summary fact → its eval/ metric at the last step
-
-
-def main(argv=None) -> None:
-    a = parse_args(argv)
-    from transformers import AutoTokenizer, PrinterCallback, set_seed
-
-    set_seed(a.seed)
-    t0 = time.time()
-    tok = AutoTokenizer.from_pretrained(str(a.input))
-    if not tok.chat_template and a.chat_template:
-        tok.chat_template = a.chat_template.read_text(encoding="utf-8")
-    if not tok.chat_template:
-        raise SystemExit(f"{a.input}: the tokenizer has no chat template; preference prompts cannot be formatted")
-    if a.evaluate:  # an output another engine wrote (NeMo-RL): measure it the same way
-        events.emit("result", **evaluate_only(a, tok), algorithm=a.algorithm)
-        return
-    if a.dataset == "prompts":
-        recipe = prompts_recipe(a, tok)
-    else:
-        recipe = preference_recipe(a, tok, format_pairs(tok, read_jsonl(a.data / "preference" / "heldout.jsonl")))
-
-    before = None
-    if RANK == 0:
-        before = recipe.measure_before()
-        events.metric(0, eval_metrics(before))
-
-    work = a.output.parent / (a.output.name + ".trl")
-    resume = newest_complete(work) if a.checkpoint_every > 0 else None
-    trainer = recipe.make_trainer(work)
-    trainer.remove_callback(PrinterCallback)  # our callback streams the same logs as events
-    trainer.add_callback(checkpoint_callback(a.keep_checkpoints))
-    if RANK == 0:
-        events.emit("result", resumed_from=_step_of(resume) if resume else 0)
-    train_naming_a_full_disk(trainer, work, resume)
-    trainer.accelerator.wait_for_everyone()
-
-    if RANK == 0:
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        a.output.mkdir(parents=True, exist_ok=True)
-        with durable.disk_full_exits(a.output, RANK):
-            model.save_pretrained(str(a.output), safe_serialization=True)
-            hf.copy_tokenizer(a.input, a.output, chat_template=a.chat_template)
-        seconds = round(time.time() - t0, 2)
-        facts = {**recipe.evaluate(before), **recipe.facts, "seconds": seconds,
-                 "peak_mem_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # rank 0's peak RSS
-        final = {facts["metric"]: facts["after"]}
-        for key, name in FINAL_FACTS.items():
-            if key in facts:
-                final[name] = facts[key]
-        events.metric(trainer.state.global_step, eval_metrics(final))
-        write_manifest(a, a.output, {"eval": facts})
-        events.emit("result", **facts, algorithm=a.algorithm, backend="trl", steps=trainer.state.global_step)
-    trainer.accelerator.wait_for_everyone()
-
-
 if __name__ == "__main__":
-    main()
+    with events.causes_announced():
+        main()
