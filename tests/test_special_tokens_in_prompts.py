@@ -282,7 +282,7 @@ def test_template_markers_are_special_tokens_not_the_newlines_gemma_adds_as_toke
     vocab = {w: i for i, w in enumerate(["<pad>", "<eos>", "<bos>", "<unk>", "fruit", "apple"])}
     tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")),
                                   bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
-    tok.add_tokens([AddedToken("\n", special=False, normalized=False), AddedToken("\n\n", special=False, normalized=False)])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("\n", "\n\n")])
     tok.add_special_tokens({"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]})
     tok.chat_template = GEMMA_TURNS
     assert "\n" in {t.content for t in tok.added_tokens_decoder.values()}  # the case: a plain added token
