@@ -211,7 +211,8 @@ def gemma(tmp_path_factory, gemma_gguf) -> Path:
 
 
 @GEMMA_GROUP
-@pytest.mark.timeout(600)  # the import (the gguf reader walks 262,144 token strings once per transformers call)
+@pytest.mark.timeout(900)  # the import: ~180 s, 511 s measured at load 10 (the gguf reader walks 262,144 token
+# strings each time transformers opens the file)
 def test_gemma_keeps_its_published_architecture_and_has_no_chat_template(gemma):
     """Gemma 3 270M's published config (google/gemma-3-270m): the GGUF header carries only part of it (no layer
     pattern, no local rope base, no query scaling); what it lacks must still come out as the model was trained."""
