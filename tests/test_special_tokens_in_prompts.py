@@ -262,3 +262,28 @@ def test_the_sampling_defaults_line_read_from_the_server_log_is_the_engines_own(
     fields = source(fields_in)
     for field in smoke.DEFAULT_FIELDS[engine]:
         assert f'"{field}"' in fields, field
+
+
+GEMMA_TURNS = ("{{ bos_token }}{% for m in messages %}{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else "
+               "'user') + '\n' + m['content'] + '<end_of_turn>\n' }}{% endfor %}"
+               "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
+
+
+@pytest.mark.fast
+def test_template_markers_are_special_tokens_not_the_newlines_gemma_adds_as_tokens():
+    """Gemma's vocabulary adds '\\n', '\\n\\n', ... as tokens of their own (not special); its turn format writes '\\n'
+    after each turn marker. A reply that ends with a newline leaks no template text: the markers are the special
+    tokens the template writes, <start_of_turn> and <end_of_turn>."""
+    from tokenizers import AddedToken, Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from tasks.serve import smoke
+
+    vocab = {w: i for i, w in enumerate(["<pad>", "<eos>", "<bos>", "<unk>", "fruit", "apple"])}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")),
+                                  bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("\n", "\n\n")])
+    tok.add_special_tokens({"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]})
+    tok.chat_template = GEMMA_TURNS
+    assert "\n" in {t.content for t in tok.added_tokens_decoder.values()}  # the case: a plain added token
+    assert smoke.template_markers(tok) == ["<end_of_turn>", "<start_of_turn>"]

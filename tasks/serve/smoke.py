@@ -231,9 +231,11 @@ def chat_template_parity(ep: Endpoint, tokenizer) -> dict:
 
 
 def template_markers(tokenizer) -> list[str]:
-    """The special tokens the chat template writes (<|im_start|>, <|im_end|>, <start_of_turn>...)."""
+    """The special tokens the chat template writes (<|im_start|>, <|im_end|>, <start_of_turn>...). Added tokens that
+    are plain text are not markers: Gemma's vocabulary adds runs of newlines and spaces as tokens of their own."""
     template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
-    tokens = set(tokenizer.all_special_tokens) | {t.content for t in tokenizer.added_tokens_decoder.values()}
+    added = tokenizer.added_tokens_decoder.values()
+    tokens = set(tokenizer.all_special_tokens) | {t.content for t in added if t.special}
     return sorted(t for t in tokens if t and t in template)
 
 
