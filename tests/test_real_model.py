@@ -277,11 +277,11 @@ def test_gemma_weights_equal_the_gguf_blocks_and_its_norms_the_file_less_one(gem
 def test_gemma_passes_verify_but_for_the_chat_template_a_base_model_lacks(gemma):
     from conversions import verify
 
-    rep = verify.verify(gemma)
+    rep = verify.verify(gemma, levels=("L0", "preflight", "L1"))  # generation: the greedy test below
     print(verify.format_report(rep))
     failed = {c["name"] for c in rep["checks"] if not c["passed"]}
     assert failed == {"preflight.chat_template"}, verify.format_report(rep)
-    assert {"L0.integrity", "L1.roundtrip", "L3.generation", "preflight.tied_embeddings"} <= \
+    assert {"L0.integrity", "L1.roundtrip", "preflight.tied_embeddings"} <= \
         {c["name"] for c in rep["checks"]}
 
 
