@@ -52,6 +52,12 @@ def test_the_mlflow_api_answers_only_with_the_user_and_password(ops_stack, recor
     user, password = env["MLFLOW_TRACKING_USERNAME"], env["MLFLOW_TRACKING_PASSWORD"]
     assert _status(search, user_pass=f"{user}:{password}x")[0] == 401
     assert _status(search, user_pass=f"{user}:{password}")[0] == 200
+    # checked at every request: one PBKDF2 round (the password is 256 random bits), not scrypt's 0.15 s of CPU
+    import sqlite3
+
+    with sqlite3.connect(ops_stack.home / "stack" / "mlflow" / "auth.db") as db:
+        (stored,), = db.execute("SELECT password_hash FROM users WHERE username = ?", (user,)).fetchall()
+    assert stored.startswith("pbkdf2:sha256:1$"), stored.split("$")[0]
 
 
 def test_the_credentials_are_in_0600_files_and_on_no_command_line(ops_stack, record_property):

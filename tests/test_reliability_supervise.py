@@ -104,7 +104,9 @@ def test_detached_server_restarted_then_down_and_champion_rolled_back(tmp_path, 
         os.killpg(first, signal.SIGKILL)
         wait_for(lambda: state(server).get("restarts_used") == 1 and state(server)["status"] == "serving",
                  what="the restarted engine healthy")
-        wait_for(lambda: retrain.serving()["server"]["engine_pid"] == state(server)["engine_pid"], what="serving.json")
+        # the supervisor records the new engine's pid in STATE, then in serving.json ("restarting", then "serving")
+        wait_for(lambda: (now := retrain.serving())["server"]["engine_pid"] == state(server)["engine_pid"]
+                 and now["status"] == "serving", what="serving.json")
         second = state(server)["engine_pid"]
         wait_for(lambda: answers(server.base_url) == second, what="the restarted engine to answer")
         assert retrain.serving()["status"] == "serving" and champion() == v2
