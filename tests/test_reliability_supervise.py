@@ -137,6 +137,23 @@ def test_stop_serving_leaves_no_process_and_no_shm(tmp_path, baton_home, record_
         server.stop()
 
 
+def test_a_server_whose_run_folder_is_deleted_stops(tmp_path, baton_home, record_property):
+    """BATON_HOME removed under a detached server (a test's or a user's `rm -rf`): nobody can find, stop or
+    reconcile it any more, so its supervisor takes the engine down instead of holding the port and memory."""
+    import shutil
+
+    record_property("fault", "run folder deleted under a detached server")
+    server, shm = detached(tmp_path, "orphaned", restarts=2)
+    try:
+        engine = state(server)["engine_pid"]
+        assert answers(server.base_url) == engine
+        shutil.rmtree(server.state_path.parent)
+        assert server.proc.wait(30) == 0
+        assert gone(engine) and not (SHM / shm).exists()
+    finally:
+        server.stop()
+
+
 # A retrain's switch, step by step with the real functions, in a process SIGKILLed at the chosen point. The two
 # servers stand in for start_serving's (the same supervisor and records; start_serving itself is the serve stage).
 CRASHING_RETRAIN = """

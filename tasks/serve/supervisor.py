@@ -34,15 +34,18 @@ GAVE_UP = 3
 PROMOTED = "promoted.json"
 
 
-def hold(server: Server, restarts: int, health_timeout: float, on_state=None) -> int | None:
-    """Watch a healthy server until KeyboardInterrupt (None). An engine that dies is restarted up to `restarts` times
-    (on_state("restarting", n) once the n-th restart started, on_state("serving", n) once it is healthy); then its
-    exit code is returned (never 0: a server that ends is a failure)."""
+def hold(server: Server, restarts: int, health_timeout: float, on_state=None, wanted=None) -> int | None:
+    """Watch a healthy server until KeyboardInterrupt or until wanted() turns false (None). An engine that dies is
+    restarted up to `restarts` times (on_state("restarting", n) once the n-th restart started, on_state("serving", n)
+    once it is healthy); then its exit code is returned (never 0: a server that ends is a failure)."""
     on_state = on_state or (lambda status, used: None)
+    wanted = wanted or (lambda: True)
     deaths = 0
     try:
         while True:
             while server.proc.poll() is None:
+                if not wanted():
+                    return None
                 time.sleep(1.0)
             code = server.proc.returncode or 1
             if deaths >= restarts:
@@ -148,6 +151,17 @@ class Supervision:
             log.error("champion not rolled back: %s", e)
 
 
+def records_kept(state: Path):
+    """A detached server whose run folder was deleted (BATON_HOME removed) can no longer be found, stopped or
+    reconciled by anyone: its supervisor takes it down rather than leave an engine holding the port and the memory."""
+    def kept() -> bool:
+        if state.parent.is_dir():
+            return True
+        log.warning("the run folder %s is gone: stopping the server nobody can reach any more", state.parent)
+        return False
+    return kept
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -182,9 +196,10 @@ def main(argv: list[str] | None = None) -> int:
         sup.record("stopped")
         return 0
     sup.record("serving")
-    code = hold(server, args.restarts, args.health_timeout, on_state=sup.record)
+    code = hold(server, args.restarts, args.health_timeout, on_state=sup.record, wanted=records_kept(Path(args.state)))
     if code is None:
-        sup.record("stopped")
+        if Path(args.state).parent.is_dir():
+            sup.record("stopped")
         return 0
     sup.give_up(code)
     return GAVE_UP
