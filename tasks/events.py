@@ -208,6 +208,13 @@ class InputParity(BaseModel):
     reference: str
 
 
+class ConvertResult(WorkerResult):
+    seconds: float
+    from_format: str
+    to_format: str
+    info: dict                                 # what the converter reported (tensors, architecture, ...)
+
+
 class PretrainResult(WorkerResult):
     resumed_from: int
     parameters: int

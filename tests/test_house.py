@@ -254,10 +254,10 @@ def test_the_training_stages_and_their_disk_bytes_have_one_home():
                 raise AssertionError(f"a per-stage number table at {path.relative_to(REPO)}:{node.lineno}")
 
 
-def test_the_training_workers_share_one_spec_contract():
-    """pretrain, rlhf and finetune workers read one JSON spec through tasks.events.read_spec (written by their stage
-    task from its config model): no worker declares a flag, so none can carry a default of its own."""
-    for stage in ("pretrain", "rlhf", "finetune"):
+def test_the_workers_share_one_spec_contract():
+    """pretrain, rlhf, finetune and convert workers read one JSON spec through tasks.events.read_spec (written by
+    their stage task from its config model): no worker declares a flag, so none can carry a default of its own."""
+    for stage in ("pretrain", "rlhf", "finetune", "convert"):
         path = REPO / "tasks" / stage / "worker.py"
         tree = ast.parse(path.read_text())
         calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)]

@@ -67,12 +67,14 @@ WEIGHT_SUFFIXES = (".safetensors", ".pt", ".distcp", ".bin")
 
 def cmd_convert(args) -> int:
     """Convert outside a pipeline, through the same worker and gate as the pipeline's convert step."""
-    import subprocess
-
     import shutil
+    import subprocess
+    import tempfile
 
     from conversions import durable, folder, manifest as mf, verify
-    from tasks.convert.task import WORKER, gate
+    from tasks import events
+    from tasks.convert.config import ConvertConfig
+    from tasks.convert.task import WORKER, gate, worker_spec
     from tasks.stage import REPO_ROOT
 
     src, dst = _checkpoint("convert", args.src), Path(args.dst).resolve()
@@ -93,17 +95,19 @@ def cmd_convert(args) -> int:
     if problem := durable.free_space_problem(dst.parent, needed):
         print(f"baton convert: {problem}; nothing written", file=sys.stderr)
         return 2
-    cmd = [sys.executable, str(WORKER), str(src), str(partial), "--to", args.to]
-    if args.from_format:
-        cmd += ["--from-format", args.from_format]
-    rc = subprocess.call(cmd, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    cfg = ConvertConfig(**({"to_format": args.to} if args.to else {}))
+    with tempfile.TemporaryDirectory(prefix="baton-convert-") as scratch:
+        spec = events.write_spec(Path(scratch) / "convert_spec.json",
+                                 worker_spec(src, partial, cfg, "convert", args.from_format))
+        rc = subprocess.call([sys.executable, str(WORKER), "--spec", str(spec)],
+                             env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
     if rc != 0:
         full = shutil.disk_usage(dst.parent).free < (1 << 20)
         shutil.rmtree(partial, ignore_errors=True)  # never published; free what it took
         print(f"baton convert: the conversion failed (exit {rc}){'; no space left on device: ' if full else ''}"
               f"{durable.describe_disk(dst.parent) if full else ''}; {dst} was not written", file=sys.stderr)
         return rc
-    rep = gate(partial, src, args.to)
+    rep = gate(partial, src, cfg.to_format)
     print(verify.format_report(rep))
     if not rep["passed"]:
         print(f"baton convert: the gate failed; {dst} was not written (the output is kept in {partial} to inspect)",
@@ -151,7 +155,7 @@ def add_parsers(sub) -> None:
                         help=f"convert a checkpoint (e.g. {Format.MEGATRON_DIST} → {Format.HF_SAFETENSORS})")
     cv.add_argument("src")
     cv.add_argument("dst")
-    cv.add_argument("--to", default=Format.HF_SAFETENSORS)
+    cv.add_argument("--to", help="the format to write (default: the convert config's to_format)")
     cv.add_argument("--from-format")
     cv.set_defaults(fn=cmd_convert)
     li = sub.add_parser("lineage", help="where a checkpoint came from: data digest → every step → serving")

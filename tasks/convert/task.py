@@ -9,10 +9,19 @@ from prefect.cache_policies import NO_CACHE
 
 from conversions import durable, probe, sealed, verify
 from conversions.manifest import Format
+from tasks import events
 from tasks.convert.config import ConvertConfig
 from tasks.stage import StageContext, StageOutput, training_engine_env
 
 WORKER = Path(__file__).with_name("worker.py")
+
+
+def worker_spec(src: Path, dst: Path, cfg: ConvertConfig, stage: str, from_format: str | None = None,
+                require_seal: bool = False) -> dict:
+    """What the worker reads (events.read_spec), for the pipeline's step and `baton convert` alike: every value from
+    the convert config, none defaulted in the worker."""
+    return {"src": str(src), "dst": str(dst), "to_format": cfg.to_format, "from_format": from_format,
+            "max_shard_size_mb": cfg.max_shard_size_mb, "stage": stage, "require_seal": require_seal}
 
 
 def gate(out: Path, src: Path, to_format: str) -> dict:
@@ -34,24 +43,23 @@ def gate(out: Path, src: Path, to_format: str) -> dict:
 
 @task(name="convert", cache_policy=NO_CACHE)
 def run_convert(ctx: StageContext, cfg: ConvertConfig) -> StageOutput:
-    to_format = ctx.extra.get("to_format", cfg.to_format)
+    cfg = cfg.model_copy(update={"to_format": ctx.extra.get("to_format", cfg.to_format)})
+    to_format = cfg.to_format
     out = ctx.work_dir / "checkpoint"
     if out.exists():
         shutil.rmtree(out)  # a conversion is cheap to redo and must never be half-written
     tmp = ctx.work_dir / "checkpoint.partial"
     shutil.rmtree(tmp, ignore_errors=True)
-    cmd = [ctx.python("main"), str(WORKER), str(ctx.input), str(tmp), "--to", to_format,
-           "--max-shard-mb", str(cfg.max_shard_size_mb), "--stage", ctx.stage]
-    if ctx.input_format:
-        cmd += ["--from-format", ctx.input_format]
-    if ctx.extra.get("source_stage") and ctx.input_format in sealed.MARKERS:
-        cmd += ["--require-seal"]  # a training stage of this run sealed it with this BATON_HOME's key
-    res = ctx.launch(cmd, name="convert", timeout=cfg.timeout_s, env=training_engine_env("cpu"))
+    # a training stage of this run sealed its checkpoint with this BATON_HOME's key
+    sealed_input = bool(ctx.extra.get("source_stage")) and ctx.input_format in sealed.MARKERS
+    spec = events.write_spec(ctx.work_dir / "convert_spec.json",
+                             worker_spec(ctx.input, tmp, cfg, ctx.stage, ctx.input_format, sealed_input))
+    res = ctx.launch([ctx.python("main"), str(WORKER), "--spec", str(spec)], name="convert", timeout=cfg.timeout_s,
+                     env=training_engine_env("cpu"))
     g = gate(tmp, ctx.input, to_format)
     if g.get("passed"):  # published only once its gate passed: a folder named `checkpoint` is always a good one
         durable.publish_dir(tmp, out)
-    r = res.results()
+    r = res.result(events.ConvertResult)
     return StageOutput(output=out if g.get("passed") else tmp, engine="baton-convert",
-                       backend=f"{r.get('from_format')}→{to_format}", gate=g,
-                       metrics={"wall_s": r.get("seconds")},
-                       extra={"from_format": r.get("from_format"), "to_format": to_format})
+                       backend=f"{r.from_format}→{to_format}", gate=g, metrics={"wall_s": r.seconds},
+                       extra={"from_format": r.from_format, "to_format": to_format})

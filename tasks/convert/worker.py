@@ -1,7 +1,7 @@
-"""Convert a checkpoint to another format, write its manifest. Runs in the main runtime: `python worker.py SRC DST FMT`."""
+"""Convert a checkpoint to another format, write its manifest. Runs in the main runtime: `python worker.py --spec
+SPEC.json` (tasks.convert.task.worker_spec: every value from ConvertConfig, none defaulted here)."""
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
@@ -20,43 +20,44 @@ def refuse_unsealed(src: Path, fmt: str) -> None:
         raise SystemExit(f"{folder}: {why}; not converting it")
 
 
+SPEC_KEYS = ("src", "dst", "to_format", "from_format", "max_shard_size_mb", "stage", "require_seal")
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("src", type=Path)
-    ap.add_argument("dst", type=Path)
-    ap.add_argument("--to", default=Format.HF_SAFETENSORS)
-    ap.add_argument("--from-format", default=None)
-    ap.add_argument("--max-shard-mb", type=int, default=2048)
-    ap.add_argument("--stage", default="convert")
-    ap.add_argument("--require-seal", action="store_true", help="refuse SRC unless its seal verifies (the pipeline)")
-    args = ap.parse_args()
-    src_m = mf.read(args.src)
-    src_format = args.from_format or (src_m or {}).get("format")
+    spec = events.read_spec(required=SPEC_KEYS)
+    src, dst, to_format = Path(spec["src"]), Path(spec["dst"]), spec["to_format"]
+    src_m = mf.read(src)
+    src_format = spec["from_format"] or (src_m or {}).get("format")
     if not src_format:
-        raise SystemExit(f"{args.src}: no manifest, pass --from-format")
-    fn = registry.converter(src_format, args.to)
-    if args.require_seal:
-        refuse_unsealed(args.src, src_format)
+        raise SystemExit(f"{src}: no manifest, pass --from-format")
+    fn = registry.converter(src_format, to_format)
+    if spec["require_seal"]:
+        refuse_unsealed(src, src_format)
     t0 = time.time()
-    args.dst.mkdir(parents=True, exist_ok=True)
-    info = fn(args.src, args.dst, max_shard_bytes=args.max_shard_mb << 20) or {}
+    dst.mkdir(parents=True, exist_ok=True)
+    info = fn(src, dst, max_shard_bytes=spec["max_shard_size_mb"] << 20) or {}
     seconds = time.time() - t0
-    if args.to in sealed.MARKERS:  # baton wrote it, so a training stage may load it as it is (pretrain: from HF)
-        sealed.seal(args.dst, sealed.MARKERS[args.to], converted_from=str(args.src))
-    arch = dict((src_m or {}).get("architecture") or {})
-    to_hf = args.to == Format.HF_SAFETENSORS
+    if to_format in sealed.MARKERS:  # baton wrote it, so a training stage may load it as it is (pretrain: from HF)
+        sealed.seal(dst, sealed.MARKERS[to_format], converted_from=str(src))
+    write_manifest(src, dst, src_m, src_format, to_format, spec["stage"], seconds, info)
+    events.emit("result", **events.ConvertResult(seconds=seconds, from_format=src_format, to_format=to_format,
+                                                 info=json.loads(json.dumps(info, default=str))).model_dump())
+
+
+def write_manifest(src: Path, dst: Path, src_m: dict | None, src_format: str, to_format: str, stage: str,
+                   seconds: float, info: dict) -> None:
+    to_hf = to_format == Format.HF_SAFETENSORS
     m = mf.build(
-        args.dst, format=args.to, stage=args.stage, architecture=arch,
-        engine={"name": "baton-convert", "converter": registry.CONVERTERS[(src_format, args.to)],
+        dst, format=to_format, stage=stage, architecture=dict((src_m or {}).get("architecture") or {}),
+        engine={"name": "baton-convert", "converter": registry.CONVERTERS[(src_format, to_format)],
                 **mf.engine_versions("torch", "safetensors", "transformers")},
-        parameter_count=hf.parameter_count(args.dst) if to_hf else info.get("parameter_count"),
-        dtype=hf.dominant_dtype(args.dst) if to_hf else info.get("dtype"),
-        parent=mf.parent_ref(args.src),
+        parameter_count=hf.parameter_count(dst) if to_hf else info.get("parameter_count"),
+        dtype=hf.dominant_dtype(dst) if to_hf else info.get("dtype"),
+        parent=mf.parent_ref(src),
         extra={"from_format": src_format, "seconds": round(seconds, 3), **info},
-        tokenizer_dir=args.dst if to_hf else args.dst / "tokenizer",
+        tokenizer_dir=dst if to_hf else dst / "tokenizer",
     )
-    mf.write(args.dst, m)
-    events.emit("result", seconds=seconds, from_format=src_format, to_format=args.to, info=json.loads(json.dumps(info, default=str)))
+    mf.write(dst, m)
 
 
 if __name__ == "__main__":
