@@ -153,6 +153,9 @@ def defined_task_names(folder: Path) -> tuple[set[str], list[str]]:
             mark = getattr(e, "problem_mark", None)
             problems.append(f"{path}{f':{mark.line + 1}' if mark else ''}: not valid YAML")
             continue
+        except RecursionError:  # a crafted file nests thousands deep
+            problems.append(f"{path}: nested too deeply to be a task file")
+            continue
         except OSError as e:
             problems.append(f"{path}: cannot read ({e.strerror})")
             continue

@@ -65,6 +65,9 @@ def test_the_include_path_must_define_the_task(tmp_path, tasks_dir):
     (tasks_dir / "broken.yaml").write_text("task: x\n  bad: [\n")
     assert f"finetune.gate.include_path: {tasks_dir / 'broken.yaml'}:2: not valid YAML" in refused(
         base + ["finetune.gate.task=mine"])
+    (tasks_dir / "broken.yaml").write_text("[" * 100_000)  # deeper than the parser recurses
+    assert f"finetune.gate.include_path: {tasks_dir / 'broken.yaml'}: nested too deeply" in refused(
+        base + ["finetune.gate.task=mine"])
 
 
 @pytest.mark.fast
