@@ -121,7 +121,7 @@ def architecture(root: Path) -> dict:
     if missing:
         raise MegatronCheckpointError(f"{root}: architecture lacks {missing} (neither {COMMON_FILE} nor the manifest "
                                       "describe the model)")
-    if family(arch) not in set(FAMILY_OF_HF.values()):
+    if not isinstance(family(arch), str) or family(arch) not in set(FAMILY_OF_HF.values()):
         raise MegatronCheckpointError(f"{root}: architecture family {arch.get('arch')!r} is not one baton maps "
                                       f"({', '.join(sorted(set(FAMILY_OF_HF.values())))})")
     arch.setdefault("num_query_groups", arch["num_attention_heads"])
