@@ -4,6 +4,7 @@ the architectures that do not map refused before launch."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -244,3 +245,32 @@ def test_to_hf_refuses_a_folder_that_is_not_a_dist_checkpoint(tmp_path, hf_check
 
     with pytest.raises(megatron.MegatronCheckpointError, match="not a Megatron torch_dist checkpoint"):
         megatron.to_hf(hf_checkpoint, tmp_path / "out")
+
+
+def test_from_hf_refuses_a_llama_whose_biases_it_would_drop(tmp_path, hf_checkpoint):
+    import shutil
+
+    from conversions import megatron
+
+    src = tmp_path / "llama-with-biases"
+    shutil.copytree(hf_checkpoint, src)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "attention_bias": True}))
+    with pytest.raises(megatron.MegatronCheckpointError, match="with attention_bias/mlp_bias: the Llama mapping has "
+                                                               "no biases to carry them"):
+        megatron.from_hf(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("family", ["gpt2", {"x": 1}, 5])
+def test_a_checkpoint_naming_a_family_baton_does_not_map_is_refused(tmp_path, family):
+    import torch
+
+    from conversions import megatron
+
+    arch = {"arch": family, "num_layers": 1, "hidden_size": 8, "num_attention_heads": 2, "ffn_hidden_size": 8,
+            "vocab_size": 300}
+    torch.save({megatron.ARCH_KEY: arch}, str(tmp_path / megatron.COMMON_FILE))
+    with pytest.raises(megatron.MegatronCheckpointError,
+                       match=re.escape(f"architecture family {family!r} is not one baton maps (llama, qwen2)")):
+        megatron.architecture(tmp_path)
