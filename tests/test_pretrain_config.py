@@ -274,3 +274,25 @@ def test_a_checkpoint_naming_a_family_baton_does_not_map_is_refused(tmp_path, fa
     with pytest.raises(megatron.MegatronCheckpointError,
                        match=re.escape(f"architecture family {family!r} is not one baton maps (llama, qwen2)")):
         megatron.architecture(tmp_path)
+
+
+def test_pretrain_refuses_an_input_of_another_family_than_model_arch(tmp_path, tiny_config, data_dir):
+    """A Qwen2 import into a llama model (its biases would have no place) is named before the worker starts."""
+    from conversions import megatron
+    from tasks.pretrain.task import PretrainInputError, build_spec
+    from tasks.stage import StageContext
+
+    src = make_qwen2_checkpoint(tmp_path / "qwen2", tiny_config.model.model_dump(), data_dir / "tokenizer",
+                                tie=False)
+    megatron.from_hf(src, tmp_path / "megatron")
+
+    def spec(arch: str) -> dict:
+        ctx = StageContext(stage="pretrain", run_id="t", run_dir=tmp_path, work_dir=tmp_path / "w", seed=0,
+                           model={**tiny_config.model.model_dump(), "arch": arch}, data_dir=data_dir,
+                           input=tmp_path / "megatron", input_format="megatron-dist")
+        return build_spec(ctx, tiny_config.pretrain)
+
+    assert spec("qwen2")["architecture"]["arch"] == "qwen2"
+    with pytest.raises(PretrainInputError, match="architecture differs from model: arch qwen2 \\(input\\) vs llama "
+                                                 "\\(model\\)"):
+        spec("llama")
