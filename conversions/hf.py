@@ -10,31 +10,48 @@ from typing import Iterator
 
 from . import folder, manifest as mf
 
-def llama_config(arch: dict, vocab_size: int | None = None, **special_tokens):
-    """transformers.LlamaConfig for baton's architecture dict (the pipeline's `model:` section)."""
-    from transformers import LlamaConfig
-
+def _decoder_fields(arch: dict, vocab_size: int | None) -> dict:
+    """What LlamaConfig and Qwen2Config share, from baton's architecture dict."""
     heads = arch["num_attention_heads"]
-    return LlamaConfig(
+    return dict(
         vocab_size=vocab_size or arch["vocab_size"],
         hidden_size=arch["hidden_size"],
         intermediate_size=arch["ffn_hidden_size"],
         num_hidden_layers=arch["num_layers"],
         num_attention_heads=heads,
         num_key_value_heads=arch.get("num_query_groups") or heads,
-        head_dim=arch["hidden_size"] // heads,
         max_position_embeddings=arch["seq_length"],
         rms_norm_eps=arch.get("norm_eps", 1e-5),
         rope_theta=arch.get("rope_theta", 10000.0),
         tie_word_embeddings=arch.get("tie_word_embeddings", False),
         initializer_range=arch.get("init_std", 0.02),
-        attention_bias=False,
-        mlp_bias=False,
         hidden_act="silu",
-        architectures=["LlamaForCausalLM"],
         torch_dtype="float32",
-        **special_tokens,
     )
+
+
+def llama_config(arch: dict, vocab_size: int | None = None, **special_tokens):
+    """transformers.LlamaConfig for baton's architecture dict (the pipeline's `model:` section)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**_decoder_fields(arch, vocab_size), head_dim=arch["hidden_size"] // arch["num_attention_heads"],
+                       attention_bias=False, mlp_bias=False, architectures=["LlamaForCausalLM"], **special_tokens)
+
+
+def qwen2_config(arch: dict, vocab_size: int | None = None, **special_tokens):
+    """transformers.Qwen2Config (q/k/v biases, every layer full attention) for baton's architecture dict."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**_decoder_fields(arch, vocab_size), use_sliding_window=False,
+                       architectures=["Qwen2ForCausalLM"], **special_tokens)
+
+
+DECODER_CONFIGS = {"llama": llama_config, "qwen2": qwen2_config}  # the architecture dict's `arch` (model.arch)
+
+
+def decoder_config(arch: dict, vocab_size: int | None = None, **special_tokens):
+    """The transformers config of the architecture dict's family (`arch`; a dict without one is a Llama)."""
+    return DECODER_CONFIGS[arch.get("arch") or "llama"](arch, vocab_size, **special_tokens)
 
 
 def safetensors_files(root: Path) -> list[Path]:

@@ -1,4 +1,5 @@
-"""Megatron-Core dist checkpoints (torch_dist) ⇄ Hugging Face `LlamaForCausalLM` safetensors.
+"""Megatron-Core dist checkpoints (torch_dist) ⇄ Hugging Face safetensors of the Llama family (`LlamaForCausalLM`,
+`MistralForCausalLM` in) and of Qwen2 (`Qwen2ForCausalLM`: the Llama layout plus q/k/v biases).
 
 A torch_dist checkpoint stores every weight as one global tensor (whatever TP/PP layout wrote it), transformer layers
 stacked on a leading axis: `decoder.layers.self_attention.linear_qkv.weight` is [layers, (heads + 2·groups)·head_dim,
@@ -9,7 +10,8 @@ process group, no megatron and no torch.distributed.checkpoint import are needed
 with it: Megatron loads only folders baton wrote, see `rewrite`).
 
 Megatron layouts that differ from HF:
-- linear_qkv interleaves per query group: [q heads of the group | k | v] for each group;
+- linear_qkv interleaves per query group: [q heads of the group | k | v] for each group, its bias (Qwen2's q/k/v
+  biases, TransformerConfig.add_qkv_bias) the same way;
 - linear_fc1 is [gate; up] (SwiGLU);
 - embedding and output rows are padded (to a multiple of make_vocab_size_divisible_by × TP): rows past the
   tokenizer's vocabulary are dropped on export and zero-filled on import;
@@ -42,7 +44,13 @@ COMMON_FILE = "common.pt"
 METADATA_FILE = "metadata.json"
 TORCH_DIST_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                        "common_backend": "torch", "common_backend_version": 1}
+QKV_BIAS = "decoder.layers.self_attention.linear_qkv.bias"  # only in families with q/k/v biases
 ARCH_KEY = "baton_architecture"   # common.pt entry: the checkpoint describes its own architecture
+# The HF architectures from_hf maps onto Megatron's GPT, and the family each is recorded as (the architecture dict's
+# `arch`, the pipeline's model.arch); the export writes the family's HF class back (a Mistral comes back a Llama).
+FAMILY_OF_HF = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+FROM_HF_ARCHITECTURES = tuple(FAMILY_OF_HF)
+QKV_BIAS_FAMILIES = ("qwen2",)
 PROBE_MAX_PARAMS = 2_000_000_000  # from_hf computes the HF model's probe logits up to this size (one fp32 copy)
 
 
@@ -54,6 +62,20 @@ def padded_vocab_size(vocab: int, divisible_by: int = 128, tp: int = 1) -> int:
     """Megatron's rule: embedding rows padded up to a multiple of divisible_by × TP."""
     multiple = divisible_by * tp
     return int(math.ceil(vocab / multiple) * multiple)
+
+
+def family(arch: dict) -> str:
+    """The architecture dict's family; one without `arch` (written before Qwen2 was mapped) is a Llama."""
+    return arch.get("arch") or "llama"
+
+
+def has_qkv_bias(arch: dict) -> bool:
+    return family(arch) in QKV_BIAS_FAMILIES
+
+
+def layer_keys(arch: dict) -> dict[str, str]:
+    """The stacked per-layer tensors of this family: LAYER, plus the fused q/k/v bias where it has one."""
+    return {**LAYER, "qkv_bias": QKV_BIAS} if has_qkv_bias(arch) else dict(LAYER)
 
 
 def is_dist_checkpoint(root: Path) -> bool:
@@ -99,6 +121,9 @@ def architecture(root: Path) -> dict:
     if missing:
         raise MegatronCheckpointError(f"{root}: architecture lacks {missing} (neither {COMMON_FILE} nor the manifest "
                                       "describe the model)")
+    if not isinstance(family(arch), str) or family(arch) not in set(FAMILY_OF_HF.values()):
+        raise MegatronCheckpointError(f"{root}: architecture family {arch.get('arch')!r} is not one baton maps "
+                                      f"({', '.join(sorted(set(FAMILY_OF_HF.values())))})")
     arch.setdefault("num_query_groups", arch["num_attention_heads"])
     return arch
 
@@ -139,18 +164,21 @@ class DistReader:
 
     def read_full(self, key: str):
         shape = self.shape(key)
+        if shape is None:
+            raise MegatronCheckpointError(f"{self.root}: no tensor {key!r} in the checkpoint")
         return self.read({key: ((0,) * len(shape), shape)})[key]
 
 
 # ---- Megatron → HF ----------------------------------------------------------------------------------------------
 def split_qkv(qkv, heads: int, groups: int, head_dim: int):
-    """[groups·(heads/groups + 2)·head_dim, hidden] → q [heads·d, h], k [groups·d, h], v [groups·d, h]."""
+    """[groups·(heads/groups + 2)·head_dim, *rest] → q [heads·d, *rest], k [groups·d, *rest], v [groups·d, *rest]:
+    the weight (rest = hidden) or the bias (no rest)."""
     per = heads // groups
-    hidden = qkv.shape[-1]
-    g = qkv.reshape(groups, (per + 2) * head_dim, hidden)
-    q = g[:, : per * head_dim].reshape(heads * head_dim, hidden)
-    k = g[:, per * head_dim: (per + 1) * head_dim].reshape(groups * head_dim, hidden)
-    v = g[:, (per + 1) * head_dim:].reshape(groups * head_dim, hidden)
+    rest = tuple(qkv.shape[1:])
+    g = qkv.reshape(groups, (per + 2) * head_dim, *rest)
+    q = g[:, : per * head_dim].reshape(heads * head_dim, *rest)
+    k = g[:, per * head_dim: (per + 1) * head_dim].reshape(groups * head_dim, *rest)
+    v = g[:, (per + 1) * head_dim:].reshape(groups * head_dim, *rest)
     return q, k, v
 
 
@@ -158,9 +186,9 @@ def merge_qkv(q, k, v, heads: int, groups: int, head_dim: int):
     import torch
 
     per = heads // groups
-    hidden = q.shape[-1]
-    return torch.cat([q.reshape(groups, per * head_dim, hidden), k.reshape(groups, head_dim, hidden),
-                      v.reshape(groups, head_dim, hidden)], dim=1).reshape(-1, hidden)
+    rest = tuple(q.shape[1:])
+    return torch.cat([q.reshape(groups, per * head_dim, *rest), k.reshape(groups, head_dim, *rest),
+                      v.reshape(groups, head_dim, *rest)], dim=1).reshape(-1, *rest)
 
 
 def _tokenizer_ids(tok_dir: Path) -> dict:
@@ -218,6 +246,9 @@ def hf_plan(r: DistReader, arch: dict) -> list[safetensors_stream.PlannedTensor]
     def part(n, i):  # q, k or v of layer i
         return lambda: split_qkv(qkv.get(i), heads, groups, head_dim)[n]
 
+    def bias_part(n, i):  # q, k or v bias of layer i (a few KB: read per use)
+        return lambda: split_qkv(_layer_box(r, QKV_BIAS, i), heads, groups, head_dim)[n]
+
     def half(lo, i):  # gate (rows [0, ffn)) or up (rows [ffn, 2·ffn)) of linear_fc1
         return lambda: _layer_box(r, LAYER["fc1"], i, (lo, lo + ffn))
 
@@ -231,6 +262,10 @@ def hf_plan(r: DistReader, arch: dict) -> list[safetensors_stream.PlannedTensor]
         add(p + "self_attn.q_proj.weight", LAYER["qkv"], (heads * head_dim, hidden), part(0, i))
         add(p + "self_attn.k_proj.weight", LAYER["qkv"], (groups * head_dim, hidden), part(1, i))
         add(p + "self_attn.v_proj.weight", LAYER["qkv"], (groups * head_dim, hidden), part(2, i))
+        if has_qkv_bias(arch):
+            add(p + "self_attn.q_proj.bias", QKV_BIAS, (heads * head_dim,), bias_part(0, i))
+            add(p + "self_attn.k_proj.bias", QKV_BIAS, (groups * head_dim,), bias_part(1, i))
+            add(p + "self_attn.v_proj.bias", QKV_BIAS, (groups * head_dim,), bias_part(2, i))
         add(p + "self_attn.o_proj.weight", LAYER["proj"], r.shape(LAYER["proj"])[1:], whole("proj", i))
         add(p + "post_attention_layernorm.weight", LAYER["mlp_norm"], (hidden,), whole("mlp_norm", i))
         add(p + "mlp.gate_proj.weight", LAYER["fc1"], (ffn, hidden), half(0, i))
@@ -257,11 +292,13 @@ def to_hf(src: Path, dst: Path, *, max_shard_bytes: int = 2 << 30) -> dict:
     tied = bool(arch.get("tie_word_embeddings", False))
     if not tied and r.shape(OUTPUT) is None:
         raise MegatronCheckpointError(f"{src}: untied embeddings but no {OUTPUT} in the checkpoint")
+    if has_qkv_bias(arch) and r.shape(QKV_BIAS) is None:
+        raise MegatronCheckpointError(f"{src}: a {family(arch)} model without {QKV_BIAS} in the checkpoint")
 
     safetensors_stream.write(dst, hf_plan(r, arch), max_shard_bytes)
     tok_src = src / "tokenizer"
     dtype = str(r.dtype(EMBEDDING)).replace("torch.", "")
-    config = hf.llama_config({**arch, "num_layers": layers}, vocab_size=vocab, **_tokenizer_ids(tok_src))
+    config = hf.decoder_config({**arch, "num_layers": layers}, vocab_size=vocab, **_tokenizer_ids(tok_src))
     config.dtype = dtype
     hf.write_config_and_generation(dst, config)
     copied = hf.copy_tokenizer(tok_src, dst) if tok_src.exists() else []
@@ -271,9 +308,21 @@ def to_hf(src: Path, dst: Path, *, max_shard_bytes: int = 2 << 30) -> dict:
 
 
 # ---- HF → Megatron ----------------------------------------------------------------------------------------------
+def hf_family(config: dict) -> str:
+    """The family an HF config.json maps to (see FAMILY_OF_HF)."""
+    return next((FAMILY_OF_HF[a] for a in mapped_architectures(config)), "llama")
+
+
+def mapped_architectures(config: dict) -> list[str]:
+    """config.json's architectures that from_hf maps (an untrusted file: any non-string entry is no match)."""
+    archs = config.get("architectures")
+    return [a for a in archs if isinstance(a, str) and a in FAMILY_OF_HF] if isinstance(archs, list) else []
+
+
 def hf_architecture(config: dict) -> dict:
     heads = config["num_attention_heads"]
     return {
+        "arch": hf_family(config),
         "num_layers": config["num_hidden_layers"], "hidden_size": config["hidden_size"],
         "num_attention_heads": heads, "num_query_groups": config.get("num_key_value_heads") or heads,
         "ffn_hidden_size": config["intermediate_size"], "seq_length": config.get("max_position_embeddings", 2048),
@@ -284,19 +333,32 @@ def hf_architecture(config: dict) -> dict:
     }
 
 
-FROM_HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")  # the HF models from_hf maps onto Megatron's GPT
+def from_hf_problem(config: dict) -> str | None:
+    """Why an HF config.json does not map onto Megatron's GPT as baton builds it (None when it does): another
+    architecture, or a variant of a mapped one with parts the mapping would drop."""
+    archs = config.get("architectures") or []
+    mapped = mapped_architectures(config)
+    if not mapped:
+        return f"architectures {archs}: only {', '.join(FROM_HF_ARCHITECTURES)} convert to Megatron"
+    if FAMILY_OF_HF[mapped[0]] == "llama" and (config.get("attention_bias") or config.get("mlp_bias")):
+        return f"architectures {archs} with attention_bias/mlp_bias: the Llama mapping has no biases to carry them"
+    layer_types = set(config.get("layer_types") or ["full_attention"])
+    if config.get("use_sliding_window") or layer_types != {"full_attention"}:
+        return f"architectures {archs} with sliding-window layers: Megatron's GPT here attends to the full context"
+    return None
 
 
 def from_hf(src: Path, dst: Path, *, max_shard_bytes: int = 2 << 30, divisible_by: int = 128) -> dict:
-    """HF Llama folder → a weights-only torch_dist checkpoint a Megatron run can start from (any TP/PP layout)."""
+    """HF Llama or Qwen2 folder → a weights-only torch_dist checkpoint a Megatron run can start from (any TP/PP
+    layout)."""
     import torch
     from safetensors import safe_open
 
     src, dst = Path(src), Path(dst)
     config = json.loads((src / "config.json").read_text())
     archs = config.get("architectures") or []
-    if not any(a in FROM_HF_ARCHITECTURES for a in archs):
-        raise MegatronCheckpointError(f"{src}: architectures {archs}: only Llama-style models convert to Megatron")
+    if problem := from_hf_problem(config):
+        raise MegatronCheckpointError(f"{src}: {problem}")
     arch = hf_architecture(config)
     heads, groups, head_dim = arch["num_attention_heads"], arch["num_query_groups"], arch["kv_channels"]
     layers, vocab, hidden = arch["num_layers"], arch["vocab_size"], arch["hidden_size"]
@@ -332,7 +394,8 @@ def from_hf(src: Path, dst: Path, *, max_shard_bytes: int = 2 << 30, divisible_b
     del embed
     if not arch["tie_word_embeddings"]:
         state[OUTPUT] = padded_rows(get("lm_head.weight"))
-    stacked = {role: None for role in LAYER}
+    keys = layer_keys(arch)
+    stacked = {role: None for role in keys}
     for i in range(layers):
         p = f"model.layers.{i}."
         per = {
@@ -344,11 +407,14 @@ def from_hf(src: Path, dst: Path, *, max_shard_bytes: int = 2 << 30, divisible_b
             "fc1": torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")], dim=0),
             "fc2": get(p + "mlp.down_proj.weight"),
         }
+        if "qkv_bias" in keys:
+            per["qkv_bias"] = merge_qkv(get(p + "self_attn.q_proj.bias"), get(p + "self_attn.k_proj.bias"),
+                                        get(p + "self_attn.v_proj.bias"), heads, groups, head_dim)
         for role, t in per.items():
             if stacked[role] is None:
                 stacked[role] = torch.empty((layers, *t.shape), dtype=t.dtype)
             stacked[role][i] = t
-    state.update({LAYER[role]: t for role, t in stacked.items()})
+    state.update({keys[role]: t for role, t in stacked.items()})
 
     _write_weights_only(state, arch, dst)
     copied = hf.copy_tokenizer(src, dst / "tokenizer")
@@ -378,7 +444,8 @@ def rewrite(src: Path, dst: Path) -> dict:
     src, dst = Path(src), Path(dst)
     reader = DistReader(src)
     arch = {k: v for k, v in architecture(src).items() if type(v) in (bool, int, float, str)}
-    keys = [EMBEDDING, FINAL_NORM, *LAYER.values(), *([] if arch.get("tie_word_embeddings") else [OUTPUT])]
+    keys = [EMBEDDING, FINAL_NORM, *layer_keys(arch).values(),
+            *([] if arch.get("tie_word_embeddings") else [OUTPUT])]
     missing = [k for k in keys if reader.shape(k) is None]
     if missing:
         raise MegatronCheckpointError(f"{src}: no {missing[0]} (not a GPT checkpoint baton can start from)")

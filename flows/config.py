@@ -30,9 +30,12 @@ class ConfigError(Refused):
 
 
 class ModelConfig(StrictModel):
-    """Llama-style decoder architecture, shared by every engine."""
+    """Decoder architecture, shared by every engine: a Llama-style decoder, or Qwen2's (the same with q/k/v biases)."""
 
-    arch: Literal["llama"] = Field("llama", description="architecture family (a Llama-style decoder)")
+    arch: Literal["llama", "qwen2"] = Field(
+        "llama", description="architecture family: llama (a Llama-style decoder, what Megatron pretrains and exports "
+                             "as LlamaForCausalLM) or qwen2 (the same with q/k/v biases: Qwen2ForCausalLM); a run "
+                             "--from an HF model needs its family here")
     num_layers: int = Field(4, ge=1, description="transformer layers")
     hidden_size: int = Field(128, ge=8, description="width of the hidden states")
     num_attention_heads: int = Field(4, ge=1, description="attention (query) heads")

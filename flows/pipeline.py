@@ -75,33 +75,54 @@ def check_serve_engine(cfg: PipelineConfig, input_path: Path | None, input_forma
         raise ConfigError(f"--from {input_path}: serve.engine {cfg.serve.engine} on serve.device cpu: {problem}")
 
 
-def _architectures(input_path: Path) -> list | None:
+def _hf_config(input_path: Path) -> dict | None:
     try:
         config = json.loads((input_path / "config.json").read_text())
     except (OSError, json.JSONDecodeError):
         return None  # the stages' own checks name the unreadable config
-    archs = config.get("architectures") if isinstance(config, dict) else None
+    return config if isinstance(config, dict) else {}
+
+
+def _architectures(config: dict) -> list:
+    archs = config.get("architectures")
     return archs if isinstance(archs, list) else []
 
 
 def check_architectures(cfg: PipelineConfig, steps: list, input_path: Path | None, input_format: str | None) -> None:
     """The input model's architecture against each stage that has a limit, now instead of after the stages before it
     (rlhf and finetune keep the architecture, so every later stage meets the input's): rlhf and finetune load it with
-    transformers, HF → Megatron maps only the Llama family, and the serve engines load what their registries list."""
-    if input_format != Format.HF_SAFETENSORS or input_path is None or (archs := _architectures(input_path)) is None:
+    transformers, HF → Megatron maps only the Llama family and Qwen2, and the serve engines load what their registries
+    list."""
+    if input_format != Format.HF_SAFETENSORS or input_path is None or (config := _hf_config(input_path)) is None:
         return
-    from conversions import megatron, verify
+    from conversions import verify
 
+    archs = _architectures(config)
     for st in steps:
         if st.name in CHAT_STAGES and not verify.transformers_classes(archs):
             raise ConfigError(f"--from {input_path}: stage '{st.label}': architecture {archs} has no model class in "
                               "transformers, which the stage trains with")
-        if (st.name == "convert" and st.produces == Format.MEGATRON_DIST
-                and not set(archs) & set(megatron.FROM_HF_ARCHITECTURES)):
-            raise ConfigError(f"--from {input_path}: stage '{st.label}': architecture {archs} does not convert to "
-                              f"Megatron (baton maps {', '.join(megatron.FROM_HF_ARCHITECTURES)} only)")
+        if st.name == "convert" and st.produces == Format.MEGATRON_DIST:
+            check_megatron_architecture(cfg, config, archs, input_path, st.label)
         if st.name == "serve":
             check_served_architecture(cfg, archs, input_path)
+
+
+def check_megatron_architecture(cfg: PipelineConfig, config: dict, archs: list, input_path: Path, label: str) -> None:
+    """HF → Megatron maps the Llama family and Qwen2, each as the family the config's model section must name (the
+    pretrain stage builds Megatron's GPT from it)."""
+    from conversions import megatron
+
+    where = f"--from {input_path}: stage '{label}': architecture {archs}"
+    if not megatron.mapped_architectures(config):
+        raise ConfigError(f"{where} does not convert to Megatron (baton maps "
+                          f"{', '.join(megatron.FROM_HF_ARCHITECTURES)} only)")
+    if problem := megatron.from_hf_problem(config):
+        raise ConfigError(f"--from {input_path}: stage '{label}': {problem}")
+    family = megatron.hf_family(config)
+    if family != cfg.model.arch:
+        raise ConfigError(f"{where} is the {family} family, the config's model.arch is {cfg.model.arch} (set "
+                          f"model.arch: {family})")
 
 
 def check_served_architecture(cfg: PipelineConfig, archs: list, input_path: Path) -> None:

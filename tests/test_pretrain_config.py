@@ -1,14 +1,17 @@
 """Pretrain stage checks that need no engine: config validation (tiny and GPU recipes), Megatron vocab padding, the
-qkv layout, and the HF ⇄ Megatron conversion round trip on a real random-init HF checkpoint."""
+qkv layout, and the HF ⇄ Megatron conversion round trip on real random-init HF checkpoints (Llama and Qwen2), with
+the architectures that do not map refused before launch."""
 from __future__ import annotations
 
+import json
+import re
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import REPO, TINY, baton, make_hf_checkpoint
+from conftest import REPO, TINY, baton, make_hf_checkpoint, make_qwen2_checkpoint
 
 RECIPES = sorted((REPO / "configs" / "recipes").glob("*.yaml"))
 
@@ -148,7 +151,93 @@ def test_hf_to_megatron_to_hf_is_exact(tmp_path, tiny_config, data_dir, tie):
         assert torch.equal(t, converted[name]), name
     cfg = (back / "config.json").read_text()
     assert f'"vocab_size": {vocab}' in cfg and f'"tie_word_embeddings": {str(tie).lower()}' in cfg
+    assert json.loads(cfg)["architectures"] == ["LlamaForCausalLM"]
     assert (back / "chat_template.jinja").exists()
+
+
+def test_qkv_bias_fuses_per_query_group_as_megatron_splits_it():
+    """Megatron-Core's Attention.get_query_key_value_tensors views linear_qkv's output (bias included) as
+    [groups, (heads/groups + 2) · head_dim]: q1 q2 k1 v1 | q3 q4 k2 v2 for 4 heads in 2 groups."""
+    import torch
+
+    from conversions.megatron import merge_qkv, split_qkv
+
+    heads, groups, d = 4, 2, 3
+    q, k, v = torch.randn(heads * d), torch.randn(groups * d), torch.randn(groups * d)
+    fused = merge_qkv(q, k, v, heads, groups, d)
+    assert torch.equal(fused, torch.cat([q[: 2 * d], k[:d], v[:d], q[2 * d:], k[d:], v[d:]]))
+    assert all(torch.equal(a, b) for a, b in zip(split_qkv(fused, heads, groups, d), (q, k, v)))
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_qwen2_to_megatron_and_back_keeps_its_biases_and_logits(tmp_path, tiny_config, data_dir, tie):
+    """Qwen2 (GQA, random q/k/v biases) → Megatron: the biases land fused per query group in linear_qkv.bias, and come
+    back bit for bit into a Qwen2ForCausalLM config.json that transformers loads with the original's logits."""
+    import torch
+
+    from conversions import hf, megatron, probe
+
+    src = make_qwen2_checkpoint(tmp_path / "qwen2", tiny_config.model.model_dump(), data_dir / "tokenizer", seed=5,
+                                tie=tie)
+    mid, back = tmp_path / "megatron", tmp_path / "back"
+    info = megatron.from_hf(src, mid, max_shard_bytes=1 << 20)
+    assert info["architecture"]["arch"] == "qwen2" and megatron.architecture(mid)["arch"] == "qwen2"
+    original = hf.load_state_dict(src)
+    layer1 = [original[f"model.layers.1.self_attn.{x}_proj.bias"] for x in "qkv"]
+    assert all(b.abs().min() > 0 for b in layer1)  # the premise: nothing to lose would prove nothing
+    fused = megatron.DistReader(mid).read_full(megatron.QKV_BIAS)
+    assert fused.shape == (4, (4 + 2 * 2) * 32)
+    q, k, v = layer1  # group g: its two query heads, its key head, its value head
+    assert torch.equal(fused[1], torch.cat([q[:64], k[:32], v[:32], q[64:], k[32:], v[32:]]))
+
+    megatron.to_hf(mid, back, max_shard_bytes=1 << 20)
+    config = json.loads((back / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForCausalLM"] and config["tie_word_embeddings"] is tie
+    converted = hf.load_state_dict(back)
+    if tie:
+        original.pop("lm_head.weight", None)
+    assert set(converted) == set(original)
+    for name, t in original.items():
+        assert torch.equal(t, converted[name]), name
+    ids, reference = probe.load_reference(mid / probe.PROBE_FILE)  # the original model's logits, taken by from_hf
+    assert torch.equal(probe.hf_logits(back, ids, "float32"), reference)
+
+
+def _prepare_error(ckpt: Path, *overrides: str) -> str:
+    from flows.config import ConfigError, load
+    from flows.pipeline import prepare
+
+    with pytest.raises(ConfigError) as e:
+        prepare(load(TINY, list(overrides), stages=["pretrain"]), str(ckpt))
+    return str(e.value)
+
+
+def _with_manifest(ckpt: Path) -> Path:
+    from conversions import hf, manifest as mf
+
+    mf.write(ckpt, mf.build(ckpt, format="hf-safetensors", stage="external", parameter_count=hf.parameter_count(ckpt),
+                            dtype="float32"))
+    return ckpt
+
+
+def test_a_qwen2_model_pretrains_only_as_model_arch_qwen2_and_without_sliding_windows(tmp_path, tiny_config,
+                                                                                      data_dir):
+    """Before launch: the config must name the input's family (Megatron's GPT is built from model:), and a Qwen2 with
+    sliding-window layers is refused (Megatron's GPT here attends to the whole context)."""
+    from flows.config import load
+    from flows.pipeline import prepare
+
+    ckpt = _with_manifest(make_qwen2_checkpoint(tmp_path / "qwen2", tiny_config.model.model_dump(),
+                                                data_dir / "tokenizer"))
+    _, _, steps = prepare(load(TINY, ["model.arch=qwen2"], stages=["pretrain"]), str(ckpt))
+    assert [s.label for s in steps][1:3] == ["convert-hf-to-megatron", "pretrain"]
+    assert (f"--from {ckpt}: stage 'convert-hf-to-megatron': architecture ['Qwen2ForCausalLM'] is the qwen2 family, "
+            "the config's model.arch is llama (set model.arch: qwen2)") in _prepare_error(ckpt)
+
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "use_sliding_window": True, "sliding_window": 64}))
+    assert "with sliding-window layers: Megatron's GPT here attends to the full context" in _prepare_error(
+        _with_manifest(ckpt), "model.arch=qwen2")
 
 
 def test_to_hf_refuses_a_folder_that_is_not_a_dist_checkpoint(tmp_path, hf_checkpoint):
@@ -156,3 +245,54 @@ def test_to_hf_refuses_a_folder_that_is_not_a_dist_checkpoint(tmp_path, hf_check
 
     with pytest.raises(megatron.MegatronCheckpointError, match="not a Megatron torch_dist checkpoint"):
         megatron.to_hf(hf_checkpoint, tmp_path / "out")
+
+
+def test_from_hf_refuses_a_llama_whose_biases_it_would_drop(tmp_path, hf_checkpoint):
+    import shutil
+
+    from conversions import megatron
+
+    src = tmp_path / "llama-with-biases"
+    shutil.copytree(hf_checkpoint, src)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "attention_bias": True}))
+    with pytest.raises(megatron.MegatronCheckpointError, match="with attention_bias/mlp_bias: the Llama mapping has "
+                                                               "no biases to carry them"):
+        megatron.from_hf(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("family", ["gpt2", {"x": 1}, 5])
+def test_a_checkpoint_naming_a_family_baton_does_not_map_is_refused(tmp_path, family):
+    import torch
+
+    from conversions import megatron
+
+    arch = {"arch": family, "num_layers": 1, "hidden_size": 8, "num_attention_heads": 2, "ffn_hidden_size": 8,
+            "vocab_size": 300}
+    torch.save({megatron.ARCH_KEY: arch}, str(tmp_path / megatron.COMMON_FILE))
+    with pytest.raises(megatron.MegatronCheckpointError,
+                       match=re.escape(f"architecture family {family!r} is not one baton maps (llama, qwen2)")):
+        megatron.architecture(tmp_path)
+
+
+def test_pretrain_refuses_an_input_of_another_family_than_model_arch(tmp_path, tiny_config, data_dir):
+    """A Qwen2 import into a llama model (its biases would have no place) is named before the worker starts."""
+    from conversions import megatron
+    from tasks.pretrain.task import PretrainInputError, build_spec
+    from tasks.stage import StageContext
+
+    src = make_qwen2_checkpoint(tmp_path / "qwen2", tiny_config.model.model_dump(), data_dir / "tokenizer",
+                                tie=False)
+    megatron.from_hf(src, tmp_path / "megatron")
+
+    def spec(arch: str) -> dict:
+        ctx = StageContext(stage="pretrain", run_id="t", run_dir=tmp_path, work_dir=tmp_path / "w", seed=0,
+                           model={**tiny_config.model.model_dump(), "arch": arch}, data_dir=data_dir,
+                           input=tmp_path / "megatron", input_format="megatron-dist")
+        return build_spec(ctx, tiny_config.pretrain)
+
+    assert spec("qwen2")["architecture"]["arch"] == "qwen2"
+    with pytest.raises(PretrainInputError, match="architecture differs from model: arch qwen2 \\(input\\) vs llama "
+                                                 "\\(model\\)"):
+        spec("llama")

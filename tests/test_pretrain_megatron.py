@@ -1,6 +1,7 @@
 """The pretrain stage for real: Megatron-Core under torchrun on CPU (gloo), tiny models, 2 processes for the parallel
 layouts. World size 1, TP=2 (with a vocabulary Megatron must pad), PP=2 (1F1B, started from an HF checkpoint), DP=2
-(distributed optimizer); conversion to HF with L2 logits parity; resume after SIGKILL equal to an uninterrupted run."""
+(distributed optimizer), a Qwen2 (q/k/v biases, tied embeddings) continued from HF; conversion to HF with L2 logits
+parity; resume after SIGKILL equal to an uninterrupted run."""
 from __future__ import annotations
 
 import json
@@ -13,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import TINY, cli
+from conftest import TINY, cli, make_qwen2_checkpoint
 
 SHORT = ["pretrain.steps=12", "pretrain.checkpoint_every=2", "pretrain.eval_interval=6", "pretrain.warmup_steps=2",
          "pretrain.keep_checkpoints=3"]
@@ -215,6 +216,37 @@ def test_pp2_starts_from_an_hf_checkpoint_and_reproduces_its_logits(tmp_path, da
     megatron.to_hf(out.output, hf_dir)
     parity = verify.logits_parity(hf_dir, out.output / probe.PROBE_FILE)[0]
     assert parity["passed"], parity["detail"]
+
+
+def test_qwen2_continues_pretraining_from_hf_and_converts_back(tmp_path, data_dir, tiny_config):
+    """HF Qwen2 (GQA, random q/k/v biases, tied embeddings) → Megatron (linear_qkv.bias, add_qkv_bias) reproduces the
+    HF logits (L2.input_parity), trains 6 steps, and comes back a Qwen2ForCausalLM whose logits match Megatron's."""
+    import torch
+
+    from conversions import hf, manifest as mf, megatron, probe, verify
+
+    qwen2 = make_qwen2_checkpoint(tmp_path / "qwen2", tiny_config.model.model_dump(), data_dir / "tokenizer", seed=7)
+    src = tmp_path / "from-hf"
+    info = megatron.from_hf(qwen2, src)
+    mf.write(src, mf.build(src, format="megatron-dist", stage="convert", parent=mf.parent_ref(qwen2),
+                           architecture=info["architecture"], tokenizer_dir=src / "tokenizer"))
+    out = run_stage(tmp_path / "qwen2-pretrain", data_dir, "model.arch=qwen2", "model.tie_word_embeddings=true",
+                    "pretrain.steps=6", input=src)
+    assert_trained(out, steps=6)
+    checks = {c["name"]: c for c in out.gate["checks"]}
+    assert checks["L2.input_parity"]["passed"], checks["L2.input_parity"]["detail"]  # the biases, fused right
+    assert megatron.architecture(out.output)["arch"] == mf.read(out.output)["architecture"]["arch"] == "qwen2"
+
+    hf_dir = tmp_path / "hf"
+    megatron.to_hf(out.output, hf_dir)
+    config = json.loads((hf_dir / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForCausalLM"] and config["tie_word_embeddings"] is True
+    parity = verify.logits_parity(hf_dir, out.output / probe.PROBE_FILE)[0]
+    assert parity["passed"], parity["detail"]
+    assert all(c["passed"] for c in verify.preflight(hf_dir))
+    before, after = hf.load_state_dict(qwen2), hf.load_state_dict(hf_dir)
+    bias = "model.layers.0.self_attn.k_proj.bias"
+    assert not torch.equal(before[bias], after[bias])  # trained in Megatron, and carried out of it
 
 
 DIST_OPT = [*TWO_RANKS, "pretrain.distributed_optimizer=true"]

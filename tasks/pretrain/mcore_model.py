@@ -1,5 +1,6 @@
-"""The Llama-style GPTModel, its DDP wrapper, optimizer and LR schedule, built from the pipeline's architecture
-dict and the stage config. Part of the pretrain worker program (imported by worker.py)."""
+"""The GPTModel of a Llama-family or Qwen2 decoder (Qwen2: q/k/v biases), its DDP wrapper, optimizer and LR schedule,
+built from the pipeline's architecture dict and the stage config. Part of the pretrain worker program (imported by
+worker.py)."""
 from __future__ import annotations
 
 import torch
@@ -11,6 +12,8 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer import TransformerConfig
+
+from conversions.megatron import has_qkv_bias
 
 # Peak dense TFLOP/s of one rank, for MFU when the config does not state it. GPU numbers are the vendor's dense
 # tensor-core figures (bf16; tf32 for fp32); the CPU number is nominal for one single-threaded rank
@@ -44,7 +47,8 @@ def transformer_config(arch: dict, cfg: dict, on_gpu: bool) -> TransformerConfig
         num_attention_heads=arch["num_attention_heads"], num_query_groups=arch["num_query_groups"],
         ffn_hidden_size=arch["ffn_hidden_size"], kv_channels=arch["hidden_size"] // arch["num_attention_heads"],
         normalization="RMSNorm", layernorm_epsilon=arch["norm_eps"], gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=arch["init_std"],
+        add_bias_linear=False, add_qkv_bias=has_qkv_bias(arch),  # Qwen2: q/k/v biases, no other bias
+        hidden_dropout=0.0, attention_dropout=0.0, init_method_std=arch["init_std"],
         tensor_model_parallel_size=cfg["tensor_parallel"], pipeline_model_parallel_size=cfg["pipeline_parallel"],
         virtual_pipeline_model_parallel_size=cfg.get("virtual_pipeline_parallel"),
         fp8=None if cfg.get("fp8", "none") == "none" else cfg["fp8"],  # Transformer Engine's --fp8-format

@@ -60,6 +60,8 @@ def build_spec(ctx: StageContext, cfg: PretrainConfig, vocab: int | None = None)
             raise PretrainInputError(f"pretrain reads {Format.MEGATRON_DIST} checkpoints, not {ctx.input_format}")
         src = checkpoint_architecture(ctx.input)
         diff = {k: (src.get(k), arch.get(k)) for k in SHAPE_KEYS if k in src and src.get(k) != arch.get(k)}
+        if megatron.family(src) != megatron.family(arch):  # Qwen2's q/k/v biases have no place in a Llama, nor back
+            diff["arch"] = (megatron.family(src), megatron.family(arch))
         if diff:
             raise PretrainInputError(f"input {ctx.input}: architecture differs from model: "
                                      + ", ".join(f"{k} {a} (input) vs {b} (model)" for k, (a, b) in diff.items()))
