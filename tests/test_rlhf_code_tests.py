@@ -61,6 +61,20 @@ def test_input_output_tests_feed_stdin_and_compare_what_is_printed():
     assert code_tests(fenced("import sys\nsys.exit(0)\n"), ["assert False"]) == 0.0  # exiting skips no assert
 
 
+def test_the_worker_scores_a_batch_through_trl_reward():
+    """As TRL calls it: a batch of completions with the dataset's row indexes; a bad row names its file:line."""
+    from tasks.rlhf.worker import trl_reward
+
+    reward = rw.build({"kind": "code_tests", "weight": 1.0, "timeout_s": 10, "memory_mb": 256}, 0)
+    rows = [{"text": "Write add.", "fields": {"answer": "", "tests": ADD_TESTS}, "where": "prompts/train.jsonl:1"},
+            {"text": "Write add.", "fields": {"answer": "", "tests": []}, "where": "prompts/train.jsonl:2"}]
+    score = trl_reward(reward, rows)
+    assert score(["p", "p"], [fenced(ADD), "no code"], row_index=[0, 0]) == [1.0, 0.0]
+    with pytest.raises(rw.RewardError, match=r"reward 0_code_tests failed on prompts/train.jsonl:2 .*column 'tests': "
+                                             r"expected a non-empty list of tests, got an empty list"):
+        score(["p"], [fenced(ADD)], row_index=[1])
+
+
 # ---- the sandbox holds: each attack fails inside it ----------------------------------------------------------------
 def test_an_infinite_loop_is_stopped_by_the_timeout_and_its_group_killed():
     started = time.monotonic()
