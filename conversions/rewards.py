@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -165,6 +167,7 @@ class Reward:
     name: str
     weight: float
     score_one: Callable[[str, str, dict], float]
+    concurrent: bool = False  # its completions may be scored at once (code_tests: each waits on its own subprocess)
 
     def score(self, prompt: str, completion: str, row: dict, where: str) -> float:
         try:
@@ -177,6 +180,14 @@ class Reward:
             raise RewardError(f"reward {self.name} returned NaN on {where} (prompt {prompt[:60]!r})")
         return value
 
+    def score_many(self, items: list[tuple[str, str, dict, str]]) -> list[float]:
+        """score() of each (prompt, completion, row, where), in order; a concurrent reward's on one thread per core
+        (the first failing item, in order, is the error raised)."""
+        if not self.concurrent or len(items) < 2:
+            return [self.score(*item) for item in items]
+        with ThreadPoolExecutor(max_workers=min(len(items), os.cpu_count() or 1)) as pool:
+            return list(pool.map(lambda item: self.score(*item), items))
+
 
 def build(spec: dict, index: int) -> Reward:
     """A reward from its spec (the rlhf.rewards entry, a user function with the text of its file)."""
@@ -186,7 +197,8 @@ def build(spec: dict, index: int) -> Reward:
         return Reward(f"{index}_{spec['name']}", spec["weight"],
                       lambda prompt, completion, row: fn(prompt, completion, **row))
     check = BUILT_INS[kind]
-    return Reward(f"{index}_{kind}", spec["weight"], lambda prompt, completion, row: check(completion, row, spec))
+    return Reward(f"{index}_{kind}", spec["weight"], lambda prompt, completion, row: check(completion, row, spec),
+                  concurrent=kind == "code_tests")
 
 
 def row_fields(row: dict) -> dict:

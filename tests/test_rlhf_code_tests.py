@@ -69,10 +69,12 @@ def test_the_worker_scores_a_batch_through_trl_reward():
     rows = [{"text": "Write add.", "fields": {"answer": "", "tests": ADD_TESTS}, "where": "prompts/train.jsonl:1"},
             {"text": "Write add.", "fields": {"answer": "", "tests": []}, "where": "prompts/train.jsonl:2"}]
     score = trl_reward(reward, rows)
-    assert score(["p", "p"], [fenced(ADD), "no code"], row_index=[0, 0]) == [1.0, 0.0]
+    wrong = fenced("def add(a, b):\n    return a - b\n")
+    assert reward.concurrent  # scored on one thread per core, in order
+    assert score(["p"] * 4, [fenced(ADD), wrong, "no code", fenced(ADD)], row_index=[0] * 4) == [1.0, 0.0, 0.0, 1.0]
     with pytest.raises(rw.RewardError, match=r"reward 0_code_tests failed on prompts/train.jsonl:2 .*column 'tests': "
                                              r"expected a non-empty list of tests, got an empty list"):
-        score(["p"], [fenced(ADD)], row_index=[1])
+        score(["p"] * 2, [fenced(ADD)] * 2, row_index=[0, 1])
 
 
 # ---- the sandbox holds: each attack fails inside it ----------------------------------------------------------------
