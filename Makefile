@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 WORKERS ?= 2
 XDIST = $(if $(filter-out 0 1,$(WORKERS)),-n $(WORKERS) --dist loadgroup)
 
-.PHONY: setup system-deps runtimes lock demo docs test test-fast test-long test-multinode reliability clean up down gpu-wheels gpu-check bench fuzz real-models
+.PHONY: setup system-deps runtimes lock demo demo-rl docs test test-fast test-long test-multinode reliability clean up down gpu-wheels gpu-check bench fuzz real-models
 
 # The main venv: an overlay over the cached runtime built from infra/runtimes/main.txt (see infra/runtimes/build.py).
 setup: $(VENV)/.baton-overlay
@@ -42,6 +42,11 @@ lock:
 
 demo: setup runtimes
 	$(VENV)/bin/baton run configs/tiny.yaml
+
+# The tiny world with RL from verifiable rewards: GRPO on a generated arithmetic task instead of DPO (data → pretrain →
+# rlhf, configs/tiny-grpo.yaml); the held-out reward rises (docs/stages/rlhf.md#see-it-rise-make-demo-rl).
+demo-rl: setup
+	$(VENV)/bin/baton run configs/tiny-grpo.yaml
 
 # The docs site (mkdocs.yml, docs/): regenerate the config and CLI references from the code, then build strictly
 # (a broken link fails) into site/. tests/test_docs.py does the same into a scratch folder in `make test`.
@@ -117,7 +122,8 @@ gpu-check:
 # runs it alone):
 # writes benchmarks/results/bench.{json,md}, the README's Performance table and an MLflow run in `baton-benchmarks`.
 BENCH_ARGS ?=
-# Packing on a real model too: SmolLM2-135M-Instruct (`make real-models`), imported once into $(BATON_HOME)/models.
+# Packing on a real model too: SmolLM2-135M-Instruct (`make real-models`), imported once into $(BATON_HOME)/models
+# (~1 min); its line took 17.5 min at load ~5 on the 2 shared cores (2026-12-03), the tiny model's 27 s.
 BENCH_REAL_MODEL = $(BATON_HOME)/models/smollm2-135m-instruct
 bench: setup
 	$(VENV)/bin/python benchmarks/bench.py $(BENCH_ARGS)

@@ -105,17 +105,19 @@ def main(argv=None) -> int:
               for i in range(0, len(windows) - per_window, per_window)]
     result = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                           "threads": a.threads, "load_1min": os.getloadavg()[0]},
-              "model": str(a.model) if a.model else "tiny (random init)", "examples": len(encoded), "windows": len(windows), "window_fill": round(fill, 3),
+              "model": a.model.name if a.model else "tiny (random init)", "examples": len(encoded), "windows": len(windows), "window_fill": round(fill, 3),
               "rows_per_step": rows, "windows_per_step": per_window, "steps": a.steps}
     for name, batches in (("unpacked", unpacked), ("packed", packed)):
         rates = tokens_per_s(model_for(cfg, tok, a.model), batches, a.steps)
         result[name] = {"tokens_per_s_median": round(statistics.median(rates)), "tokens_per_step": round(
             statistics.mean(real for _, real in batches))}
+    result["machine"]["load_1min_end"] = os.getloadavg()[0]  # the other processes sharing the cores while it timed
     result["speedup"] = round(result["packed"]["tokens_per_s_median"] / result["unpacked"]["tokens_per_s_median"], 3)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"packing, {result['model']}, {result['examples']} SFT examples → {result['windows']} windows of {window} "
-          f"(fill {fill:.0%}), {a.threads} threads, load {result['machine']['load_1min']:.1f}")
+          f"(fill {fill:.0%}), {a.threads} threads, load {result['machine']['load_1min']:.1f} → "
+          f"{result['machine']['load_1min_end']:.1f}")
     for name in ("unpacked", "packed"):
         r = result[name]
         print(f"  {name:<9} {r['tokens_per_s_median']:>8} tokens/s  ({r['tokens_per_step']} real tokens a step)")

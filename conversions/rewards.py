@@ -1,11 +1,14 @@
 """Verifiable rewards for RL on prompts with answers (rlhf.rewards): each scores one completion of one data row.
 
-Built-ins (every one 0.0 or 1.0):
+Built-ins (0.0 or 1.0, but code_tests: a fraction):
     exact_match   the completion's final answer (extract: last_number | boxed | regex group 1 | full) equals the row's
                   reference (`answer_field`, default answer); numbers compare as numbers ("7.0" = "7")
     regex         the pattern is found in the completion (re.search; anchor it with ^ and $ for a whole-reply format)
     json_schema   the completion, stripped, is JSON that the schema accepts
     length        min_chars <= characters of the stripped completion <= max_chars
+    code_tests    the fraction of the row's test cases (column `tests_field`, default tests) that the completion's code
+                  (its last ```python block, or the whole reply: `code`) passes, run in conversions/sandbox.py's
+                  sandboxed subprocess (timeout_s, memory_mb, isolation); no code block scores 0
 A user function (`kind: function`, `function: path/to/rewards.py:fn`) is called as fn(prompt, completion, **row): prompt
 is the text of the row's last user message, completion the generated text, row every other column of the data row
 (answer, and any column of its own); it returns a float.
@@ -16,14 +19,18 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
+from . import sandbox
 from .refusal import Refused
 
 NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
 BOXED = "\\boxed{"
+CODE_BLOCK = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.S | re.I)  # tagged python, or untagged
 
 
 class RewardError(Refused):
@@ -109,8 +116,32 @@ def length(completion: str, row: dict, spec: dict) -> float:
     return float((low is None or n >= low) and (high is None or n <= high))
 
 
+def code_of(completion: str, how: str) -> str | None:
+    """The code to run: the last closed ```python (or untagged) block, or the whole reply; None when there is no
+    block (a reply cut off inside its block has none)."""
+    if how == "full":
+        return completion
+    blocks = CODE_BLOCK.findall(completion)
+    return blocks[-1] if blocks else None
+
+
+def code_tests(completion: str, row: dict, spec: dict) -> float:
+    field = spec.get("tests_field") or "tests"
+    if field not in row:
+        raise KeyError(f"the row has no column {field!r} (tests_field)")
+    if problem := sandbox.tests_problem(row[field]):
+        raise ValueError(f"column {field!r}: {problem}")
+    code = code_of(completion, spec.get("code") or "last_block")
+    if code is None:
+        return 0.0
+    limits = sandbox.Limits(timeout_s=spec.get("timeout_s") or 5.0, memory_mb=spec.get("memory_mb") or 512,
+                            isolation=spec.get("isolation") or "required")
+    return sandbox.run_tests(code, row[field], limits).fraction
+
+
 BUILT_INS: dict[str, Callable[[str, dict, dict], float]] = {
-    "exact_match": exact_match, "regex": regex, "json_schema": json_schema, "length": length}
+    "exact_match": exact_match, "regex": regex, "json_schema": json_schema, "length": length,
+    "code_tests": code_tests}
 
 
 # ---- one reward, any kind, scoring rows ------------------------------------------------------------------------------
@@ -136,6 +167,7 @@ class Reward:
     name: str
     weight: float
     score_one: Callable[[str, str, dict], float]
+    concurrent: bool = False  # its completions may be scored at once (code_tests: each waits on its own subprocess)
 
     def score(self, prompt: str, completion: str, row: dict, where: str) -> float:
         try:
@@ -148,6 +180,14 @@ class Reward:
             raise RewardError(f"reward {self.name} returned NaN on {where} (prompt {prompt[:60]!r})")
         return value
 
+    def score_many(self, items: list[tuple[str, str, dict, str]]) -> list[float]:
+        """score() of each (prompt, completion, row, where), in order; a concurrent reward's on one thread per core
+        (the first failing item, in order, is the error raised)."""
+        if not self.concurrent or len(items) < 2:
+            return [self.score(*item) for item in items]
+        with ThreadPoolExecutor(max_workers=min(len(items), os.cpu_count() or 1)) as pool:
+            return list(pool.map(lambda item: self.score(*item), items))
+
 
 def build(spec: dict, index: int) -> Reward:
     """A reward from its spec (the rlhf.rewards entry, a user function with the text of its file)."""
@@ -157,7 +197,8 @@ def build(spec: dict, index: int) -> Reward:
         return Reward(f"{index}_{spec['name']}", spec["weight"],
                       lambda prompt, completion, row: fn(prompt, completion, **row))
     check = BUILT_INS[kind]
-    return Reward(f"{index}_{kind}", spec["weight"], lambda prompt, completion, row: check(completion, row, spec))
+    return Reward(f"{index}_{kind}", spec["weight"], lambda prompt, completion, row: check(completion, row, spec),
+                  concurrent=kind == "code_tests")
 
 
 def row_fields(row: dict) -> dict:

@@ -409,6 +409,8 @@ FUNCTION = {"kind": "function", "function": "{tmp}/rewards.py:close_enough"}
     ({"rewards": [{"kind": "json_schema", "json_schema": {"type": "object"}}]},
      "rlhf.rewards[0]: kind json_schema has no NeMo-RL environment"),
     ({"rewards": [{"kind": "length", "max_chars": 9}]}, "rlhf.rewards[0]: kind length has no NeMo-RL environment"),
+    ({"rewards": [{"kind": "code_tests", "isolation": "limits_only"}]},
+     "rlhf.rewards[0]: kind code_tests has no NeMo-RL environment"),
     ({"rewards": [{"kind": "exact_match", "extract": "full"}]},
      "rlhf.rewards[0].extract: full has no NeMo-RL environment (its math environment reads the last \\boxed{} or the "
      "last expression: extract boxed or last_number; use rlhf.backend=trl)"),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import re
 import shutil
 from pathlib import Path
@@ -128,10 +129,25 @@ def nemo_rl_tool_errors(kind: str) -> list[ConfigProblem]:
     return [ConfigProblem("rlhf", message)] if tool and not shutil.which(tool) else []
 
 
+def sandbox_errors(cfg) -> list[ConfigProblem]:
+    """code_tests with isolation required, on a machine whose kernel cannot isolate the code (probed once: a sandboxed
+    child reports the layers it could not set up)."""
+    keys = [f"rlhf.rewards[{i}].isolation" for i, r in enumerate(cfg.rewards)
+            if r.kind == "code_tests" and r.isolation == "required"]
+    if not keys:
+        return []
+    from conversions import sandbox
+
+    missing = sandbox.probe()
+    return [ConfigProblem(key, f"{key}: required, and this machine cannot isolate the code: {'; '.join(missing)} "
+                          "(set it to limits_only to run the tests with the resource limits alone)")
+            for key in keys] if missing else []
+
+
 def host_errors(cfg, pipeline) -> list[ConfigProblem]:
     runtimes = getattr(pipeline, "runtimes", None) or {}
     if resolve_backend(cfg, runtimes) != "nemo_rl":
-        return []
+        return sandbox_errors(cfg)
     kind = nemo_rl_runtime(runtimes).get("kind", "venv")
     if runs_here_without_a_gpu(kind):
         return []  # validate's "needs an NVIDIA GPU" is decisive: nothing else matters on this machine
@@ -140,7 +156,8 @@ def host_errors(cfg, pipeline) -> list[ConfigProblem]:
 
 # ---- rlhf.rewards: every entry checked here, before launch (the worker only scores) ----------------------------------
 REWARD_KEYS = {"exact_match": ("extract", "answer_field", "pattern"), "regex": ("pattern",),
-               "json_schema": ("json_schema",), "length": ("min_chars", "max_chars"), "function": ("function",)}
+               "json_schema": ("json_schema",), "length": ("min_chars", "max_chars"),
+               "code_tests": ("code", "tests_field", "timeout_s", "memory_mb", "isolation"), "function": ("function",)}
 COMMON_REWARD_KEYS = ("kind", "weight")
 
 
@@ -214,6 +231,36 @@ def reward_errors(reward, key: str) -> list[ConfigProblem]:
     elif reward.kind == "function":
         errors += function_source(reward.function, f"{key}.function")[3]
     return errors
+
+
+SHOWN_BAD_ROWS = 5
+
+
+def code_tests_row_errors(cfg, data_dir: Path) -> list[str]:
+    """Every prompts row a code_tests reward would score carries test cases it can run (the data stage keeps a row's
+    other columns as they were): 'rlhf.rewards[i].tests_field: <file>:<line>: field ...', the first few per file."""
+    from conversions import sandbox
+
+    errors = []
+    for i, r in enumerate(cfg.rewards):
+        if r.kind != "code_tests":
+            continue
+        key = f"rlhf.rewards[{i}].tests_field"
+        for split in ("train", "heldout"):
+            path = data_dir / "prompts" / f"{split}.jsonl"
+            lines = path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
+            bad = [(n, problem) for n, line in enumerate(lines, start=1) if line.strip()
+                   if (problem := _tests_field_problem(json.loads(line), r.tests_field, sandbox))]
+            errors += [f"{key}: {path}:{n}: field {r.tests_field!r}: {problem}" for n, problem in bad[:SHOWN_BAD_ROWS]]
+            if len(bad) > SHOWN_BAD_ROWS:
+                errors.append(f"{key}: {path}: {len(bad) - SHOWN_BAD_ROWS} more rows like these")
+    return errors
+
+
+def _tests_field_problem(row: dict, field: str, sandbox) -> str | None:
+    if field not in row:
+        return "missing (the test cases the code_tests reward runs)"
+    return sandbox.tests_problem(row[field])
 
 
 def rewards_errors(cfg, pipeline) -> list[ConfigProblem]:

@@ -26,9 +26,10 @@ class RewardConfig(StrictModel):
     """One verifiable reward of algorithm grpo on data.prompts (conversions/rewards.py). The rewards of a list are
     summed, each times its weight."""
 
-    kind: Literal["exact_match", "regex", "json_schema", "length", "function"] = Field(
+    kind: Literal["exact_match", "regex", "json_schema", "length", "code_tests", "function"] = Field(
         ..., description="exact_match: the final answer equals the row's; regex: the pattern is found; json_schema: "
-                         "the reply is JSON the schema accepts; length: its characters within bounds; function: yours")
+                         "the reply is JSON the schema accepts; length: its characters within bounds; code_tests: the "
+                         "fraction of the row's tests its code passes, in a sandbox; function: yours")
     weight: float = Field(1.0, description="multiplies this reward in the sum")
     extract: Literal["last_number", "boxed", "regex", "full"] = Field(
         "last_number", description="exact_match: the final answer is the last number, the last \\boxed{}, group 1 of "
@@ -39,6 +40,17 @@ class RewardConfig(StrictModel):
     json_schema: dict | None = Field(None, description="json_schema: the JSON Schema (inline)")
     min_chars: int | None = Field(None, ge=0, description="length: fewest characters")
     max_chars: int | None = Field(None, ge=0, description="length: most characters")
+    code: Literal["last_block", "full"] = Field(
+        "last_block", description="code_tests: run the reply's last ```python (or untagged) block, or the whole reply")
+    tests_field: str = Field("tests", description="code_tests: the row's column holding its tests: a list of Python "
+                                                  "statements (asserts) and/or {input, output} objects (stdin → stdout)")
+    timeout_s: float = Field(5.0, gt=0, le=300, description="code_tests: wall-clock seconds for one completion's run "
+                                                           "of all its tests (then its process group is killed)")
+    memory_mb: int = Field(512, ge=64, description="code_tests: the sandboxed process's address space (RLIMIT_AS)")
+    isolation: Literal["required", "limits_only"] = Field(
+        "required", description="code_tests: required refuses before launch where this machine cannot isolate the code "
+                                "(no network namespace, Landlock or seccomp); limits_only runs it with the resource "
+                                "limits and whatever isolation works, and says what is missing")
     function: str | None = Field(None, description="function: 'path/to/rewards.py:fn', called fn(prompt, completion, "
                                                    "**row) -> float in the worker")
 

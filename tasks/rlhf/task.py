@@ -64,6 +64,8 @@ def check_inputs(ctx: StageContext, cfg: RlhfConfig) -> None:
         if ctx.data_dir is None or not (Path(ctx.data_dir) / dataset / f"{split}.jsonl").exists():
             hint = "set data.prompts and run the data stage" if dataset == "prompts" else "run the data stage"
             problems.append(f"rlhf: data {ctx.data_dir} lacks {dataset}/{split}.jsonl ({hint})")
+    if ctx.data_dir is not None and dataset == "prompts":
+        problems += checks.code_tests_row_errors(cfg, Path(ctx.data_dir))
     if problems:
         raise RlhfInputError("; ".join(problems))
 

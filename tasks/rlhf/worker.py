@@ -521,8 +521,8 @@ def format_prompts(tok, rows: list[dict], split: str) -> list[dict]:
 def trl_reward(reward: rw.Reward, rows: list[dict]):
     """One reward as a TRL reward function: TRL passes the dataset's columns, of which row_index finds the row."""
     def score(prompts, completions, row_index, **kwargs) -> list[float]:
-        return [reward.score(rows[i]["text"], text, rows[i]["fields"], rows[i]["where"])
-                for i, text in zip(row_index, completions)]
+        return reward.score_many([(rows[i]["text"], text, rows[i]["fields"], rows[i]["where"])
+                                  for i, text in zip(row_index, completions)])
 
     score.__name__ = reward.name
     return score
@@ -566,9 +566,10 @@ def greedy_replies(model, tok, prompts: list[str], max_new_tokens: int, batch: i
 def reward_facts(model, tok, rows: list[dict], rewards: list[rw.Reward], max_new_tokens: int, label: str) -> dict:
     """Mean weighted reward of greedy replies to the held-out prompts, and the fraction solved (every reward full)."""
     replies = greedy_replies(model, tok, [r["prompt"] for r in rows], max_new_tokens)
+    items = [(r["text"], reply, r["fields"], r["where"]) for r, reply in zip(rows, replies)]
+    by_reward = [w.score_many(items) for w in rewards]
     total, solved = 0.0, 0
-    for r, reply in zip(rows, replies):
-        scores = [w.score(r["text"], reply, r["fields"], r["where"]) for w in rewards]
+    for scores in zip(*by_reward):
         total += sum(w.weight * x for w, x in zip(rewards, scores))
         solved += rw.solved(scores)
     if replies:

@@ -1,0 +1,160 @@
+"""Run untrusted code against test cases in a sandboxed subprocess (the code_tests reward, conversions/rewards.py).
+
+One `python -I` child per run (conversions/sandbox_child.py): an empty temporary working folder, a minimal environment,
+its own session, stdout and stderr discarded. Inside, before the code runs: RLIMIT_AS / RLIMIT_CPU / RLIMIT_NOFILE /
+RLIMIT_FSIZE, no_new_privs, a user + network namespace (no network at all), Landlock (writes only beneath the working
+folder; no signal to or ptrace of a process outside), a seccomp filter that fails every socket(2). The limits are set by
+the child itself as its first act, not in a preexec_fn: the TRL worker that calls this is multi-threaded, and a
+preexec_fn after fork can deadlock there. Here: a wall-clock timeout, after which (and after every run) the child's
+whole process group is killed.
+
+Test cases (a column of the prompts data), either kind in one list:
+    "assert add(2, 3) == 5"              Python statements run after the code, in its namespace: pass = nothing raised
+    {"input": "2 3\\n", "output": "5"}    the code as a program with that stdin: pass = what it printed equals output
+                                          (line by line, trailing spaces and blank edges ignored)
+
+What it does not stop: code that reads files the user running baton can read (there is no network to send them
+over), or a descendant that starts its own session (it escapes the group kill; RLIMIT_CPU, Landlock and the
+namespaces still hold it). The code runs in the same interpreter as the harness, so a program that digs the run's
+nonce out of the harness's memory could forge passes: this guards against broken and careless code, not a policy
+trained to attack its grader.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .refusal import Refused
+
+CHILD = Path(__file__).with_name("sandbox_child.py")
+RESULTS_READ = 1 << 20
+MAX_TESTS = 100
+ISOLATION = ("required", "limits_only")
+UNAVAILABLE = 3  # the child's exit status when a required layer failed
+
+
+class SandboxUnavailable(Refused):
+    """isolation required and this machine cannot give a layer (the message names it and why)."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    timeout_s: float = 5.0
+    memory_mb: int = 512
+    isolation: str = "required"
+
+
+@dataclass
+class Outcome:
+    passed: set[int]
+    total: int
+    timed_out: bool
+    layers: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+
+    @property
+    def fraction(self) -> float:
+        return len(self.passed) / self.total if self.total else 0.0
+
+
+# ---- test cases: validated before anything runs ---------------------------------------------------------------------
+def test_problem(test, index: int) -> str | None:
+    if isinstance(test, str):
+        if not test.strip():
+            return f"test {index}: empty"
+        try:
+            compile(test, f"<test {index}>", "exec")
+        except SyntaxError as e:
+            return f"test {index}: not valid Python (line {e.lineno}: {e.msg})"
+        return None
+    if isinstance(test, dict):
+        if set(test) != {"input", "output"} or not all(isinstance(test[k], str) for k in ("input", "output")):
+            return (f"test {index}: an input/output test is an object with exactly the string fields input and "
+                    f"output (got fields {sorted(test)})")
+        return None
+    return (f"test {index}: expected a string (Python statements, e.g. an assert) or an object {{input, output}}, "
+            f"got {type(test).__name__}")
+
+
+def tests_problem(tests) -> str | None:
+    """Why a row's test cases cannot be run, or None."""
+    if not isinstance(tests, list) or not tests:
+        return f"expected a non-empty list of tests, got {type(tests).__name__ if tests != [] else 'an empty list'}"
+    if len(tests) > MAX_TESTS:
+        return f"{len(tests)} tests; at most {MAX_TESTS} per row"
+    return next((p for i, t in enumerate(tests) if (p := test_problem(t, i))), None)
+
+
+# ---- one run ----------------------------------------------------------------------------------------------------------
+def child_env(folder: str) -> dict[str, str]:
+    return {"PATH": "/usr/bin:/bin", "HOME": folder, "TMPDIR": folder, "LANG": "C.UTF-8"}
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """The child and everything still in its process group (a background process it started included)."""
+    for kill in (lambda: os.killpg(proc.pid, signal.SIGKILL), proc.kill):
+        try:
+            kill()
+        except (ProcessLookupError, PermissionError):
+            pass
+    proc.wait()
+
+
+def read_results(path: Path, nonce: str) -> tuple[set[int], list[str], list[str]]:
+    """(passed test indexes, layers, missing layers) from the lines that carry the nonce."""
+    passed, layers, missing = set(), [], []
+    try:
+        with open(path, "rb") as f:
+            text = f.read(RESULTS_READ).decode("utf-8", "replace")
+    except FileNotFoundError:
+        return passed, layers, missing
+    for line in text.splitlines():
+        head, _, rest = line.partition(" ")
+        if head != nonce:
+            continue
+        what, _, value = rest.partition(" ")
+        if what == "pass" and value.isdigit():
+            passed.add(int(value))
+        elif what in ("layers", "missing"):
+            (layers if what == "layers" else missing).extend(json.loads(value))
+    return passed, layers, missing
+
+
+def run_tests(code: str, tests: list, limits: Limits = Limits()) -> Outcome:
+    """Run `code` against `tests` in the sandbox. Raises SandboxUnavailable when isolation is required and a layer
+    is missing here."""
+    nonce = secrets.token_hex(16)
+    cpu_s = math.ceil(limits.timeout_s) + 1
+    with tempfile.TemporaryDirectory(prefix="baton-sandbox-", ignore_cleanup_errors=True) as folder:
+        proc = subprocess.Popen([sys.executable, "-I", str(CHILD), str(limits.memory_mb), str(cpu_s),
+                                 limits.isolation], cwd=folder, env=child_env(folder), stdin=subprocess.PIPE,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        timed_out = False
+        try:
+            proc.communicate(json.dumps({"code": code, "tests": tests, "nonce": nonce}).encode(),
+                             timeout=limits.timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            kill_group(proc)
+        passed, layers, missing = read_results(Path(folder) / "results", nonce)
+    if proc.returncode == UNAVAILABLE and missing and limits.isolation == "required":
+        raise SandboxUnavailable("the code sandbox cannot isolate code on this machine: " + "; ".join(missing) +
+                                 " (isolation: limits_only runs it with the limits alone)")
+    return Outcome({i for i in passed if i < len(tests)}, len(tests), timed_out, layers, missing)
+
+
+def probe() -> list[str]:
+    """The isolation layers this machine cannot give ('layer: why'); empty when the sandbox is whole."""
+    outcome = run_tests("", ["pass"], Limits(timeout_s=30, isolation="limits_only"))
+    if not outcome.layers and not outcome.missing:
+        return ["sandbox: the child started but reported nothing (python -I conversions/sandbox_child.py)"]
+    return outcome.missing
