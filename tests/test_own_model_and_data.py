@@ -1,7 +1,8 @@
 """Your own model and your own data, as a new user would bring them: an HF causal LM that baton did not make (Qwen2
-with q/k/v biases, GQA and tied embeddings, or Llama untied; random weights, its own locally trained tokenizer and a
-chat template unlike baton's) and files in the field's formats → data → rlhf (TRL DPO) → finetune (DeepSpeed) →
-convert (Qwen2 on to vLLM), every gate on held-out loss. Bad input fails in the data stage, before any engine, naming file, line, field."""
+with q/k/v biases, GQA and tied embeddings, Llama untied, or a Gemma 3 base model with sliding-window layers and no
+chat template of its own; random weights, its own locally trained tokenizer and a chat template unlike baton's) and
+files in the field's formats → data → rlhf (TRL DPO) → finetune (DeepSpeed) → convert (Qwen2 and Gemma 3 on to vLLM),
+every gate on held-out loss. Bad input fails in the data stage, before any engine, naming file, line, field."""
 from __future__ import annotations
 
 import json
@@ -16,21 +17,28 @@ from conftest import baton, cli
 TEMPLATE = ("{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + m['content'] + eos_token + '\n' }}{% endfor %}"
             "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}")
 SPECIAL = ["<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>"]
+# Gemma's vocabulary: its turn markers are special tokens, and <end_of_turn> is not its eos
+GEMMA_SPECIAL = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"]
 FRUIT = {"banana": "yellow", "apple": "red", "lime": "green", "plum": "purple", "orange": "orange", "kiwi": "brown",
          "cherry": "red", "lemon": "yellow", "grape": "green", "fig": "purple"}
 
 
-def own_tokenizer(dest: Path, texts: list[str]):
+def own_tokenizer(dest: Path, texts: list[str], gemma: bool = False):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    special = GEMMA_SPECIAL if gemma else SPECIAL
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIAL, show_progress=False,
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, special_tokens=special, show_progress=False,
                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-    fast.chat_template = TEMPLATE
+    if gemma:  # a base model: no chat template of its own
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                                       additional_special_tokens=["<start_of_turn>", "<end_of_turn>"])
+    else:
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+        fast.chat_template = TEMPLATE
     fast.save_pretrained(str(dest))
     return fast
 
@@ -40,17 +48,30 @@ def own_model(dest: Path, family: str, texts: list[str], hidden: int = 64) -> Pa
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    tok = own_tokenizer(dest, texts)
+    tok = own_tokenizer(dest, texts, gemma=family == "gemma3")
     common = dict(vocab_size=len(tok), hidden_size=hidden, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     torch.manual_seed(0)
     if family == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=True))
+    elif family == "gemma3":
+        model = gemma3_model(common)
     else:
         model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False))
     model.save_pretrained(str(dest), safe_serialization=True)
     return dest
+
+
+def gemma3_model(common: dict):
+    """Gemma 3's text model: head_dim 32 (vLLM's CPU attention has no 16), a sliding-window layer then a global one
+    (the window shorter than the chat prompts, so it matters), tied embeddings."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(**common, head_dim=32, sliding_window=32,
+                              layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=True)
+    config.architectures = ["Gemma3ForCausalLM"]
+    return Gemma3ForCausalLM(config)
 
 
 def qa(fruit: str) -> tuple[str, str]:
