@@ -115,7 +115,7 @@ def test_the_template_is_written_only_where_none_is(tmp_path):
     assert chat_template.resolved({"chat_template": str(template)})["chat_template"] == ZEPHYR
 
 
-# ---- the template's end-of-turn token is a stop token of what the stages write -----------------------------------------
+# ---- the template's end-of-turn token is a stop token of what the stages write ---------------------------------
 GEMMA = TINY.parent / "real-gemma3.yaml"  # Gemma's turn format, given to a base model that has none
 
 
