@@ -69,10 +69,11 @@ real-models:
 # The longest engine tests (marker `long`), on the same two workers: ZeRO-Infinity with parameters on NVMe (with
 # DeepSpeed's async_io JIT build the first time), the batch finder's real-engine probes, the whole chain at --smoke
 # size, the supervised vLLM server, the GPU check's CPU dry run, LoRA on ZeRO-3, lm-eval as a gate, a flipped byte in a
-# DeepSpeed checkpoint, ENOSPC in a DeepSpeed save, Megatron's interleaved PP2×VP2, your own Qwen2 model through to
-# vLLM, the stack on PostgreSQL, a rank killed then `prefect flow-run cancel` through the stack, real pretrained
-# models (SmolLM2-135M through the chain, Gemma 3 270M imported and answering, from their GGUF files, `make
-# real-models`). CI runs them after `make test`.
+# DeepSpeed checkpoint, ENOSPC in a DeepSpeed save, Megatron's interleaved PP2×VP2, your own Qwen2 model and a Gemma 3
+# base model (model.chat_template, its <end_of_turn> a stop token) through to vLLM, the stack on PostgreSQL, a rank
+# killed then `prefect flow-run cancel` through the stack, real pretrained models (SmolLM2-135M through the chain to
+# vLLM, then SGLang, Gemma 3 270M imported and answering, from their GGUF files, `make real-models`). CI runs them after
+# `make test`.
 test-long: setup system-deps runtimes
 	$(VENV)/bin/python -m pytest -m long -p no:cacheprovider $(XDIST) $(PYTEST_ARGS)
 

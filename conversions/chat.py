@@ -6,12 +6,17 @@ The data stage writes canonical rows (tasks/data/formats.py); the training worke
     encode(tok, messages, max_len, overlong) -> Encoded    token ids and labels (-100 where not learned)
     completion(tok, prompt, reply) -> (prompt_text, reply_text)   preference pairs as TRL's standard strings
     reply_context_ids(tok, messages) -> ids                 what the model saw before its reply (serving must match)
+    end_of_turn_id(tok) -> id | None                       the special token the template closes a reply with
+    add_end_of_turn_stop(root, tokenizer_dir) -> ids | None   that token made a stop token of the checkpoint at root
 Segments are tokenized one by one, as a server tokenizes a rendered prompt and then generates the reply.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
+from . import durable
 from .refusal import Refused
 
 IGNORE = -100
@@ -109,3 +114,49 @@ def for_special_tokens(tok, rendered: str) -> str:
     if tok.bos_token and rendered.startswith(tok.bos_token) and adds_bos(tok):
         return rendered[len(tok.bos_token):]
     return rendered
+
+
+# A conversation with a known assistant reply: what the template writes right after the reply closes the turn.
+TURN_PROBE = [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "fruit: mango"}]
+
+
+def special_ids(tok) -> set[int]:
+    return set(tok.all_special_ids) | {i for i, t in tok.added_tokens_decoder.items() if t.special}
+
+
+def end_of_turn_id(tok) -> int | None:
+    """The special token the chat template writes right after an assistant reply (<end_of_turn>, <|im_end|>, the eos),
+    found by rendering a conversation with a known reply through the tokenizer's own renderer; None when plain text,
+    or nothing, follows the reply."""
+    rendered = _render(tok, TURN_PROBE)
+    reply = TURN_PROBE[-1]["content"]
+    if reply not in rendered:
+        return None
+    after = rendered[rendered.rindex(reply) + len(reply):]
+    ids = tok(after, add_special_tokens=False)["input_ids"]
+    return ids[0] if ids and ids[0] in special_ids(tok) else None
+
+
+def _json(path: Path) -> dict:
+    obj = json.loads(path.read_text()) if path.exists() else {}
+    return obj if isinstance(obj, dict) else {}
+
+
+def add_end_of_turn_stop(root: Path, tokenizer_dir: Path | None = None) -> list[int] | None:
+    """Make the chat template's end-of-turn token a stop token of the HF checkpoint at root when it is not one yet:
+    generation_config.json's eos_token_id becomes the list of the stop ids it had (else config.json's) and the
+    end-of-turn id. vLLM, SGLang and HF generate stop at every id listed there. Returns the new stop ids, or None when
+    nothing changed (the template's reply ends in a stop token already, or in no special token)."""
+    from transformers import AutoTokenizer
+
+    root = Path(root)
+    end = end_of_turn_id(AutoTokenizer.from_pretrained(str(tokenizer_dir or root)))
+    config, generation = _json(root / "config.json"), _json(root / "generation_config.json")
+    stops = generation.get("eos_token_id", config.get("eos_token_id"))
+    stops = list(stops) if isinstance(stops, list) else ([stops] if stops is not None else [])
+    if end is None or end in stops:
+        return None
+    if not generation:  # what HF derives from config.json when the file is missing, plus the new stop
+        generation = {k: config[k] for k in ("bos_token_id", "pad_token_id") if config.get(k) is not None}
+    durable.write_json(root / "generation_config.json", {**generation, "eos_token_id": stops + [end]})
+    return stops + [end]

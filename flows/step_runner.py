@@ -281,15 +281,20 @@ def _summary_metrics(entry: dict, out: StageOutput) -> dict:
     return metrics
 
 
-def serving_changes(output) -> list[str]:
-    """What the step's output changed in its parent's serving contract (tokenizer, chat template, special tokens,
-    stop tokens, generation defaults), from the two manifests."""
+def serving_contracts(output) -> tuple[dict | None, dict | None]:
+    """(the parent's serving contract, the output's), from the two manifests; None where one is missing."""
     try:
         m = mf.read(Path(output)) if output else None
         parent = mf.read(Path(m["parent"]["path"])) if m and (m.get("parent") or {}).get("path") else None
     except (mf.ManifestError, OSError):
-        return []
-    return mf.serving_changes((parent or {}).get("serving"), (m or {}).get("serving"))
+        return None, None
+    return (parent or {}).get("serving"), (m or {}).get("serving")
+
+
+def serving_changes(output) -> list[str]:
+    """What the step's output changed in its parent's serving contract (tokenizer, chat template, special tokens,
+    stop tokens, generation defaults), from the two manifests."""
+    return mf.serving_changes(*serving_contracts(output))
 
 
 def _record_output(c, mlflow_run: str, step: Step, work: Path, out: StageOutput, entry: dict) -> None:
@@ -332,8 +337,11 @@ def _with_finite_check(out: StageOutput) -> None:
     out.gate = verify.report(out.gate.get("checks", []) + checks, out.gate.get("seconds"))
 
 
-# What a config can ask a stage to change in the serving contract: model.chat_template renders a new template.
-ASKED_BY = {"chat_template_sha256": "model.chat_template"}
+# What a config can ask a stage to change in the serving contract: model.chat_template renders a new template, and
+# the stage that writes it makes the template's end-of-turn token a stop token (conversions.chat.add_end_of_turn_stop).
+END_OF_TURN = "model.chat_template: its end-of-turn token stops a reply"
+STOP_FIELDS = ("stop_token_ids", "generation_config.eos_token_id")
+ASKED_BY = {"chat_template_sha256": "model.chat_template", **dict.fromkeys(STOP_FIELDS, END_OF_TURN)}
 
 
 def serving_contract_check(output, cfg: PipelineConfig) -> dict | None:
@@ -346,8 +354,9 @@ def serving_contract_check(output, cfg: PipelineConfig) -> dict | None:
         pass
     if not m or not (m.get("parent") or {}).get("path"):
         return None
-    changed = serving_changes(output)
-    asked = [c for c in changed if _asked_for(c.split(":")[0], cfg)]
+    before, after = serving_contracts(output)
+    changed = mf.serving_changes(before, after)
+    asked = [c for c in changed if _asked_for(c.split(":")[0], cfg, before, after)]
     unasked = [c for c in changed if c not in asked]
     if unasked:
         return verify.check("contract.serving", False, "changed without the config asking: " + "; ".join(unasked))
@@ -358,9 +367,16 @@ def serving_contract_check(output, cfg: PipelineConfig) -> dict | None:
                                                   "generation defaults as in the parent checkpoint")
 
 
-def _asked_for(field: str, cfg: PipelineConfig) -> bool:
-    setting = ASKED_BY.get(field)
-    return setting == "model.chat_template" and cfg.model.chat_template is not None
+def _asked_for(field: str, cfg: PipelineConfig, before: dict, after: dict) -> bool:
+    if field not in ASKED_BY or cfg.model.chat_template is None:
+        return False
+    return field not in STOP_FIELDS or _stop_added_with_the_template(before, after)
+
+
+def _stop_added_with_the_template(before: dict, after: dict) -> bool:
+    """The stop tokens only grew, in the stage that gave the checkpoint its (new) chat template."""
+    old, new = set(before.get("stop_token_ids") or []), set(after.get("stop_token_ids") or [])
+    return old < new and after.get("chat_template_sha256") not in (None, before.get("chat_template_sha256"))
 
 
 def _with_serving_contract_check(out: StageOutput, cfg: PipelineConfig) -> None:

@@ -113,3 +113,81 @@ def test_the_template_is_written_only_where_none_is(tmp_path):
     assert (tmp_path / "b" / "chat_template.jinja").read_text() == "{{ 'own' }}"
     assert chat_template.write_if_missing(ZEPHYR, own) is None
     assert chat_template.resolved({"chat_template": str(template)})["chat_template"] == ZEPHYR
+
+
+# ---- the template's end-of-turn token is a stop token of what the stages write ---------------------------------
+GEMMA = TINY.parent / "real-gemma3.yaml"  # Gemma's turn format, given to a base model that has none
+
+
+def gemma_base(dest: Path) -> Path:
+    """A Gemma 3 base model as it ships: no chat template; its eos is <eos>, its turn markers are special tokens."""
+    from test_own_model_and_data import own_model, write_files
+
+    files = write_files(dest / "files")
+    texts = [json.dumps(json.loads(line)) for line in files["sft"].read_text().splitlines()]
+    return own_model(dest / "gemma3", "gemma3", texts)
+
+
+def finetune_prepared(base: Path, work: Path, cfg):
+    """The finetune stage's output folder as it stands before training: what the stage wrote around the input's
+    tokenizer and configs (training only adds the weights)."""
+    from conversions import manifest as mf
+    from tasks import chat_template
+    from tasks.finetune import task
+    from tasks.stage import StageContext
+
+    data = work / "data"
+    (data / "sft").mkdir(parents=True)
+    for split in ("train", "heldout"):
+        (data / "sft" / f"{split}.jsonl").write_text("")
+    mf.write(base, mf.build(base, format="hf-safetensors", stage="import", parameter_count=1, dtype="float32"))
+    ctx = StageContext(stage="finetune", run_id="test", run_dir=work, work_dir=work / "finetune", seed=0,
+                       model=chat_template.resolved(cfg.model.model_dump()), data_dir=data, input=base,
+                       input_format="hf-safetensors")
+    _, _, out, _ = task.prepare(ctx, cfg.finetune)
+    mf.write(out, mf.build(out, format="deepspeed-zero", stage="finetune", parameter_count=1, dtype="float32",
+                           parent=mf.parent_ref(base), tokenizer_dir=out / "tokenizer"))
+    return out
+
+
+@pytest.mark.fast
+def test_the_templates_end_of_turn_token_becomes_a_stop_token_the_gate_accepts_as_asked(tmp_path):
+    """Gemma's template closes a reply with <end_of_turn>, which is not the base model's eos: the stage that writes the
+    template makes it a stop token (generation_config.json's eos_token_id, which vLLM and SGLang stop at), and the
+    serving-contract gate reports the change as the config's."""
+    from transformers import AutoTokenizer
+
+    from conversions import chat, manifest as mf
+    from flows.step_runner import END_OF_TURN, serving_contract_check
+
+    base = strip_template(gemma_base(tmp_path))
+    tok = AutoTokenizer.from_pretrained(str(base))
+    eos, end_of_turn = tok.eos_token_id, tok.convert_tokens_to_ids("<end_of_turn>")
+    cfg = load(GEMMA)
+    tok.chat_template = cfg.model.chat_template
+    assert chat.end_of_turn_id(tok) == end_of_turn != eos
+
+    out = finetune_prepared(base, tmp_path, cfg)
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == [eos, end_of_turn]
+    assert mf.read(out)["serving"]["stop_token_ids"] == sorted([eos, end_of_turn])
+    assert json.loads((base / "generation_config.json").read_text())["eos_token_id"] == eos  # the input is untouched
+    check = serving_contract_check(out, cfg)
+    assert check["passed"] and f"stop_token_ids: [{eos}] → {sorted([eos, end_of_turn])} ({END_OF_TURN})" in \
+        check["detail"], check
+    unasked = serving_contract_check(out, load(TINY))  # the same stops, with no template in the config: drift
+    assert not unasked["passed"] and "stop_token_ids" in unasked["detail"], unasked
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("template", [
+    ZEPHYR,  # the reply is closed by the eos: a stop token already
+    "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n\n' }}{% endfor %}",  # by plain text: no token
+])
+def test_a_template_whose_turn_ends_in_no_new_special_token_leaves_the_stops_as_they_were(tmp_path, template):
+    from conversions import chat
+
+    base = strip_template(gemma_base(tmp_path))
+    (base / "chat_template.jinja").write_text(template)
+    before = (base / "generation_config.json").read_bytes()
+    assert chat.add_end_of_turn_stop(base) is None
+    assert (base / "generation_config.json").read_bytes() == before

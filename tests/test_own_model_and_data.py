@@ -1,7 +1,8 @@
 """Your own model and your own data, as a new user would bring them: an HF causal LM that baton did not make (Qwen2
-with q/k/v biases, GQA and tied embeddings, or Llama untied; random weights, its own locally trained tokenizer and a
-chat template unlike baton's) and files in the field's formats → data → rlhf (TRL DPO) → finetune (DeepSpeed) →
-convert (Qwen2 on to vLLM), every gate on held-out loss. Bad input fails in the data stage, before any engine, naming file, line, field."""
+with q/k/v biases, GQA and tied embeddings, Llama untied, or a Gemma 3 base model with sliding-window layers and no
+chat template of its own; random weights, its own locally trained tokenizer and a chat template unlike baton's) and
+files in the field's formats → data → rlhf (TRL DPO) → finetune (DeepSpeed) → convert (Qwen2 and Gemma 3 on to
+vLLM), every gate on held-out loss. Bad input fails in the data stage, before any engine, naming file, line, field."""
 from __future__ import annotations
 
 import json
@@ -16,21 +17,28 @@ from conftest import baton, cli
 TEMPLATE = ("{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + m['content'] + eos_token + '\n' }}{% endfor %}"
             "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}")
 SPECIAL = ["<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>"]
+# Gemma's vocabulary: its turn markers are special tokens, and <end_of_turn> is not its eos
+GEMMA_SPECIAL = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"]
 FRUIT = {"banana": "yellow", "apple": "red", "lime": "green", "plum": "purple", "orange": "orange", "kiwi": "brown",
          "cherry": "red", "lemon": "yellow", "grape": "green", "fig": "purple"}
 
 
-def own_tokenizer(dest: Path, texts: list[str]):
+def own_tokenizer(dest: Path, texts: list[str], gemma: bool = False):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    special = GEMMA_SPECIAL if gemma else SPECIAL
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIAL, show_progress=False,
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, special_tokens=special, show_progress=False,
                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-    fast.chat_template = TEMPLATE
+    if gemma:  # a base model: no chat template of its own
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                                       additional_special_tokens=["<start_of_turn>", "<end_of_turn>"])
+    else:
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+        fast.chat_template = TEMPLATE
     fast.save_pretrained(str(dest))
     return fast
 
@@ -40,17 +48,30 @@ def own_model(dest: Path, family: str, texts: list[str], hidden: int = 64) -> Pa
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    tok = own_tokenizer(dest, texts)
+    tok = own_tokenizer(dest, texts, gemma=family == "gemma3")
     common = dict(vocab_size=len(tok), hidden_size=hidden, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     torch.manual_seed(0)
     if family == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=True))
+    elif family == "gemma3":
+        model = gemma3_model(common)
     else:
         model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False))
     model.save_pretrained(str(dest), safe_serialization=True)
     return dest
+
+
+def gemma3_model(common: dict):
+    """Gemma 3's text model: head_dim 32 (vLLM's CPU attention has no 16), a sliding-window layer then a global one
+    (the window shorter than the chat prompts, so it matters), tied embeddings."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(**common, head_dim=32, sliding_window=32,
+                              layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=True)
+    config.architectures = ["Gemma3ForCausalLM"]
+    return Gemma3ForCausalLM(config)
 
 
 def qa(fruit: str) -> tuple[str, str]:
@@ -107,16 +128,28 @@ def workspace(tmp_path, baton_home):
     return tmp_path, files, texts
 
 
-# Qwen2 goes on to vLLM (head_dim 32: vLLM's CPU attention has no 16); Llama stops at the HF checkpoint
-SERVED = {"qwen2": ["--stages", "data,rlhf,finetune,serve", "--set", "serve.engine=vllm",
-                    "--set", "serve.smoke.json_requests=4"], "llama": []}
-# Llama comes as a base model ships, without a chat template: the config's `model.chat_template` supplies it
-TEMPLATE_FROM_CONFIG = {"llama"}
+# Qwen2 and Gemma 3 go on to vLLM (head_dim 32: vLLM's CPU attention has no 16); Llama stops at the HF checkpoint
+ON_VLLM = ["--stages", "data,rlhf,finetune,serve", "--set", "serve.engine=vllm", "--set", "serve.smoke.json_requests=4"]
+SERVED = {"qwen2": ON_VLLM, "gemma3": ON_VLLM, "llama": []}
+# Llama and Gemma 3 come as base models ship, without a chat template: the config's `model.chat_template` supplies it
+# (Llama's closes a turn with its eos; Gemma's turn format, configs/real-gemma3.yaml's, with <end_of_turn>)
+TEMPLATE_FROM_CONFIG = {"llama": "zephyr", "gemma3": "gemma"}
+
+
+def configured_template(name: str) -> str:
+    if name == "zephyr":
+        return TEMPLATE
+    from conftest import REPO
+    from flows.config import load
+
+    return load(REPO / "configs" / "real-gemma3.yaml").model.chat_template
 
 
 @pytest.mark.slow
 @pytest.mark.serve
-@pytest.mark.parametrize("family", [pytest.param("qwen2", marks=pytest.mark.long), "llama"])  # qwen2 serves: ~170 s
+@pytest.mark.parametrize("family", [pytest.param("qwen2", marks=pytest.mark.long), "llama",  # qwen2 serves: ~170 s
+                                    # gemma3 serves too: 216 to 371 s (serve ~160 s): the 300 s default is short
+                                    pytest.param("gemma3", marks=[pytest.mark.long, pytest.mark.timeout(900)])])
 def test_own_model_and_files_through_rlhf_finetune_convert(workspace, baton_home, family):
     tmp_path, files, texts = workspace
     ckpt = own_model(tmp_path / family, family, texts, hidden=128 if SERVED[family] else 64)
@@ -125,8 +158,8 @@ def test_own_model_and_files_through_rlhf_finetune_convert(workspace, baton_home
         from test_model_chat_template import strip_template
 
         strip_template(ckpt)
-        template = tmp_path / "zephyr.jinja"
-        template.write_text(TEMPLATE)
+        template = tmp_path / f"{TEMPLATE_FROM_CONFIG[family]}.jinja"
+        template.write_text(configured_template(TEMPLATE_FROM_CONFIG[family]))
     r = cli("manifest", str(ckpt), home=baton_home)
     assert r.returncode == 0, r.stderr[-2000:]
     cfg = write_config(tmp_path / "own.yaml", files, chat_template=template)
@@ -151,33 +184,59 @@ def test_own_model_and_files_through_rlhf_finetune_convert(workspace, baton_home
     from conversions import hf
 
     names = {n for n, _ in hf.iter_tensors(out)}
-    if family == "qwen2":  # q/k/v biases, tied embeddings
-        assert config["architectures"] == ["Qwen2ForCausalLM"] and config["tie_word_embeddings"] is True
-        assert {"model.layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.k_proj.bias"} <= names
+    if family in ("qwen2", "gemma3"):  # tied embeddings
         tied = next(c for c in conv["gate"]["checks"] if c["name"] == "preflight.tied_embeddings")
         assert tied["passed"] and "equals" in tied["detail"], tied  # a shared lm_head, if written, is the embedding
+    if family == "qwen2":  # q/k/v biases
+        assert config["architectures"] == ["Qwen2ForCausalLM"] and config["tie_word_embeddings"] is True
+        assert {"model.layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.k_proj.bias"} <= names
+    elif family == "gemma3":  # a sliding-window layer and a global one, query/key norms
+        assert config["architectures"] == ["Gemma3ForCausalLM"] and config["tie_word_embeddings"] is True
+        assert config["layer_types"] == ["sliding_attention", "full_attention"] and config["sliding_window"] == 32
+        assert "model.layers.0.self_attn.q_norm.weight" in names
+        assert_the_end_of_turn_token_stops_the_served_reply(stages, out)
     else:
         assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"] is False
         assert "lm_head.weight" in names and not any(n.endswith(".bias") for n in names)
     assert (out / "tokenizer_config.json").exists() or (out / "tokenizer" / "tokenizer_config.json").exists()
     if template is not None:
-        assert_the_configured_template_went_everywhere(stages, ckpt)
+        assert_the_configured_template_went_everywhere(stages, ckpt, template.read_text())
 
 
-def assert_the_configured_template_went_everywhere(stages: dict, ckpt: Path) -> None:
+def assert_the_configured_template_went_everywhere(stages: dict, ckpt: Path, template: str) -> None:
     """The data stage's tokenizer and every checkpoint a chat stage wrote carry the config's template, and render
     with it; the input checkpoint is never written to."""
     from transformers import AutoTokenizer
 
-    assert (Path(stages["data"]["output"]) / "tokenizer" / "chat_template.jinja").read_text() == TEMPLATE
+    assert (Path(stages["data"]["output"]) / "tokenizer" / "chat_template.jinja").read_text() == template
+    expected = ("<|user|>\nhi</s>\n<|assistant|>\n" if template == TEMPLATE else
+                "<bos><start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n")
     for label in ("rlhf", "convert-zero-to-hf"):
         out = Path(stages[label]["output"])
-        assert (out / "chat_template.jinja").read_text() == TEMPLATE, label
+        assert (out / "chat_template.jinja").read_text() == template, label
         tok = AutoTokenizer.from_pretrained(str(out))
         rendered = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
                                            tokenize=False)
-        assert rendered == "<|user|>\nhi</s>\n<|assistant|>\n", label
+        assert rendered == expected, label
     assert not (ckpt / "chat_template.jinja").exists()
+
+
+def assert_the_end_of_turn_token_stops_the_served_reply(stages: dict, out: Path) -> None:
+    """Gemma's template closes a reply with <end_of_turn>, not the base model's eos: rlhf, the stage that wrote the
+    template, made it a stop token (and said so), the converted checkpoint kept it, and the server stopped there."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(out))
+    stops = [tok.eos_token_id, tok.convert_tokens_to_ids("<end_of_turn>")]
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == stops
+    assert any(c.startswith("stop_token_ids:") for c in stages["rlhf"]["serving_contract_changed"]), stages["rlhf"]
+    contract = next(c for c in stages["rlhf"]["gate"]["checks"] if c["name"] == "contract.serving")
+    assert contract["passed"] and "its end-of-turn token stops a reply" in contract["detail"], contract
+    stop = next(c for c in stages["serve"]["gate"]["checks"] if c["name"] == "vllm.smoke.stops_at_end_of_turn")
+    print(f"gemma3 serve: {stop['detail']}")
+    # the trained reply closes its turn within the check's 32 tokens, and vLLM ends it there (not at <eos>, not at
+    # max_tokens): a greedy reply that reaches no stop token would pass the check on leakage alone
+    assert stop["passed"] and f"reaches stop token {stops[1]} after" in stop["detail"], stop
 
 
 @pytest.mark.slow

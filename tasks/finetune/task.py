@@ -14,7 +14,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from conversions import folder, hf, manifest as mf, verify
+from conversions import chat, folder, hf, manifest as mf, verify
 from conversions.manifest import Format
 from conversions.refusal import Refused
 from tasks import chat_template, events, gates
@@ -111,6 +111,8 @@ def prepare(ctx: StageContext, cfg: FinetuneConfig, probe: bool = False) -> tupl
     for name in ("config.json", "generation_config.json"):
         if (Path(ctx.input) / name).exists():
             folder.copy_file(Path(ctx.input) / name, out / name)
+    if template is not None:  # model.chat_template: its end-of-turn token ends a served reply too
+        chat.add_end_of_turn_stop(out, out / "tokenizer")
     ds = ds_config.build(cfg)
     (work / "ds_config.json").write_text(json.dumps(ds, indent=2) + "\n")
     spec = worker_spec(ctx, cfg, out, work / "ds_config.json", template, probe)

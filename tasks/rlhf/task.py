@@ -15,7 +15,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from conversions import folder, hf, manifest as mf, verify
+from conversions import chat, folder, hf, manifest as mf, verify
 from conversions.manifest import Format
 from conversions.refusal import Refused
 from tasks import chat_template, events, gates
@@ -135,6 +135,7 @@ def pass_through_policy(src: Path, out: Path, reward_model: Path, stage: str, ba
     folder.copy_tree(src, out, ignore=shutil.ignore_patterns(mf.MANIFEST_NAME, "*.trl"))
     if template is not None:
         hf.copy_tokenizer(out, out, chat_template=template)
+        chat.add_end_of_turn_stop(out)
     src_m = mf.read(src) or {}
     m = mf.build(out, format=Format.HF_SAFETENSORS, stage=stage,
                  engine={"name": "baton", "note": "policy passed through"},

@@ -112,6 +112,8 @@ def save_and_measure(a: argparse.Namespace, recipe: Recipe, trainer, before: dic
     with events.disk_full_exits(a.output, RANK):
         model.save_pretrained(str(a.output), safe_serialization=True)
         hf.copy_tokenizer(a.input, a.output, chat_template=a.chat_template)
+        if a.chat_template and a.algorithm != "rm":  # model.chat_template: its end-of-turn token ends a reply too
+            chat.add_end_of_turn_stop(a.output)      # (a reward model generates nothing; its policy gets it instead)
     seconds = round(time.time() - t0, 2)
     facts = {**recipe.evaluate(before), **recipe.facts, "seconds": seconds,
              "peak_mem_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # rank 0's peak RSS
