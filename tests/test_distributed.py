@@ -13,7 +13,8 @@ from tasks.distributed.net import free_port, interface_to, socket_ifname_env
 from tasks.distributed.slurm import sbatch_script
 
 REPO = Path(__file__).resolve().parent.parent
-RANK_SCRIPT = "import os; print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], flush=True)\n"
+# one write per rank: print's separate writes of its parts interleave between the two ranks on the shared pipe
+RANK_SCRIPT = "import os; os.write(1, f\"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}\\n\".encode())\n"
 
 
 def _env():
