@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/real_model_bench.py HF_DIR WORK RESULT.json [--rlhf-steps 5] [--finetune-steps 5]
         [--no-mlflow]
 
-Contenders, back to back (baton first: its data stage writes the rows both train on; then the bare loops):
+Contenders (baton first: its data stage writes the rows all of them train on):
 - baton: one `baton run configs/real-smollm2.yaml --from HF_DIR --stages data,rlhf,finetune --no-cache`, steps set
   with `--set`, in a private BATON_HOME. Per-step figures are the stages' own metric events in their engine.log:
   finetune `perf/tokens_per_s` (real tokens of all ranks / rank 0's step time); rlhf the step's tokens (the
@@ -22,6 +22,11 @@ Contenders, back to back (baton first: its data stage writes the rows both train
     forward, a frozen reference copy's forward without grad, the sigmoid DPO loss at the config's beta plus the SFT
     term, backward, clip, step. Its batches follow a seeded shuffle of those pairs, not TRL's sampler: the same
     pairs and batch size, not the same pairs per step, hence tokens/s (unpadded tokens, as TRL counts them).
+- the engine alone (to split the cost): the stage's worker command as its task builds it (overhead_bench.bare: same
+  config, environment, data and input), run directly, its events read from its stdout. baton vs it is what
+  orchestration costs (launcher, Prefect, MLflow, and whatever else baton runs beside the engine on the same cores);
+  it vs the bare loop is what the engine itself costs (TRL's Trainer, DeepSpeed, its extra metrics).
+Order: the baton run (data, rlhf, finetune), then per stage the engine alone and the bare loop, back to back.
 The first step of each contender is warm-up and left out; medians over the rest. Ratio = baton tokens/s / bare
 tokens/s; target ≥ 0.9. The machine (cores, load average before and after each contender) goes with the numbers: on
 a shared machine they are rough.
@@ -238,6 +243,42 @@ def run_bare(stage: str, spec: dict, work: Path) -> dict:
             "load_after": machine_load()["load_average"]}
 
 
+def run_engine_alone(stage: str, cfg, work: Path, data: Path, src: Path) -> list[str]:
+    """The stage's worker command as its task builds it, run without baton (overhead_bench.bare): its stdout lines."""
+    from overhead_bench import bare
+
+    before = machine_load()["load_average"]
+    bare(stage, cfg, work, data, src)
+    print(f"[real-model] {stage} engine alone: load {before} → {machine_load()['load_average']}", flush=True)
+    return (work / "worker.out").read_text(errors="replace").splitlines()
+
+
+def throughput(stage: str, lines: list[str]) -> list[float]:
+    """Tokens/s per step from a worker's events: finetune reports it; rlhf's from TRL's running token count."""
+    from tasks import events
+
+    if stage == "finetune":
+        return step_series(lines, events.TOKENS_PER_S)
+    return rates(step_series(lines, NUM_TOKENS), step_series(lines, events.STEP_TIME_S))
+
+
+def stage_row(stage: str, baton_lines: list[str], engine_lines: list[str], b: dict) -> dict:
+    """baton vs the bare loop (the target), and the split: baton vs its engine alone (orchestration), the engine
+    alone vs the bare loop (the engine's own cost)."""
+    ours, engine = throughput(stage, baton_lines), throughput(stage, engine_lines)
+    row = {"unit": "tokens/s" + (" (same pairs and batch size; not the same pairs per step)" if stage == "rlhf"
+                                 else " (the same rows at every step)"),
+           **compare(ours, b["tokens_per_s"], higher_is_better=True),
+           "baton_vs_engine_alone": compare(ours, engine, higher_is_better=True)["ratio"],
+           "engine_alone_vs_bare": compare(engine, b["tokens_per_s"], higher_is_better=True)["ratio"],
+           "baton_series": [round(x, 2) for x in ours], "engine_alone_series": [round(x, 2) for x in engine],
+           "bare_series": [round(x, 2) for x in b["tokens_per_s"]],
+           "bare_cpu_s_per_step": [round(x, 2) for x in b["cpu_s"]]}  # below its step time: it waited for a core
+    if stage == "rlhf":
+        row.update(mean_tokens_per_step=round(b["mean_tokens_per_step"], 1), pairs=b["pairs"])
+    return row
+
+
 # ---- the measurement -----------------------------------------------------------------------------------------------
 def baton_sets(rlhf_steps: int, finetune_steps: int) -> list[str]:
     return [f"rlhf.steps={rlhf_steps}", f"rlhf.checkpoint_every={rlhf_steps}", f"finetune.steps={finetune_steps}",
@@ -252,7 +293,7 @@ def measure(hf_dir: Path, work: Path, rlhf_steps: int, finetune_steps: int) -> d
     sets = baton_sets(rlhf_steps, finetune_steps)
     cfg = load(CONFIG, sets)
     res: dict = {"model": str(hf_dir), "config": str(CONFIG.relative_to(REPO)), "sets": sets,
-                 "order": "baton run (data, rlhf, finetune), then bare rlhf, then bare finetune",
+                 "order": "baton run (data, rlhf, finetune); then per stage the engine alone, the bare loop",
                  "started": time.strftime("%FT%TZ", time.gmtime()), "machine_at_start": machine_load()}
     print("[real-model] baton run", flush=True)
     r = baton_run(work / "home", sets, "data,rlhf,finetune", CONFIG, ("--from", str(hf_dir)))
@@ -277,21 +318,11 @@ def measure(hf_dir: Path, work: Path, rlhf_steps: int, finetune_steps: int) -> d
     }
     res["stages"] = {}
     for stage in STAGES:
-        print(f"[real-model] bare {stage} ({threads[stage]} threads)", flush=True)
+        print(f"[real-model] {stage}: the engine alone, then the bare loop ({threads[stage]} threads)", flush=True)
+        engine_lines = run_engine_alone(stage, cfg, work / f"engine-{stage}", Path(data),
+                                        Path(specs[stage]["input"]))
         b = run_bare(stage, specs[stage], work / "bare")
-        if stage == "finetune":
-            ours = step_series(logs[stage], events.TOKENS_PER_S)
-            row = {"unit": "tokens/s", **compare(ours, b["tokens_per_s"], higher_is_better=True),
-                   "baton_series": ours, "bare_series": [round(x, 2) for x in b["tokens_per_s"]]}
-        else:
-            ours = rates(step_series(logs[stage], NUM_TOKENS), step_series(logs[stage], events.STEP_TIME_S))
-            row = {"unit": "tokens/s (same pairs and batch size; not the same pairs per step)",
-                   **compare(ours, b["tokens_per_s"], higher_is_better=True),
-                   "baton_series": [round(x, 2) for x in ours], "bare_series": [round(x, 2) for x in b["tokens_per_s"]],
-                   "step_time_s": compare(step_series(logs[stage], events.STEP_TIME_S), b["step_times"],
-                                          higher_is_better=False),
-                   "mean_tokens_per_step": round(b["mean_tokens_per_step"], 1), "pairs": b["pairs"]}
-        row["bare_cpu_s_per_step"] = [round(x, 2) for x in b["cpu_s"]]  # < its step time: it waited for a core
+        row = stage_row(stage, logs[stage], engine_lines, b)
         row.update(baton_threads=f"{threads[stage]} rank(s) × OMP_NUM_THREADS=1",
                    bare_threads=f"1 process, torch.set_num_threads({b['threads']})",
                    bare_load_before=b["load_before"], bare_load_after=b["load_after"])

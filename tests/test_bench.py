@@ -174,3 +174,17 @@ def test_real_model_bench_dpo_batch_puts_chosen_rows_first_right_padded():
     ids, att, comp = rb.dpo_batch([(([5, 6, 7], [0, 1, 1]), ([5, 8], [0, 1]))], pad_id=0)
     assert ids.tolist() == [[5, 6, 7], [5, 8, 0]]
     assert att.tolist() == [[1, 1, 1], [1, 1, 0]] and comp.tolist() == [[0, 1, 1], [0, 1, 0]]
+
+
+def test_real_model_bench_splits_baton_vs_bare_into_orchestration_and_engine():
+    import real_model_bench as rb
+    from tasks import events
+
+    def lines(step_times):  # TRL's running token count: 100 tokens a step
+        return [events.PREFIX + json.dumps({"kind": "metric", "step": i + 1, rb.NUM_TOKENS: 100.0 * (i + 1),
+                                            events.STEP_TIME_S: t}) for i, t in enumerate(step_times)]
+
+    bare = {"tokens_per_s": [10.0, 50.0, 50.0], "cpu_s": [3.0, 2.0, 2.0], "mean_tokens_per_step": 100.0, "pairs": 8}
+    row = rb.stage_row("rlhf", lines([9.0, 2.5, 2.5]), lines([9.0, 2.0, 2.0]), bare)
+    assert row["baton_series"] == [11.11, 40.0, 40.0] and row["ratio"] == 0.8 and row["met"] is False
+    assert row["baton_vs_engine_alone"] == 0.8 and row["engine_alone_vs_bare"] == 1.0
