@@ -118,7 +118,7 @@ gpu-check:
 # writes benchmarks/results/bench.{json,md}, the README's Performance table and an MLflow run in `baton-benchmarks`.
 BENCH_ARGS ?=
 # On a real model too: SmolLM2-135M-Instruct (`make real-models`), imported once into $(BATON_HOME)/models: packing;
-# rlhf and finetune tokens/s under `baton run` vs a bare HF/PyTorch loop (benchmarks/real_model_bench.py, ~10 min);
+# rlhf and finetune tokens/s under `baton run` vs a bare HF/PyTorch loop (benchmarks/real_model_bench.py, ~12 min here);
 # serving throughput through baton vs a bare `vllm serve` (benchmarks/serve_bench.py).
 BENCH_REAL_MODEL = $(BATON_HOME)/models/smollm2-135m-instruct
 bench: setup
