@@ -123,8 +123,10 @@ gpu-check:
 # runs it alone):
 # writes benchmarks/results/bench.{json,md}, the README's Performance table and an MLflow run in `baton-benchmarks`.
 BENCH_ARGS ?=
-# Packing on a real model too: SmolLM2-135M-Instruct (`make real-models`), imported once into $(BATON_HOME)/models
-# (~1 min); its line took 17.5 min at load ~5 on the 2 shared cores (2026-12-03), the tiny model's 27 s.
+# On a real model too: SmolLM2-135M-Instruct (`make real-models`), imported once into $(BATON_HOME)/models (~1 min):
+# packing (17.5 min at load ~5 on the 2 shared cores, 2026-12-03; the tiny model's 27 s); rlhf and finetune tokens/s
+# under `baton run` vs a bare HF/PyTorch loop (benchmarks/real_model_bench.py, ~12 min here); serving throughput
+# through baton vs a bare `vllm serve` (benchmarks/serve_bench.py).
 BENCH_REAL_MODEL = $(BATON_HOME)/models/smollm2-135m-instruct
 bench: setup
 	$(VENV)/bin/python benchmarks/bench.py $(BENCH_ARGS)
@@ -133,6 +135,9 @@ bench: setup
 		gguf:$$($(PYTHON) infra/models/real_models.py smollm2-135m-instruct) $(BENCH_REAL_MODEL)
 	$(VENV)/bin/python benchmarks/packing_bench.py --model $(BENCH_REAL_MODEL) --window 256 --steps 5 \
 		--out benchmarks/results/packing_smollm2.json
+	$(VENV)/bin/python benchmarks/real_model_bench.py $(BENCH_REAL_MODEL) $(BATON_HOME)/bench/real-model \
+		benchmarks/results/real_model.json
+	$(VENV)/bin/python benchmarks/serve_bench.py $(BENCH_REAL_MODEL) --out benchmarks/results/serve_smollm2.json
 
 # Mutated real checkpoints of every format (ZeRO torch.save, torch_dist, safetensors, manifest, seal) through baton's
 # readers in worker processes under a 3 GiB address-space limit, with a canary for executed code (benchmarks/fuzz.py;

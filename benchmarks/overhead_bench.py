@@ -53,8 +53,9 @@ def pretrain_sets(steps: int) -> list[str]:
 
 
 # ---- the contenders ------------------------------------------------------------------------------------------------
-def baton_run(home: Path, sets: list[str], stages: str) -> dict:
-    """`baton run`: its wall time, its start-up (until the first step's log opens) and its summary.json."""
+def baton_run(home: Path, sets: list[str], stages: str, config: Path = TINY, extra: tuple[str, ...] = ()) -> dict:
+    """`baton run CONFIG` (+ extra arguments, e.g. `--from`): its wall time, its start-up (until the first step's log
+    opens) and its summary.json."""
     from flows.cli import QUIET_ENV
 
     shutil.rmtree(home, ignore_errors=True)
@@ -64,7 +65,7 @@ def baton_run(home: Path, sets: list[str], stages: str) -> dict:
     env["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "600"  # a loaded machine starts it slowly
     log = open(home / "baton-run.out", "w")
     t0 = time.perf_counter()
-    p = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(TINY), "--stages", stages, "--no-cache",
+    p = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(config), "--stages", stages, "--no-cache", *extra,
                           *(a for s in sets for a in ("--set", s))], cwd=REPO, env=env, stdout=log,
                          stderr=subprocess.STDOUT, text=True)
     startup = None

@@ -2,6 +2,7 @@
 docs performance table (docs/performance.md) it regenerates."""
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -144,3 +145,46 @@ def test_the_import_column_says_whether_megatron_to_hf_imports_torch_distributed
                         other="dcp-naive")
     assert bench._dcp({"format": "megatron-tp1", **r}) == " (no torch.distributed.checkpoint)"
     assert r["dcp-naive"]["imported_dcp"] is True
+
+
+def test_real_model_bench_reads_each_steps_last_report_and_judges_throughput_after_warm_up():
+    import real_model_bench as rb
+    from tasks import events
+
+    lines = ["[rank0] not an event", events.PREFIX + '{"kind": "progress", "step": 1, "total": 3}'] + [
+        events.PREFIX + json.dumps({"kind": "metric", "step": s, events.TOKENS_PER_S: v})
+        for s, v in ((2, 90.0), (1, 10.0), (3, 100.0), (2, 95.0))]
+    assert rb.step_series(lines, events.TOKENS_PER_S) == [10.0, 95.0, 100.0]
+    assert rb.step_series(lines, events.STEP_TIME_S) == []
+    tokens = rb.compare([10.0, 95.0, 100.0, 80.0], [50.0, 100.0, 100.0, 120.0], higher_is_better=True)
+    assert tokens["baton_median"] == 95.0 and tokens["bare_median"] == 100.0  # the first step is left out
+    assert tokens["ratio"] == 0.95 and tokens["met"] and tokens["steps_compared"] == 3
+    times = rb.compare([9.0, 2.0, 2.5], [1.0, 2.0, 2.0], higher_is_better=False)
+    assert times["ratio"] == 0.8889 and times["met"] is False
+    assert rb.compare([1.0], [1.0], higher_is_better=True)["ratio"] is None
+    assert rb.rates([100.0, 250.0, 300.0], [2.0, 3.0, 0.5]) == [50.0, 50.0, 100.0]  # TRL's count is cumulative
+    for stage in rb.STAGES:
+        for key in ("baton_median", "bare_median", "ratio"):
+            events.checked(f"perf/real_{stage}_{key}")
+
+
+def test_real_model_bench_dpo_batch_puts_chosen_rows_first_right_padded():
+    import real_model_bench as rb
+
+    ids, att, comp = rb.dpo_batch([(([5, 6, 7], [0, 1, 1]), ([5, 8], [0, 1]))], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7], [5, 8, 0]]
+    assert att.tolist() == [[1, 1, 1], [1, 1, 0]] and comp.tolist() == [[0, 1, 1], [0, 1, 0]]
+
+
+def test_real_model_bench_splits_baton_vs_bare_into_orchestration_and_engine():
+    import real_model_bench as rb
+    from tasks import events
+
+    def lines(step_times):  # TRL's running token count: 100 tokens a step
+        return [events.PREFIX + json.dumps({"kind": "metric", "step": i + 1, rb.NUM_TOKENS: 100.0 * (i + 1),
+                                            events.STEP_TIME_S: t}) for i, t in enumerate(step_times)]
+
+    bare = {"tokens_per_s": [10.0, 50.0, 50.0], "cpu_s": [3.0, 2.0, 2.0], "mean_tokens_per_step": 100.0, "pairs": 8}
+    row = rb.stage_row("rlhf", lines([9.0, 2.5, 2.5]), lines([9.0, 2.0, 2.0]), bare)
+    assert row["baton_series"] == [11.11, 40.0, 40.0] and row["ratio"] == 0.8 and row["met"] is False
+    assert row["baton_vs_engine_alone"] == 0.8 and row["engine_alone_vs_bare"] == 1.0
