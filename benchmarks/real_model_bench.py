@@ -96,6 +96,24 @@ def _threads(n: int) -> None:
     torch.manual_seed(0)
 
 
+def new_timings() -> dict:
+    return {"step_times": [], "tokens_per_s": [], "cpu_s": []}
+
+
+def optimizer_step(model, opt, clip: float, t0: float, c0: float, tokens: int, timed: dict) -> None:
+    """Clip, step, and time the optimizer step that began at t0 (wall) and c0 (CPU) over `tokens` real tokens."""
+    import torch
+
+    if clip and clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    dt = time.perf_counter() - t0
+    timed["step_times"].append(dt)
+    timed["cpu_s"].append(time.process_time() - c0)
+    timed["tokens_per_s"].append(tokens / dt)
+
+
 def bare_finetune(spec: dict) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -111,7 +129,7 @@ def bare_finetune(spec: dict) -> dict:
     model = AutoModelForCausalLM.from_pretrained(spec["input"], dtype=torch.float32)
     model.train()
     opt = torch.optim.AdamW(param_groups(model, spec["weight_decay"]), lr=spec["lr"])
-    clip, cache, times, rates, cpu = ds.get("gradient_clipping", 0), {}, [], [], []
+    clip, cache, timed = ds.get("gradient_clipping", 0), {}, new_timings()
     for step in range(spec["steps"]):
         t0, c0 = time.perf_counter(), time.process_time()
         tokens = 0
@@ -122,15 +140,8 @@ def bare_finetune(spec: dict) -> dict:
                                       tok.pad_token_id)
                 (model(**batch).loss / (ga * world)).backward()
                 tokens += real
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        dt = time.perf_counter() - t0
-        times.append(dt)
-        cpu.append(time.process_time() - c0)
-        rates.append(tokens / dt)
-    return {"step_times": times, "tokens_per_s": rates, "cpu_s": cpu}
+        optimizer_step(model, opt, clip, t0, c0, tokens, timed)
+    return timed
 
 
 def trl_tokens(tok, pair: dict, max_len: int) -> tuple[list[int], list[int]] | None:
@@ -195,7 +206,7 @@ def bare_rlhf(spec: dict) -> dict:
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"], weight_decay=spec["weight_decay"])
     mb, ga, beta = spec["micro_batch_size"], spec["accumulation"], spec["beta"]
-    times, rates, cpu, pos = [], [], [], 0
+    timed, pos = new_timings(), 0
     for _ in range(spec["steps"]):
         t0, c0 = time.perf_counter(), time.process_time()
         tokens = 0
@@ -211,17 +222,9 @@ def bare_rlhf(spec: dict) -> dict:
                 loss = loss - spec["sft_weight"] * chosen.sum() / comp[:len(picked), 1:].sum()
             (loss / ga).backward()
             tokens += int(att.sum())
-        if spec["grad_clip"] > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), spec["grad_clip"])
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        dt = time.perf_counter() - t0
-        times.append(dt)
-        cpu.append(time.process_time() - c0)
-        rates.append(tokens / dt)
+        optimizer_step(model, opt, spec["grad_clip"], t0, c0, tokens, timed)
     all_tokens = [len(chosen[0]) + len(rejected[0]) for chosen, rejected in encoded]
-    return {"step_times": times, "tokens_per_s": rates, "cpu_s": cpu, "pairs": len(encoded),
-            "mean_tokens_per_step": mb * ga * statistics.mean(all_tokens)}
+    return {**timed, "pairs": len(encoded), "mean_tokens_per_step": mb * ga * statistics.mean(all_tokens)}
 
 
 BARE = {"rlhf": bare_rlhf, "finetune": bare_finetune}
