@@ -8,7 +8,9 @@ p50/p95 for both, and the baton/bare throughput ratio; logs them to MLflow (expe
 JSON. Servers run one at a time and only on 127.0.0.1; every loop is bounded by N and by timeouts.
 
 "baton" = the stage's flags (CPU: --enforce-eager, guidance structured outputs, API key); "bare" = `vllm serve CKPT`
-with nothing but the port (and on CPU the KV-cache size vLLM refuses to start without).
+with nothing but the port (and on CPU the KV-cache size vLLM refuses to start without): what typing `vllm serve`
+gives; "bare-same" = that plus the flags of baton's command that change what the engine computes (its dtype,
+--enforce-eager, --max-model-len), so baton/bare-same is what the orchestration itself costs. `--contenders` picks.
 """
 from __future__ import annotations
 
@@ -86,6 +88,19 @@ def run_server(label: str, cmd: list[str], env: dict, base_url: str, key: str | 
         server.stop()
 
 
+# flags of baton's engine command that change the computation, not the orchestration (value-taking ones first)
+SAME_ENGINE_FLAGS = {"--dtype": True, "--max-model-len": True, "--enforce-eager": False}
+
+
+def same_engine_flags(baton_cmd: list[str]) -> list[str]:
+    """The SAME_ENGINE_FLAGS baton's command carries, with their values, in its order."""
+    out = []
+    for i, arg in enumerate(baton_cmd):
+        if arg in SAME_ENGINE_FLAGS:
+            out += [arg, baton_cmd[i + 1]] if SAME_ENGINE_FLAGS[arg] else [arg]
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint", type=Path)
@@ -96,6 +111,7 @@ def main() -> int:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--no-mlflow", action="store_true")
     ap.add_argument("--out", type=Path, help="also write the JSON here")
+    ap.add_argument("--contenders", default="baton,bare,bare-same", help="of baton, bare, bare-same (baton always runs)")
     args = ap.parse_args()
     ckpt = args.checkpoint.resolve()
     python = python_for("vllm")
@@ -108,13 +124,18 @@ def main() -> int:
     cmd, env = engines.vllm_command(cfg, python, ckpt, port, "baton", key)
     results["baton"] = run_server("baton", cmd, env, f"http://127.0.0.1:{port}", key, "baton", args, log_dir)
 
-    port = free_port(cfg.host)
     bare_env = {"VLLM_CPU_KVCACHE_SPACE": "1"} if args.device == "cpu" else {}
-    bare = [python, "-m", "vllm.entrypoints.cli.main", "serve", str(ckpt), "--host", "127.0.0.1", "--port", str(port)]
-    results["bare"] = run_server("bare", bare, bare_env, f"http://127.0.0.1:{port}", None, str(ckpt), args, log_dir)
-
-    results["ratio"] = {k: results["baton"][k] / results["bare"][k] for k in
-                        ("throughput_tok_s", "ttft_p50_s", "latency_p50_s", "startup_s") if results["bare"][k]}
+    for label, extra in (("bare", []), ("bare-same", same_engine_flags(cmd))):
+        if label not in args.contenders.split(","):
+            continue
+        port = free_port(cfg.host)
+        bare = [python, "-m", "vllm.entrypoints.cli.main", "serve", str(ckpt), "--host", "127.0.0.1", "--port",
+                str(port), *extra]
+        results[label] = run_server(label, bare, bare_env, f"http://127.0.0.1:{port}", None, str(ckpt), args, log_dir)
+        results[label]["flags"] = extra
+        results[f"ratio_vs_{label}"] = {k: results["baton"][k] / results[label][k] for k in
+                                        ("throughput_tok_s", "ttft_p50_s", "latency_p50_s", "startup_s")
+                                        if results[label][k]}
     results["logs"] = str(log_dir)
     if not args.no_mlflow:
         from tasks import tracking
@@ -127,7 +148,8 @@ def main() -> int:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        c.log_batch(run, metrics=[Metric(f"{side}.{k}", float(v), now, 0) for side in ("baton", "bare", "ratio")
+        sides = [side for side in results if side not in ("logs",)]
+        c.log_batch(run, metrics=[Metric(f"{side}.{k}", float(v), now, 0) for side in sides
                                   for k, v in results[side].items() if isinstance(v, (int, float))])
         tracking.end_run(c, run, True)
         results["mlflow_run_id"] = run

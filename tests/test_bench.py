@@ -188,3 +188,15 @@ def test_real_model_bench_splits_baton_vs_bare_into_orchestration_and_engine():
     row = rb.stage_row("rlhf", lines([9.0, 2.5, 2.5]), lines([9.0, 2.0, 2.0]), bare)
     assert row["baton_series"] == [11.11, 40.0, 40.0] and row["ratio"] == 0.8 and row["met"] is False
     assert row["baton_vs_engine_alone"] == 0.8 and row["engine_alone_vs_bare"] == 1.0
+
+
+def test_the_like_for_like_serving_contender_takes_baton_s_engine_settings_only(tmp_path):
+    """bare-same = `vllm serve` plus what changes the computation in baton's command (dtype, eager, length), never
+    its orchestration flags (API key, served name, structured-output backend)."""
+    import serve_bench
+    from tasks.serve import engines
+    from tasks.serve.config import ServeConfig
+
+    cmd, _ = engines.vllm_command(ServeConfig(engine="vllm", device="cpu", max_model_len=256), "python", tmp_path,
+                                  8000, "baton", "key")
+    assert serve_bench.same_engine_flags(cmd) == ["--dtype", "float32", "--max-model-len", "256", "--enforce-eager"]
