@@ -295,7 +295,7 @@ def measure(hf_dir: Path, work: Path, rlhf_steps: int, finetune_steps: int) -> d
 
     sets = baton_sets(rlhf_steps, finetune_steps)
     cfg = load(CONFIG, sets)
-    res: dict = {"model": str(hf_dir), "config": str(CONFIG.relative_to(REPO)), "sets": sets,
+    res: dict = {"model": Path(hf_dir).name, "config": str(CONFIG.relative_to(REPO)), "sets": sets,
                  "order": "baton run (data, rlhf, finetune); then per stage the engine alone, the bare loop",
                  "started": time.strftime("%FT%TZ", time.gmtime()), "machine_at_start": machine_load()}
     print("[real-model] baton run", flush=True)
