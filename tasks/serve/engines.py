@@ -72,6 +72,13 @@ def sglang_key_config(api_key: str, secrets_dir: Path | None) -> Path:
     return path
 
 
+# On CPU SGLang sizes its KV pool from the machine's free memory: after loading the weights, free memory must still be
+# ≥ (1 - fraction) × what was free before the load. At 0.05, anything else on the machine taking ~1 GiB during the load
+# (another engine, a test beside it) failed the start; the pool is capped by --max-total-tokens, so a larger fraction
+# only widens that tolerance and takes nothing more.
+CPU_MEM_FRACTION_STATIC = "0.5"
+
+
 def sglang_command(cfg: ServeConfig, python: str, model_dir: Path, port: int, served_name: str,
                    api_key: str, secrets_dir: Path | None = None) -> tuple[list[str], dict]:
     cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model_dir), "--host", cfg.host,
@@ -87,7 +94,8 @@ def sglang_command(cfg: ServeConfig, python: str, model_dir: Path, port: int, se
     if cfg.device == "cpu":
         cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
                 "--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled",
-                "--mem-fraction-static", "0.05", "--max-total-tokens", "8192", "--chunked-prefill-size", "1024",
+                "--mem-fraction-static", CPU_MEM_FRACTION_STATIC, "--max-total-tokens", "8192",
+                "--chunked-prefill-size", "1024",
                 "--max-running-requests", "8",
                 "--sleep-on-idle"]  # otherwise the idle scheduler busy-polls a whole core
         env.update(SGLANG_USE_CPU_ENGINE="1", SGLANG_CPU_OMP_THREADS_BIND="all")
