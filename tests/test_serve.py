@@ -28,6 +28,7 @@ MEMORY_HOG = ("import time\nheld = []\nfor _ in range(24):\n    b = bytearray(12
 
 
 @pytest.mark.long  # one SGLang start (~40 s)
+@pytest.mark.reliability
 def test_sglang_starts_while_another_process_takes_memory_during_its_load(tmp_path, hf_checkpoint, record_property):
     """On CPU SGLang measures the machine's free memory before loading and again after. Another process taking
     3 GiB in between (an engine or a test beside it) failed its start with baton's old --mem-fraction-static 0.05:
