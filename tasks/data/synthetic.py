@@ -1,6 +1,8 @@
 """A deterministic synthetic world, built so that every later stage has a measurable effect.
 
-- pretraining text about words and their categories (held-out perplexity falls as the model learns it);
+- pretraining text about words and their categories (held-out perplexity falls as the model learns it); when
+  data.prompts asks for the arithmetic task, the text also states the training split's sums ("3+4=7 ."), never a
+  held-out one, so that GRPO has numbers to build on (`with_sums`);
 - preference pairs: a prompt asking for a member of a category; chosen = a full, correct answer ("The answer is dog."),
   rejected = a bare word of another category (held-out preference accuracy, on prompts and words never paired in
   training, rises under DPO: the preferred style and correctness generalise, word-level memorising does not);
@@ -36,6 +38,7 @@ SFT_TEMPLATES = [
     "Is {w} a fruit, an animal, a color or a city?",
 ]
 PREF_TEMPLATES = ["Name a {c}.", "Give me one {c}.", "Which word is a {c}?"]
+SUMS_PER_DOC = (1, 3)  # sum sentences mixed into each pretraining document of the arithmetic world
 
 
 def preferred_answer(word: str) -> str:
@@ -46,7 +49,10 @@ def sft_answer(category: str) -> str:
     return json.dumps({"category": category})
 
 
-def pretrain_docs(n: int, rng: random.Random) -> list[dict]:
+def pretrain_docs(n: int, rng: random.Random, sums: list[tuple[int, int]] = (),
+                  sums_rng: random.Random | None = None) -> list[dict]:
+    """n documents of 3-6 sentences about words. With sums (training pairs): 1-3 of them stated in every document
+    at random places, drawn from sums_rng only, so that rng draws the very same words as without them."""
     words = list(WORD_CATEGORY)
     docs = []
     for _ in range(n):
@@ -54,8 +60,21 @@ def pretrain_docs(n: int, rng: random.Random) -> list[dict]:
         for _ in range(rng.randint(3, 6)):
             w = rng.choice(words)
             parts.append(rng.choice(SENTENCES).format(w=w, c=WORD_CATEGORY[w], n=rng.choice(NAMES)))
+        if sums:
+            parts = with_sums(parts, sums, sums_rng)
         docs.append({"text": " ".join(parts)})
     return docs
+
+
+def sum_sentence(a: int, b: int) -> str:
+    return f"{a}+{b}={a + b} ."
+
+
+def with_sums(parts: list[str], sums: list[tuple[int, int]], rng: random.Random) -> list[str]:
+    parts = parts[:]
+    for _ in range(rng.randint(SUMS_PER_DOC[0], SUMS_PER_DOC[1])):
+        parts.insert(rng.randint(0, len(parts)), sum_sentence(*rng.choice(sums)))
+    return parts
 
 
 def _split_combos(combos: list[tuple], heldout_fraction: float, rng: random.Random) -> tuple[list, list]:
@@ -94,9 +113,14 @@ def preference_pairs(n: int, heldout_fraction: float, rng: random.Random) -> tup
     return train, heldout
 
 
-def arithmetic_prompts(n: int, heldout_fraction: float, rng: random.Random) -> tuple[list, list]:
-    combos = [(a, b) for a in range(10) for b in range(10) if a + b < 10]
-    train_c, held_c = _split_combos(combos, heldout_fraction, rng)
+def split_sums(heldout_fraction: float, rng: random.Random) -> tuple[list, list]:
+    """Every (a, b) with a + b < 10, split into training and held-out pairs."""
+    return _split_combos([(a, b) for a in range(10) for b in range(10) if a + b < 10], heldout_fraction, rng)
+
+
+def arithmetic_prompts(n: int, sums: tuple[list, list], rng: random.Random) -> tuple[list, list]:
+    """n prompts drawn from the training pairs of sums (split_sums), and one prompt per held-out pair."""
+    train_c, held_c = sums
 
     def make(a, b):
         return {"prompt": f"{a}+{b}=", "answer": str(a + b)}
