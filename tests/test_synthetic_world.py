@@ -9,6 +9,7 @@ import re
 import pytest
 
 from tasks.data.config import DataConfig
+from tasks.data.synthetic import SUM, SUMS_PER_DOC
 from tasks.data.task import _texts, build_datasets
 from tasks.data.tokenizer import train_tokenizer
 
@@ -19,7 +20,6 @@ ARITHMETIC = {"prompts": {"kind": "synthetic"}}
 # (json, sorted keys) and the vocabulary and merges of the tokenizer trained on them (vocab_size 512).
 DEFAULT_SETS_SHA256 = "66db0bdd0aebf258bfbc1fb6828b1a07a48db87945c8dbd899b3c3748a01806f"
 DEFAULT_TOKENIZER_SHA256 = "e67d2b8a934587e82ef34d68ccd81222546ab4182466e8c034dbd13fa1ce83a6"
-SUM_SENTENCE = re.compile(r"\d\+\d=\d \.")
 
 
 def sha256(obj) -> str:
@@ -49,8 +49,11 @@ def test_the_arithmetic_world_is_the_default_one_plus_sentences_of_sums():
     default, arithmetic = build_datasets(DataConfig())[0], build_datasets(DataConfig(**ARITHMETIC))[0]
     assert arithmetic["preference"] == default["preference"] and arithmetic["sft"] == default["sft"]
     docs = pretraining_text(arithmetic)
-    assert all(1 <= len(SUM_SENTENCE.findall(d)) <= 3 for d in docs)
-    assert [" ".join(SUM_SENTENCE.sub("", d).split()) for d in docs] == pretraining_text(default)
+    assert all(SUMS_PER_DOC[0] <= len(SUM.findall(d)) <= SUMS_PER_DOC[1] for d in docs)
+    lines = [line for d in docs for line in d.split("\n")]  # a sum on a line of its own, as in the prompt
+    assert all(SUM.fullmatch(line) or not re.search(r"\d", line) for line in lines)
+    words_only = [" ".join(line for line in d.split("\n") if not SUM.fullmatch(line)) for d in docs]
+    assert words_only == pretraining_text(default)
 
 
 @pytest.mark.parametrize("seed, heldout_fraction", [(0, 0.15), (1, 0.15), (7, 0.3)])
@@ -59,10 +62,10 @@ def test_no_held_out_sum_is_ever_in_the_pretraining_text(seed, heldout_fraction)
     train_prompts, held = sets["prompts"]
     docs = pretraining_text(sets)
     assert held and held_out_sums_in(docs, held) == []
-    stated = {s.split("=")[0] + "=" for d in docs for s in SUM_SENTENCE.findall(d)}
+    stated = {s.split("=")[0] + "=" for d in docs for s in SUM.findall(d)}
     assert stated == {r["prompt"][0]["content"] for r in train_prompts}  # every training sum, and only those
-    for sentence in {s for d in docs for s in SUM_SENTENCE.findall(d)}:
+    for sentence in {s for d in docs for s in SUM.findall(d)}:
         a, b, total = map(int, re.findall(r"\d", sentence))
         assert a + b == total
     leaked = held[0]["prompt"][0]["content"]  # the check itself sees a leak where there is one
-    assert held_out_sums_in(docs + [f"the cat is an animal . {leaked}{held[0]['answer']} ."], held) == [leaked]
+    assert held_out_sums_in(docs + [f"the cat is an animal .\n{leaked}{held[0]['answer']}"], held) == [leaked]
