@@ -194,11 +194,12 @@ def test_a_reward_that_raises_names_the_row_it_failed_on():
 
 
 def test_the_grpo_demo_is_the_tiny_world_with_rewards():
-    """configs/tiny-grpo.yaml (`make demo-rl`) keeps configs/tiny.yaml's model, data and pretraining recipe (for fewer
-    steps), adding only the arithmetic prompts and GRPO on built-in rewards (no user file to find)."""
+    """configs/tiny-grpo.yaml (`make demo-rl`) keeps configs/tiny.yaml's model, data and pretraining recipe (for more
+    steps: the sums in its text take them), adding only the arithmetic prompts and GRPO on built-in rewards (no user
+    file to find)."""
     tiny, demo = load(TINY), load(TINY.with_name("tiny-grpo.yaml"))
     schedule = {"steps", "warmup_steps", "checkpoint_every", "eval_interval"}
-    assert demo.model == tiny.model and demo.pretrain.steps < tiny.pretrain.steps
+    assert demo.model == tiny.model and demo.pretrain.steps > tiny.pretrain.steps
     assert demo.pretrain.model_dump(exclude=schedule) == tiny.pretrain.model_dump(exclude=schedule)
     assert demo.data.model_dump(exclude={"prompts"}) == tiny.data.model_dump(exclude={"prompts"})
     assert demo.data.prompts.kind == "synthetic" and demo.rlhf.algorithm == "grpo"

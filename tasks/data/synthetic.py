@@ -1,6 +1,11 @@
 """A deterministic synthetic world, built so that every later stage has a measurable effect.
 
-- pretraining text about words and their categories (held-out perplexity falls as the model learns it);
+- pretraining text about words and their categories (held-out perplexity falls as the model learns it); when
+  data.prompts asks for the arithmetic task, every document also states 6-10 of the training split's sums, each on a
+  line of its own ("3+4=7"), never a held-out one, so that GRPO has numbers to build on (`with_sums`). Without them
+  a fully pretrained model never samples a digit after "3+4=" (held-out reward 0 → 0, measured); with them 150 steps
+  of pretraining answer 42 of the 47 training sums in plain text but none of the 8 held-out ones (a table learnt
+  by heart, measured; configs/tiny-grpo.yaml has what GRPO makes of it);
 - preference pairs: a prompt asking for a member of a category; chosen = a full, correct answer ("The answer is dog."),
   rejected = a bare word of another category (held-out preference accuracy, on prompts and words never paired in
   training, rises under DPO: the preferred style and correctness generalise, word-level memorising does not);
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 CATEGORIES = {
     "fruit": ["apple", "pear", "plum", "mango", "lemon", "cherry", "peach", "grape", "melon", "kiwi"],
@@ -36,6 +42,8 @@ SFT_TEMPLATES = [
     "Is {w} a fruit, an animal, a color or a city?",
 ]
 PREF_TEMPLATES = ["Name a {c}.", "Give me one {c}.", "Which word is a {c}?"]
+SUMS_PER_DOC = (6, 10)  # sums mixed into each pretraining document of the arithmetic world
+SUM = re.compile(r"\d\+\d=\d")
 
 
 def preferred_answer(word: str) -> str:
@@ -46,7 +54,10 @@ def sft_answer(category: str) -> str:
     return json.dumps({"category": category})
 
 
-def pretrain_docs(n: int, rng: random.Random) -> list[dict]:
+def pretrain_docs(n: int, rng: random.Random, sums: list[tuple[int, int]] = (),
+                  sums_rng: random.Random | None = None) -> list[dict]:
+    """n documents of 3-6 sentences about words. With sums (training pairs): SUMS_PER_DOC of them stated in every
+    document at random places, drawn from sums_rng only, so that rng draws the very same words as without them."""
     words = list(WORD_CATEGORY)
     docs = []
     for _ in range(n):
@@ -54,8 +65,30 @@ def pretrain_docs(n: int, rng: random.Random) -> list[dict]:
         for _ in range(rng.randint(3, 6)):
             w = rng.choice(words)
             parts.append(rng.choice(SENTENCES).format(w=w, c=WORD_CATEGORY[w], n=rng.choice(NAMES)))
-        docs.append({"text": " ".join(parts)})
+        if sums:
+            parts = with_sums(parts, sums, sums_rng)
+        docs.append({"text": join_sentences(parts)})
     return docs
+
+
+def sum_sentence(a: int, b: int) -> str:
+    return f"{a}+{b}={a + b}"
+
+
+def join_sentences(parts: list[str]) -> str:
+    """Sentences joined by spaces, a sum on a line of its own: its first digit is then a token of its own, as in the
+    rendered prompt ("user\n3+4="), not the space-and-digit token a space in front would make of it."""
+    text = parts[0]
+    for before, part in zip(parts, parts[1:]):
+        text += ("\n" if SUM.fullmatch(before) or SUM.fullmatch(part) else " ") + part
+    return text
+
+
+def with_sums(parts: list[str], sums: list[tuple[int, int]], rng: random.Random) -> list[str]:
+    parts = parts[:]
+    for _ in range(rng.randint(SUMS_PER_DOC[0], SUMS_PER_DOC[1])):
+        parts.insert(rng.randint(0, len(parts)), sum_sentence(*rng.choice(sums)))
+    return parts
 
 
 def _split_combos(combos: list[tuple], heldout_fraction: float, rng: random.Random) -> tuple[list, list]:
@@ -94,9 +127,14 @@ def preference_pairs(n: int, heldout_fraction: float, rng: random.Random) -> tup
     return train, heldout
 
 
-def arithmetic_prompts(n: int, heldout_fraction: float, rng: random.Random) -> tuple[list, list]:
-    combos = [(a, b) for a in range(10) for b in range(10) if a + b < 10]
-    train_c, held_c = _split_combos(combos, heldout_fraction, rng)
+def split_sums(heldout_fraction: float, rng: random.Random) -> tuple[list, list]:
+    """Every (a, b) with a + b < 10, split into training and held-out pairs."""
+    return _split_combos([(a, b) for a in range(10) for b in range(10) if a + b < 10], heldout_fraction, rng)
+
+
+def arithmetic_prompts(n: int, sums: tuple[list, list], rng: random.Random) -> tuple[list, list]:
+    """n prompts drawn from the training pairs of sums (split_sums), and one prompt per held-out pair."""
+    train_c, held_c = sums
 
     def make(a, b):
         return {"prompt": f"{a}+{b}=", "answer": str(a + b)}

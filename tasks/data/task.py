@@ -28,15 +28,28 @@ def _canonical_synthetic(kind: str, rows: list[dict]) -> list[dict]:
     return [formats.normalise(fmt, r, mapping, f"synthetic:{i}")[0] for i, r in enumerate(rows, start=1)]
 
 
+def _sums_rng(cfg: DataConfig) -> random.Random:
+    """The arithmetic world's own stream: its split is known before the pretraining text is written, and the words
+    drawn from the shared stream stay those of the world without it."""
+    return random.Random(f"{cfg.seed}:sums")
+
+
+def _arithmetic(cfg: DataConfig) -> bool:
+    return [src.kind for _, src in cfg.sources("prompts")] == ["synthetic"]
+
+
 def _synthetic(kind: str, cfg: DataConfig, rng: random.Random) -> tuple[list, list]:
     if kind == "pretrain":
-        docs = synthetic.pretrain_docs(cfg.pretrain_docs, rng)
+        sums_rng = _sums_rng(cfg)
+        sums = synthetic.split_sums(cfg.heldout_fraction, sums_rng)[0] if _arithmetic(cfg) else []
+        docs = synthetic.pretrain_docs(cfg.pretrain_docs, rng, sums, sums_rng)
         k = max(1, int(len(docs) * cfg.heldout_fraction))
         return docs[k:], docs[:k]
     if kind == "preference":
         train, held = synthetic.preference_pairs(cfg.preference_pairs, cfg.heldout_fraction, rng)
     elif kind == "prompts":
-        train, held = synthetic.arithmetic_prompts(cfg.arithmetic_prompts, cfg.heldout_fraction, rng)
+        sums = synthetic.split_sums(cfg.heldout_fraction, _sums_rng(cfg))
+        train, held = synthetic.arithmetic_prompts(cfg.arithmetic_prompts, sums, rng)
     else:
         train, held = synthetic.sft_examples(cfg.sft_examples, cfg.heldout_fraction, cfg.label_noise, rng)
     return _canonical_synthetic(kind, train), _canonical_synthetic(kind, held)
