@@ -201,12 +201,14 @@ def to_hf(source: Source, gguf_path: Path, dest: Path) -> None:
     Gemma's 1 + w norms less one): the same bits as `from_pretrained`, into a plain model of that config."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=False)
     config = AutoConfig.for_model(**parsed["config"])
     tokenizer = _tokenizer_class(config).from_pretrained(str(Path(gguf_path).parent), gguf_file=Path(gguf_path).name)
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with no_init_weights():  # every weight is overwritten below (a missing one is refused), so no random init
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     weights = _dequantised(source, gguf_path, parsed["config"], plain)
     missing, unexpected = plain.load_state_dict(weights, strict=False)
     del weights  # copied into the model: one fp32 copy in memory from here on
