@@ -193,12 +193,24 @@ def _tensor_info(cur: _Cursor, quant_sizes: dict) -> Tensor:
 
 def to_hf(source: Source, gguf_path: Path, dest: Path) -> None:
     """Dequantise the GGUF file at gguf_path (the private copy, its structure checked into source) into dest:
-    config.json, generation_config.json, fp32 safetensors, the tokenizer with its chat template.
-    transformers' full GGUF parse (the gguf package's reader, which decodes every token string: most of a minute for
-    Gemma's 262,144) runs once, for the config; `from_pretrained(gguf_file=...)` ran it three times (tokenizer,
-    config, weights). The tokenizer comes from transformers' own GGUF tokenizer path, the weights from the blocks
-    where the structure walk found them, through transformers' tensor processors (llama.cpp's q/k permutation undone,
-    Gemma's 1 + w norms less one): the same bits as `from_pretrained`, into a plain model of that config."""
+    config.json, generation_config.json, fp32 safetensors, the tokenizer with its chat template."""
+    from transformers.integrations.gguf import is_gguf_arch_supported
+
+    if is_gguf_arch_supported(source.metadata.get("general.architecture")):
+        plain, tokenizer = _through_from_pretrained(gguf_path)  # transformers' newer path reads the header once
+    else:
+        plain, tokenizer = _parsed_once(source, gguf_path)
+    Path(dest).mkdir(parents=True, exist_ok=True)
+    plain.save_pretrained(str(dest), safe_serialization=True)
+    tokenizer.save_pretrained(str(dest))
+
+
+def _parsed_once(source: Source, gguf_path: Path) -> tuple:
+    """(model, tokenizer) with transformers' full GGUF parse (the gguf package's reader, which decodes every token
+    string: ~20 s of CPU for Gemma's 262,144) run once, for the config, where `from_pretrained(gguf_file=...)` runs it
+    three times (tokenizer, config, weights). The tokenizer comes from transformers' GGUF tokenizer path, the weights
+    from the blocks where the structure walk found them, through transformers' tensor processors (llama.cpp's q/k
+    permutation undone, Gemma's 1 + w norms less one): the bits `from_pretrained` gives, in a plain model."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.initialization import no_init_weights
@@ -207,19 +219,38 @@ def to_hf(source: Source, gguf_path: Path, dest: Path) -> None:
     parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=False)
     config = AutoConfig.for_model(**parsed["config"])
     tokenizer = _tokenizer_class(config).from_pretrained(str(Path(gguf_path).parent), gguf_file=Path(gguf_path).name)
-    with no_init_weights():  # every weight is overwritten below (a missing one is refused), so no random init
+    with no_init_weights():  # every weight is overwritten (a missing one is refused), so no random init
         plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    weights = _dequantised(source, gguf_path, parsed["config"], plain)
+    _fill(plain, _dequantised(source, gguf_path, parsed["config"], plain), gguf_path)
+    return plain, tokenizer
+
+
+def _through_from_pretrained(gguf_path: Path) -> tuple:
+    """(model, tokenizer) by `from_pretrained(gguf_file=...)`. transformers cannot save a model it loaded from GGUF
+    (it counts as quantised), so the dequantised weights go into a plain model of the same config."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(Path(gguf_path).parent), Path(gguf_path).name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _fill(plain, loaded.state_dict(), gguf_path)
+    return plain, tokenizer
+
+
+def _fill(plain, weights: dict, gguf_path: Path) -> None:
+    """Load weights into plain, tying its output to its embedding where the config says so; GGUFError when any
+    other weight is missing or one is left over."""
     missing, unexpected = plain.load_state_dict(weights, strict=False)
-    del weights  # copied into the model: one fp32 copy in memory from here on
-    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    tied = {"lm_head.weight"} if plain.config.tie_word_embeddings else set()
     if set(missing) - tied or unexpected:
         raise GGUFError(f"{gguf_path}: the dequantised weights do not fit {type(plain).__name__}: missing "
                         f"{sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]}")
     plain.tie_weights()
-    Path(dest).mkdir(parents=True, exist_ok=True)
-    plain.save_pretrained(str(dest), safe_serialization=True)
-    tokenizer.save_pretrained(str(dest))
 
 
 def _tokenizer_class(config):
