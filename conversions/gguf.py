@@ -36,6 +36,16 @@ class GGUFError(Refused):
     pass
 
 
+@dataclass(frozen=True)
+class Tensor:
+    """One entry of the tensor table as the structure walk read it; its bytes lie at data_start + offset."""
+    name: str
+    shape: tuple[int, ...]  # torch order (the file lists the fastest-moving dimension first)
+    ggml_type: int
+    offset: int
+    nbytes: int
+
+
 @dataclass
 class Source:
     """The GGUF file as imported: where it came from, its digest, and what its header says."""
@@ -46,6 +56,8 @@ class Source:
     tensor_count: int = 0
     metadata: dict = field(default_factory=dict)     # the RECORDED_KEYS the header has
     tensor_types: dict = field(default_factory=dict)  # quantisation type name → number of tensors
+    tensors: list = field(default_factory=list, repr=False)  # Tensor entries, checked to lie inside the file
+    data_start: int = 0
 
     def describe(self) -> dict:
         return {"format": "gguf", "path": str(self.path), "sha256": self.sha256, "size": self.size,
@@ -149,19 +161,19 @@ def check_structure(source: Source, path: Path) -> Source:
         if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
             raise GGUFError(f"{source.path}: general.alignment {alignment!r} is not a power of two")
         data_start = -(-cur.pos // alignment) * alignment
-        for name, ttype, offset, nbytes in infos:
-            if data_start + offset + nbytes > len(data):
-                raise GGUFError(f"{source.path}: tensor {name}: its {nbytes} bytes at offset {offset} lie past "
-                                f"the end of the file")
-            kind = GGMLQuantizationType(ttype).name
+        for t in infos:
+            if data_start + t.offset + t.nbytes > len(data):
+                raise GGUFError(f"{source.path}: tensor {t.name}: its {t.nbytes} bytes at offset {t.offset} lie "
+                                f"past the end of the file")
+            kind = GGMLQuantizationType(t.ggml_type).name
             source.tensor_types[kind] = source.tensor_types.get(kind, 0) + 1
-        source.tensor_count = tensor_count
+        source.tensor_count, source.tensors, source.data_start = tensor_count, infos, data_start
     if source.metadata.get("general.file_type") in {t.value for t in LlamaFileType}:
         source.metadata["file_type_name"] = LlamaFileType(source.metadata["general.file_type"]).name
     return source
 
 
-def _tensor_info(cur: _Cursor, quant_sizes: dict) -> tuple[str, int, int, int]:
+def _tensor_info(cur: _Cursor, quant_sizes: dict) -> Tensor:
     name = cur.string("a tensor name", MAX_KEY_BYTES).decode("utf-8", "replace")
     n_dims = cur.u32(name)
     if not 1 <= n_dims <= MAX_DIMS:
@@ -176,13 +188,46 @@ def _tensor_info(cur: _Cursor, quant_sizes: dict) -> tuple[str, int, int, int]:
         elements *= d
     if dims[0] % block:
         raise GGUFError(f"{cur.path}: tensor {name}: row of {dims[0]} is not a whole number of {block}-blocks")
-    return name, ttype, offset, elements // block * type_bytes
+    return Tensor(name, tuple(reversed(dims)), ttype, offset, elements // block * type_bytes)
 
 
-def to_hf(gguf_path: Path, dest: Path) -> None:
-    """Dequantise the (checked, private) GGUF file into dest: config.json, generation_config.json, fp32 safetensors,
-    the tokenizer with its chat template. transformers cannot save a model it loaded from GGUF (it counts as
-    quantised), so the dequantised weights go into a plain model of the same config."""
+def to_hf(source: Source, gguf_path: Path, dest: Path) -> None:
+    """Dequantise the GGUF file at gguf_path (the private copy, its structure checked into source) into dest:
+    config.json, generation_config.json, fp32 safetensors, the tokenizer with its chat template."""
+    from transformers.integrations.gguf import is_gguf_arch_supported
+
+    if is_gguf_arch_supported(source.metadata.get("general.architecture")):
+        plain, tokenizer = _through_from_pretrained(gguf_path)  # transformers' newer path reads the header once
+    else:
+        plain, tokenizer = _parsed_once(source, gguf_path)
+    Path(dest).mkdir(parents=True, exist_ok=True)
+    plain.save_pretrained(str(dest), safe_serialization=True)
+    tokenizer.save_pretrained(str(dest))
+
+
+def _parsed_once(source: Source, gguf_path: Path) -> tuple:
+    """(model, tokenizer) with transformers' full GGUF parse (the gguf package's reader, which decodes every token
+    string: ~20 s of CPU for Gemma's 262,144) run once, for the config, where `from_pretrained(gguf_file=...)` runs it
+    three times (tokenizer, config, weights). The tokenizer comes from transformers' GGUF tokenizer path, the weights
+    from the blocks where the structure walk found them, through transformers' tensor processors (llama.cpp's q/k
+    permutation undone, Gemma's 1 + w norms less one): the bits `from_pretrained` gives, in a plain model."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=False)
+    config = AutoConfig.for_model(**parsed["config"])
+    tokenizer = _tokenizer_class(config).from_pretrained(str(Path(gguf_path).parent), gguf_file=Path(gguf_path).name)
+    with no_init_weights():  # every weight is overwritten (a missing one is refused), so no random init
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _fill(plain, _dequantised(source, gguf_path, parsed["config"], plain), gguf_path)
+    return plain, tokenizer
+
+
+def _through_from_pretrained(gguf_path: Path) -> tuple:
+    """(model, tokenizer) by `from_pretrained(gguf_file=...)`. transformers cannot save a model it loaded from GGUF
+    (it counts as quantised), so the dequantised weights go into a plain model of the same config."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -193,13 +238,61 @@ def to_hf(gguf_path: Path, dest: Path) -> None:
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False)
-    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    _fill(plain, loaded.state_dict(), gguf_path)
+    return plain, tokenizer
+
+
+def _fill(plain, weights: dict, gguf_path: Path) -> None:
+    """Load weights into plain, tying its output to its embedding where the config says so; GGUFError when any
+    other weight is missing or one is left over."""
+    missing, unexpected = plain.load_state_dict(weights, strict=False)
+    tied = {"lm_head.weight"} if plain.config.tie_word_embeddings else set()
     if set(missing) - tied or unexpected:
         raise GGUFError(f"{gguf_path}: the dequantised weights do not fit {type(plain).__name__}: missing "
                         f"{sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]}")
     plain.tie_weights()
-    del loaded
-    Path(dest).mkdir(parents=True, exist_ok=True)
-    plain.save_pretrained(str(dest), safe_serialization=True)
-    tokenizer.save_pretrained(str(dest))
+
+
+def _tokenizer_class(config):
+    """The class AutoTokenizer picks for a GGUF file (which has no tokenizer files to name one): the config's.
+    Taken here because AutoTokenizer would parse the whole file again to learn that config."""
+    from transformers import TokenizersBackend
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+
+    cls = TOKENIZER_MAPPING.get(type(config), TokenizersBackend)
+    return TokenizersBackend if cls is None or cls.__name__ == "MistralCommonBackend" else cls
+
+
+def _value_dtypes() -> dict:
+    """ggml types the gguf package's reader hands over as values rather than bytes (GGUFReader._build_tensors)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as T
+
+    return {T.F16: np.float16, T.F32: np.float32, T.F64: np.float64, T.I8: np.int8, T.I16: np.int16,
+            T.I32: np.int32, T.I64: np.int64}
+
+
+def _dequantised(source: Source, gguf_path: Path, config: dict, model) -> dict:
+    """{HF name: fp32 tensor} as transformers' GGUF loader builds them (modeling_gguf_pytorch_utils
+    .load_gguf_checkpoint): each tensor's bytes, shaped as the gguf package's reader shapes them, dequantised by that
+    package, passed through the architecture's tensor processor with the parsed config, renamed by the model's GGUF
+    name map."""
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType, dequantize, quant_shape_to_byte_shape
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
+    processor = TENSOR_PROCESSORS.get(source.metadata["general.architecture"], TensorProcessor)(config=config)
+    names = get_gguf_hf_weights_map(model, processor)
+    parsed = {"tensors": {}}  # a processor that splits or stores a tensor itself writes here, as in the loader
+    data, values = np.memmap(str(gguf_path), mode="r", dtype=np.uint8), _value_dtypes()
+    for t in source.tensors:
+        kind = GGMLQuantizationType(t.ggml_type)
+        raw = data[source.data_start + t.offset:source.data_start + t.offset + t.nbytes]
+        blocks = (raw.view(values[kind]).reshape(t.shape) if kind in values
+                  else raw.reshape(quant_shape_to_byte_shape(t.shape, kind)))
+        result = processor.process(weights=dequantize(blocks, kind), name=t.name, tensor_key_mapping=names,
+                                   parsed_parameters=parsed)
+        if result.name in names:
+            parsed["tensors"][names[result.name]] = torch.from_numpy(np.copy(result.weights)).to(torch.float32)
+    return parsed["tensors"]

@@ -34,7 +34,7 @@ def import_gguf(src: Path, dest: Path) -> dict:
             raise gguf.GGUFError(f"{src}: {problem}; nothing written")
         gguf.check_structure(source, Path(work) / "model.gguf")
         try:
-            gguf.to_hf(Path(work) / "model.gguf", partial)
+            gguf.to_hf(source, Path(work) / "model.gguf", partial)
             manifest = _manifest(partial, source)
         except BaseException:
             shutil.rmtree(partial, ignore_errors=True)
