@@ -2,10 +2,12 @@
 
 A GGUF file is untrusted bytes. It is copied once into a private file while hashing (what is hashed is what is read:
 the original may change afterwards without effect), its structure is walked with bounds checks before any other
-reader sees it (`check_structure`), and only then transformers' GGUF support (the `gguf` package's reader: a numpy
-memmap, no pickle, no code) dequantises that private copy. The walk refuses what the reader would otherwise follow
-blindly: a string or array longer than the rest of the file, an array of billions of empty elements (the reader loops
-over every one), a tensor whose data lies outside the file.
+reader sees it (`check_structure`), and only then is that private copy read: transformers' GGUF support (the `gguf`
+package's reader: a numpy memmap, no pickle, no code) parses it once for the config, its tokenizer path reads the
+vocabulary, and the weights are taken from the blocks at the offsets the walk checked, dequantised by the `gguf`
+package. The walk refuses what a reader would otherwise follow blindly: a string or array longer than the rest of the
+file, an array of billions of empty elements (the reader loops over every one), a tensor whose data lies outside the
+file.
 """
 from __future__ import annotations
 
