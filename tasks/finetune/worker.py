@@ -29,7 +29,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from conversions import chat, durable, hf, probe, sealed
 from conversions.manifest import Format
-from tasks import events
+from tasks import collectives, events
 
 COMPLETE = sealed.MARKERS[Format.DEEPSPEED_ZERO]
 TAG_PREFIX = "global_step"
@@ -159,13 +159,12 @@ def train_steps(engine, tok, train: list, spec: dict, ds_config: dict, start: in
 
 def report_step(engine, done: int, steps: int, loss: float, tokens: int, step_time: float, device: str, rank: int,
                 world: int) -> None:
-    stats = torch.zeros(2 + world, dtype=torch.float64)
-    stats[0], stats[1], stats[2 + rank] = loss, tokens, peak_memory_mib(device)
-    dist.all_reduce(stats)  # gloo has no AVG: sum, then divide
+    own_memory = [peak_memory_mib(device) if r == rank else 0.0 for r in range(world)]
+    loss_sum, token_sum, *memory = collectives.sum_over_ranks([loss, tokens, *own_memory])
     if rank == 0:
-        mem = {f"perf/rank{r}_peak_mem_mib": stats[2 + r].item() for r in range(world)}
-        events.metric(done, {events.TRAIN_LOSS: stats[0].item() / world, events.TRAIN_LR: engine.get_lr()[0],
-                             events.TOKENS_PER_S: stats[1].item() / step_time, events.STEP_TIME_S: step_time,
+        mem = {f"perf/rank{r}_peak_mem_mib": memory[r] for r in range(world)}
+        events.metric(done, {events.TRAIN_LOSS: loss_sum / world, events.TRAIN_LR: engine.get_lr()[0],
+                             events.TOKENS_PER_S: token_sum / step_time, events.STEP_TIME_S: step_time,
                              events.PEAK_MEM_MIB: max(mem.values()), **mem})
         events.progress(done, steps)
 
