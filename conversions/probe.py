@@ -14,8 +14,11 @@ DTYPE_OF_PRECISION = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # Gemma 3's logits reach 174 and differ by 2.3e-4 between 1 and 2 threads; a weight rounded to bf16 moves them ~1e-2.
 THRESHOLDS = {
     "float32": {"max_abs_diff": 1e-4, "per_logit_scale": 1e-5, "top1_agreement": 1.0},
-    "bfloat16": {"max_abs_diff": 0.25, "top1_agreement": 0.98},
-    "float16": {"max_abs_diff": 0.05, "top1_agreement": 0.99},
+    # Half precision: the probe has 32 positions, so 0.98 allowed no flip at all; a near tie (top-2 logits closer than
+    # bf16's rounding of them) flips between two correct implementations (the first bf16 pretrain → HF parity:
+    # max |Δlogit| 0.044, one position of 32 flipped). The max |Δlogit| bound stays the strict check.
+    "bfloat16": {"max_abs_diff": 0.25, "top1_agreement": 0.9},
+    "float16": {"max_abs_diff": 0.05, "top1_agreement": 0.9},
 }
 
 

@@ -100,7 +100,7 @@ def validate(cfg: FinetuneConfig, pipeline=None) -> list[ConfigProblem]:
     if z.offload_params != "none" and z.stage != 3:
         errors.append(ConfigProblem("finetune.zero.offload_params", "finetune.zero.offload_params: parameter "
                                     f"offload needs ZeRO stage 3 (stage is {z.stage})"))
-    errors += offload_errors(cfg) + zero_plus_plus_errors(cfg)
+    errors += offload_errors(cfg) + zero_plus_plus_errors(cfg) + precision_errors(cfg)
     errors += batch_errors(cfg, "finetune") + schedule_errors(cfg, "finetune")
     if cfg.gate.metric in ("preference_accuracy", "heldout_reward"):
         errors.append(ConfigProblem("finetune.gate.metric", f"finetune.gate.metric: {cfg.gate.metric} is an rlhf "
@@ -141,6 +141,16 @@ def offload_errors(cfg: FinetuneConfig) -> list[ConfigProblem]:
             errors.append(ConfigProblem("finetune.zero.nvme_path", f"finetune.zero.nvme_path: {z.nvme_path!r} is not "
                                         "an absolute path"))
     return errors
+
+
+def precision_errors(cfg: FinetuneConfig) -> list[ConfigProblem]:
+    """DeepSpeed's CPU accelerator trains in fp32 and bf16 only: fp16 stops in the engine's start-up ("Type fp16 is not
+    supported on your device"), after the launch; say so before it."""
+    device = cfg.resolved_device()
+    if cfg.precision == "fp16" and device != "cuda":
+        return [ConfigProblem("finetune.precision", f"finetune.precision fp16: refused on {device}: DeepSpeed's CPU "
+                              "accelerator has no fp16 (use bf16 or fp32, or a GPU)")]
+    return []
 
 
 def zero_plus_plus_errors(cfg: FinetuneConfig) -> list[ConfigProblem]:

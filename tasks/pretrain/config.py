@@ -45,9 +45,16 @@ class PretrainConfig(TrainingConfig):
     eval_iters: int = Field(2, ge=1, description="global batches per held-out evaluation")
     transformer_impl: Literal["auto", "local", "transformer_engine"] = Field(
         "auto", description="layer spec; auto: transformer_engine on GPU when installed, else local")
+    attention: Literal["sdpa", "unfused"] = Field(
+        "sdpa", description="the local layer spec's core attention: torch's scaled_dot_product_attention (flash or "
+                            "memory-efficient kernels on GPUs) or Megatron's unfused DotProductAttention (the "
+                            "seq × seq scores in memory); Transformer Engine's spec has its own")
     fp8: Literal["none", "hybrid", "e4m3"] = Field(
         "none", description="--fp8-format: FP8 GEMMs through Transformer Engine (Hopper or newer GPUs); hybrid: e4m3 "
                             "forward, e5m2 gradients")
+    profile_steps: list[int] = Field(
+        default_factory=list, description="training steps (1-based) to profile with torch.profiler: a table of "
+                                          "every operator's CPU and GPU time per step in the stage folder")
     peak_tflops_per_rank: float | None = Field(
         None, gt=0, description="peak dense TFLOP/s of one rank for MFU (default: by device, see worker)")
 

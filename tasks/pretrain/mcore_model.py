@@ -12,8 +12,10 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.module import Float16Module
 
 from conversions.megatron import has_qkv_bias
+from sdpa_attention import SdpaAttention
 
 # Peak dense TFLOP/s of one rank, for MFU when the config does not state it. GPU numbers are the vendor's dense
 # tensor-core figures (bf16; tf32 for fp32); the CPU number is nominal for one single-threaded rank
@@ -25,7 +27,16 @@ PEAK_TFLOPS = {"H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 494.0},
                "cpu": {"bf16": 0.1, "fp16": 0.1, "fp32": 0.1}}
 
 
-def layer_spec(impl: str, on_gpu: bool):
+# fp16's dynamic loss scale: it starts where PyTorch AMP's GradScaler and DeepSpeed start (2^16; Megatron's own 2^32
+# costs ~30 skipped updates before the first one lands), and stops halving at the minimum, where an overflow is a
+# non-finite gradient rather than a scale to lower
+INITIAL_LOSS_SCALE = 2.0**16
+MIN_LOSS_SCALE = 1.0
+
+
+def layer_spec(impl: str, on_gpu: bool, attention: str):
+    """Transformer Engine's spec where asked for (or `auto` on a GPU that has it), else the local spec, whose core
+    attention is torch SDPA or Megatron's unfused DotProductAttention (`pretrain.attention`)."""
     if impl != "local" and on_gpu:
         try:
             from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
@@ -35,7 +46,11 @@ def layer_spec(impl: str, on_gpu: bool):
         except ImportError:
             if impl == "transformer_engine":
                 raise
-    return get_gpt_layer_local_spec(normalization="RMSNorm"), "local"
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if attention == "sdpa":
+        spec.submodules.self_attention.submodules.core_attention = SdpaAttention
+        return spec, "local (sdpa attention)"
+    return spec, "local"
 
 
 def transformer_config(arch: dict, cfg: dict, on_gpu: bool) -> TransformerConfig:
@@ -52,7 +67,7 @@ def transformer_config(arch: dict, cfg: dict, on_gpu: bool) -> TransformerConfig
         tensor_model_parallel_size=cfg["tensor_parallel"], pipeline_model_parallel_size=cfg["pipeline_parallel"],
         virtual_pipeline_model_parallel_size=cfg.get("virtual_pipeline_parallel"),
         fp8=None if cfg.get("fp8", "none") == "none" else cfg["fp8"],  # Transformer Engine's --fp8-format
-        sequence_parallel=cfg["sequence_parallel"], bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype,
+        sequence_parallel=cfg["sequence_parallel"], bf16=bf16, fp16=fp16, params_dtype=dtype, pipeline_dtype=dtype,
         use_cpu_initialization=not on_gpu, perform_initialization=True,
         recompute_granularity=None if recompute == "none" else recompute,
         recompute_method="uniform" if recompute == "full" else None,
@@ -78,7 +93,18 @@ def gpt_chunks(config: TransformerConfig, spec, arch: dict, padded_vocab: int, s
     ) for i in stages]
 
 
-def wrap_ddp(chunks: list[GPTModel], config: TransformerConfig, cfg: dict) -> list[DistributedDataParallel]:
+def in_precision(chunks: list[GPTModel], config: TransformerConfig) -> list:
+    """What Megatron-LM runs in bf16/fp16: Float16Module casts every parameter to the training dtype (norms too,
+    which the local spec builds in fp32), takes inputs in that dtype on the first stage and returns fp32 logits on
+    the last. Without it the mixed-precision optimizer tracks the fp32 norms outside its float16 groups and cannot
+    map its state to the model's sharded parameters at save ("Param id N does not match any model sharded param").
+    The chunks are cast in place; in fp32 they are returned as they are."""
+    if not (config.bf16 or config.fp16):
+        return chunks
+    return [Float16Module(config, chunk) for chunk in chunks]
+
+
+def wrap_ddp(chunks: list, config: TransformerConfig, cfg: dict) -> list[DistributedDataParallel]:
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=cfg["overlap_grad_reduce"],
         overlap_param_gather=cfg["overlap_param_gather"], use_distributed_optimizer=cfg["distributed_optimizer"],
@@ -102,6 +128,7 @@ def optimizer_and_scheduler(ddps: list[DistributedDataParallel], config: Transfo
         adam_beta1=cfg["adam_beta1"], adam_beta2=cfg["adam_beta2"], clip_grad=cfg["grad_clip"],
         bf16=cfg["precision"] == "bf16", fp16=cfg["precision"] == "fp16", params_dtype=config.params_dtype,
         use_distributed_optimizer=cfg["distributed_optimizer"], overlap_param_gather=cfg["overlap_param_gather"],
+        initial_loss_scale=INITIAL_LOSS_SCALE, min_loss_scale=MIN_LOSS_SCALE,
     )
     optimizer = get_megatron_optimizer(opt_config, ddps)
     steps = cfg["steps"]

@@ -195,7 +195,7 @@ def run_pretrain(ctx: StageContext, cfg: PretrainConfig) -> StageOutput:
                  **r.memory},
         eval={"metric": "heldout_ppl", "before": before[2] if before else None, "after": after[2] if after else None},
         extra={"layout": r.layout, "padded_vocab_size": spec["padded_vocab_size"], "fp8": cfg.fp8,
-               "peak_tflops_source": r.peak_tflops_source,
+               "peak_tflops_source": r.peak_tflops_source, "layer_spec": r.layer_spec,
                **({"input_rewritten": f"{ctx.input}: not sealed by this BATON_HOME ({rewritten}); Megatron loaded "
                                       f"baton's rewrite of its weights, {spec['input']}"} if rewritten else {})},
     )

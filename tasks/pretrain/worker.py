@@ -10,6 +10,7 @@ Only rank 0 prints events. The spec (JSON) is written by tasks/pretrain/task.py.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
@@ -65,12 +66,9 @@ class Run:
 
     def to_rank0(self, values: list[float], owner: bool):
         """Sum a few numbers held by the `owner` ranks over the whole world (they reach rank 0 that way)."""
-        import torch
-        import torch.distributed as dist
+        from tasks import collectives
 
-        t = torch.tensor(values if owner else [0.0] * len(values), dtype=torch.float64, device=self.device)
-        dist.all_reduce(t)
-        return t.tolist()
+        return collectives.sum_over_ranks(values if owner else [0.0] * len(values))
 
     # ---- the recipe ------------------------------------------------------------------------------------------
     def main(self) -> None:
@@ -122,11 +120,11 @@ class Run:
         import mcore_model as mm
 
         cfg, arch = self.cfg, self.arch
-        self.spec_layers, impl = mm.layer_spec(cfg["transformer_impl"], self.on_gpu)
+        self.spec_layers, impl = mm.layer_spec(cfg["transformer_impl"], self.on_gpu, cfg["attention"])
         self.tconfig = mm.transformer_config(arch, cfg, self.on_gpu)
         self.padded_vocab = self.spec["padded_vocab_size"]
         self.chunks = self.new_model()
-        self.ddps = mm.wrap_ddp(self.chunks, self.tconfig, cfg)
+        self.ddps = mm.wrap_ddp(mm.in_precision(self.chunks, self.tconfig), self.tconfig, cfg)
         self.optimizer, self.scheduler = mm.optimizer_and_scheduler(self.ddps, self.tconfig, cfg)
         self.fb = get_forward_backward_func()
         local = sum(p.numel() for chunk in self.chunks for p in chunk.parameters())
@@ -174,9 +172,11 @@ class Run:
                  f"{fpt / 1e6:.2f} MFLOP per token")
         if start == 0:
             self.evaluate(0, state)
+        profiled = cfg.get("profile_steps") or []
         for it in range(start, steps):  # a re-run after the last step skips straight to finish()
             t0 = time.time()
-            loss, grad_norm = self.train_step(it)
+            with self.profiling(it + 1 in profiled, it + 1):
+                loss, grad_norm = self.train_step(it)
             step_time = time.time() - t0
             state["train_time_s"] += step_time
             step = it + 1
@@ -194,6 +194,29 @@ class Run:
             if step % cfg["checkpoint_every"] == 0 or step == steps:
                 self.save(step, state)
         return peak, peak_src
+
+    @contextlib.contextmanager
+    def profiling(self, wanted: bool, step: int):
+        """torch.profiler around one training step (`pretrain.profile_steps`): every operator's time, CPU and GPU,
+        as a table in profile-step<N>-rank<R>.txt in the stage folder: where the step's time goes."""
+        if not wanted:
+            yield
+            return
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.on_gpu else [])
+        with profile(activities=activities) as prof:
+            yield
+            if self.on_gpu:
+                torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="self_cuda_time_total" if self.on_gpu else "self_cpu_time_total",
+                                          row_limit=40, max_name_column_width=80)
+        path = self.work / f"profile-step{step}-rank{self.rank}.txt"
+        from conversions import durable
+
+        durable.write_bytes(path, (table + "\n").encode())
+        self.log(f"step {step} profiled: {path}")
 
     def new_model(self) -> list:
         import mcore_model as mm
@@ -246,18 +269,25 @@ class Run:
         return total / max(tokens, 1.0)
 
     def train_step(self, it: int) -> tuple[float, float]:
+        import mcore_model as mm
+
         for ddp in self.ddps:
             ddp.train()
             ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         reduced = self.schedule(self.forward_step, lambda: self.batches(self.train_ds, it), self.num_micro,
                                 self.spec["seq_length"], self.cfg["micro_batch_size"], forward_only=False)
+        scale = self.optimizer.get_loss_scale().item()
         ok, grad_norm, _ = self.optimizer.step()
-        if not ok:
+        if not ok and scale > mm.MIN_LOSS_SCALE:
+            # fp16's dynamic loss scale overflowed: Megatron skipped the update and lowered the scale, as designed
+            self.log(f"step {it + 1}: fp16 loss scale {scale:g} overflowed; update skipped, scale lowered")
+        elif not ok:
             why = f"rank {self.rank}: optimizer step {it + 1} failed (non-finite gradients); not retried"
             self.events().failure(self.events().EngineCause.NON_FINITE_LOSS, why)
             raise RuntimeError(why)
-        self.scheduler.step(increment=1)
+        else:
+            self.scheduler.step(increment=1)
         return self.reduce_loss(reduced), float(grad_norm or 0.0)
 
     def evaluate(self, step: int, state: dict) -> None:
@@ -348,6 +378,7 @@ class Run:
         import torch.distributed as dist
 
         import mcore_checkpoint as ckpt
+        import mcore_model as mm
         from conversions import probe
 
         final = ckpt.latest(self.ckpt_root)
@@ -371,13 +402,14 @@ class Run:
 
         # L1: a fresh model loaded from the checkpoint must equal the trained one, weights and logits
         fresh = self.new_model()
+        fresh_models = mm.in_precision(fresh, self.tconfig)  # cast before loading: the checkpoint holds that dtype
         ckpt.load_weights(final, fresh)
         param_diff = 0.0
         for chunk, trained_chunk in zip(fresh, self.chunks):
             trained = dict(trained_chunk.named_parameters())
             for name, p in chunk.named_parameters():
                 param_diff = max(param_diff, (p.detach().float() - trained[name].detach().float()).abs().max().item())
-        _, fresh_logits = self.probe_logits(fresh)
+        _, fresh_logits = self.probe_logits(fresh_models)
         logit_diff = (fresh_logits - logits).abs().max().item() if writer else 0.0
         param_diff = self.max_all(param_diff)
         logit_diff = self.max_all(logit_diff)
@@ -420,14 +452,15 @@ class Run:
         import torch
         import torch.distributed as dist
 
+        from tasks import collectives
+
         world, rank = dist.get_world_size(), dist.get_rank()
-        kinds = ["rss"] + (["gpu_allocated", "gpu_reserved"] if self.on_gpu else [])
-        t = torch.zeros(len(kinds), world, dtype=torch.float64, device=self.device)
-        t[0, rank] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        own = {"rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
         if self.on_gpu:
-            t[1, rank] = torch.cuda.max_memory_allocated() / 2**20
-            t[2, rank] = torch.cuda.max_memory_reserved() / 2**20
-        dist.all_reduce(t)
+            own.update(gpu_allocated=torch.cuda.max_memory_allocated() / 2**20,
+                       gpu_reserved=torch.cuda.max_memory_reserved() / 2**20)
+        kinds = list(own)
+        t = collectives.reduce([[own[kind] if r == rank else 0.0 for r in range(world)] for kind in kinds])
         name = {"rss": "peak_mem_mib", "gpu_allocated": "peak_gpu_allocated_mib", "gpu_reserved": "peak_gpu_reserved_mib"}
         out = {}
         for i, kind in enumerate(kinds):
@@ -437,12 +470,9 @@ class Run:
         return out
 
     def max_all(self, value: float) -> float:
-        import torch
-        import torch.distributed as dist
+        from tasks import collectives
 
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.item()
+        return collectives.max_over_ranks(value)
 
 
 if __name__ == "__main__":
