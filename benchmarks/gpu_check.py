@@ -49,10 +49,11 @@ PROFILES = {
     "cuda": {
         "model": ["model.num_layers=16", "model.hidden_size=2048", "model.num_attention_heads=32",
                   "model.num_query_groups=8", "model.ffn_hidden_size=8192", "model.seq_length=2048"],
-        "pretrain": ["pretrain.steps=20", "pretrain.micro_batch_size=2", "pretrain.global_batch_size=16",
+        # micro batch 8 (2 at first: 15% MFU with small GEMMs); step 12 profiled (profile_steps) for where time goes
+        "pretrain": ["pretrain.steps=20", "pretrain.micro_batch_size=8", "pretrain.global_batch_size=32",
                      "pretrain.warmup_steps=2", "pretrain.checkpoint_every=20", "pretrain.eval_interval=20",
                      "pretrain.eval_iters=1", "pretrain.vocab_size=32000", "pretrain.lr=3.0e-4",
-                     "pretrain.min_lr=3.0e-5"],
+                     "pretrain.min_lr=3.0e-5", "pretrain.profile_steps=[12]"],
         "finetune": ["finetune.steps=4", "finetune.micro_batch_size=8", "finetune.lr=1.0e-5",
                      "finetune.max_seq_length=256"],
         "rlhf": ["rlhf.steps=4", "rlhf.micro_batch_size=8", "rlhf.lr=1.0e-6", "rlhf.max_seq_length=256"],
@@ -61,7 +62,7 @@ PROFILES = {
     "cpu": {
         "model": [],
         "pretrain": ["pretrain.steps=3", "pretrain.warmup_steps=1", "pretrain.checkpoint_every=3",
-                     "pretrain.eval_interval=3", "pretrain.eval_iters=1"],
+                     "pretrain.eval_interval=3", "pretrain.eval_iters=1", "pretrain.profile_steps=[2]"],
         "finetune": ["finetune.steps=2", "finetune.micro_batch_size=4"],
         "rlhf": ["rlhf.steps=2", "rlhf.micro_batch_size=4"],
         "precision": "fp32",
@@ -245,12 +246,20 @@ def run_pretrain(work: Path, cfg, data: Path) -> dict:
     from tasks.pretrain.task import run_pretrain as stage
 
     t0 = time.time()
-    out = stage.fn(context("pretrain", work, cfg, data_dir=data), cfg.pretrain)
+    ctx = context("pretrain", work, cfg, data_dir=data)
+    out = stage.fn(ctx, cfg.pretrain)
     m = out.metrics
+    profiles = [p.name for p in sorted(ctx.work_dir.glob("profile-step*-rank0.txt"))]
+    for name in profiles:  # beside the JSON: the operator table of the profiled step
+        shutil.copy2(ctx.work_dir / name, out_dir() / f"gpu-check-{cfg.pretrain.resolved_device()}-{name}")
     return {"output": str(out.output), "seconds": round(time.time() - t0, 2), "backend": out.backend,
+            "layer_spec": out.extra.get("layer_spec"), "precision": cfg.pretrain.precision,
+            "micro_batch_size": cfg.pretrain.micro_batch_size, "global_batch_size": cfg.pretrain.global_batch_size,
+            "profiles": profiles,
             "tokens_per_s": m["tokens_per_s"], "mfu": m["mfu"], "peak_tflops_per_rank": m["peak_tflops_per_rank"],
             "peak_tflops_source": out.extra.get("peak_tflops_source"), "train_seconds": m["train_time_s"],
-            "loss_first": m["loss_first"], "loss_last": m["loss_last"], "gate": gate_summary(out.gate)}
+            "loss_first": m["loss_first"], "loss_last": m["loss_last"],
+            "peak_gpu_allocated_mib": m.get("peak_gpu_allocated_mib"), "gate": gate_summary(out.gate)}
 
 
 def run_zero(work: Path, device: str, name: str, data: Path, hf_in: Path) -> dict:
@@ -279,6 +288,13 @@ def run_dpo(work: Path, cfg, data: Path, hf_in: Path, device: str) -> dict:
 
 
 # ---- driver ----------------------------------------------------------------------------------------------------------
+OUT_DIR: Path | None = None  # where the JSON (and the pretrain profile) go; set by main()
+
+
+def out_dir() -> Path:
+    return OUT_DIR or REPO / "benchmarks" / "results"
+
+
 def gpu_name(device: str) -> str:
     import torch
 
@@ -319,6 +335,8 @@ def run_check(device: str, out_path: Path, work: Path, parts: tuple[str, ...]) -
     conv = part(result, out_path, "convert_pretrain", convert, work, cfg, "pretrain", Path(pre["output"]),
                 "megatron-dist", device)
     hf_in = Path(conv["output"]) if "output" in conv else None
+    shutil.rmtree(Path(pre["output"]).parent / "checkpoints", ignore_errors=True)  # ~17 GB at 1B in bf16: the disk
+    shutil.rmtree(pre["output"], ignore_errors=True)  # is needed for the ZeRO checkpoints next
     for name in ("zero2", "zero3_offload"):
         if name in parts and hf_in is not None:
             z = part(result, out_path, name, run_zero, work, device, name, data, hf_in)
@@ -358,9 +376,10 @@ def main(argv=None) -> int:
         return 0
     if args.wheels is not None:
         install_wheels(args.wheels, Path(tempfile.gettempdir()) / "baton-gpu-site")
-    out_dir = args.out or Path(os.environ.get("OUT") or REPO / "benchmarks" / "results")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    out_path = out_dir / f"gpu-check-{args.device}.json"
+    global OUT_DIR
+    OUT_DIR = args.out or Path(os.environ.get("OUT") or REPO / "benchmarks" / "results")
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    out_path = OUT_DIR / f"gpu-check-{args.device}.json"
     work = args.work or Path(tempfile.mkdtemp(prefix="baton-gpu-check-"))
     try:
         result = run_check(args.device, out_path, work, tuple(args.parts.split(",")))
