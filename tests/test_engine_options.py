@@ -86,6 +86,8 @@ NVME = ["finetune.zero.stage=3", "finetune.zero.offload_optimizer=cpu", "finetun
      "finetune.zero.quantized_weights: refused on cpu: ZeRO++ quantization runs DeepSpeed's CUDA quantizer kernels"),
     (["finetune.device=cpu", "finetune.zero.stage=3", "finetune.zero.quantized_gradients=true"],
      "finetune.zero.quantized_gradients: refused on cpu"),
+    (["finetune.device=cpu", "finetune.precision=fp16"],
+     "finetune.precision fp16: refused on cpu: DeepSpeed's CPU accelerator has no fp16"),
     (["finetune.device=cpu", "finetune.zero.quantized_gradients=true"],
      "finetune.zero.quantized_gradients: ZeRO++ needs ZeRO stage 3 (stage is 2)"),
     (["finetune.zero.stage=3", "finetune.zero.hpz_partition_size=2"],
