@@ -26,7 +26,8 @@ def run_stage(work: Path, tiny_config, data_dir, ckpt, cfg: RlhfConfig):
 
 
 def test_reward_model_beside_the_chain(tmp_path, tiny_config, data_dir, hf_checkpoint):
-    cfg = RlhfConfig(algorithm="rm", steps=4, micro_batch_size=8, nproc_per_node=2, lr=5e-4, timeout_s=900)
+    cfg = RlhfConfig(algorithm="rm", steps=4, micro_batch_size=8, nproc_per_node=2, lr=5e-4, timeout_s=900,
+                     precision="bf16")  # mixed precision on CPU too (the default run trains rlhf in fp32)
     out = run_stage(tmp_path, tiny_config, data_dir, hf_checkpoint, cfg)
     assert out.gate["passed"], out.gate
     names = {c["name"] for c in out.gate["checks"]}
@@ -48,7 +49,7 @@ def test_grpo_runs_a_few_steps_with_the_preference_reward(tmp_path, tiny_config,
     rejected one, its extra tokens each costing about log(vocab): accuracy starts at 0.0, so it cannot fall, and the
     gate, which only refuses a fall, must pass whatever three GRPO steps did."""
     cfg = RlhfConfig(algorithm="grpo", steps=3, micro_batch_size=8, num_generations=4, max_completion_length=6,
-                     lr=1e-4, beta=0.04, timeout_s=900)
+                     lr=1e-4, beta=0.04, timeout_s=900, precision="fp16")  # fp16 autocast on CPU, as on a GPU
     out = run_stage(tmp_path, tiny_config, data_dir, hf_checkpoint, cfg)
     m = mf.read(out.output)
     assert m["extra"]["algorithm"] == "grpo" and m["extra"]["backend"] == "trl"
