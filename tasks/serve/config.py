@@ -5,6 +5,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
+from tasks import paths
 from tasks.stage import StrictModel
 
 
@@ -25,7 +26,8 @@ class LmEvalConfig(StrictModel):
     enabled: bool = Field(True, description="score the held-out task through the live server")
     tasks: list[str] = Field(default_factory=list,
                              description="lm-eval task names; empty: the data stage's held-out SFT task")
-    include_path: Path | None = Field(None, description="folder with extra lm-eval task YAMLs")
+    include_path: Path | None = Field(None, description="folder with extra lm-eval task YAMLs",
+                                      json_schema_extra=paths.contents(paths.Contents.FOLDER))
     limit: int | None = Field(None, ge=1, description="evaluate at most this many documents per task")
     min_score: float = Field(0.0, ge=0.0, le=1.0, description="promotion needs exact_match >= this")
     no_regression: bool = Field(False, description="promotion also needs a score >= the current champion's")
