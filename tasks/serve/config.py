@@ -5,6 +5,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
+from conversions.probe import DTYPE_OF_PRECISION
 from tasks import paths
 from tasks.stage import StrictModel
 
@@ -114,7 +115,7 @@ class ServeConfig(StrictModel):
 
     def engine_dtype(self) -> str:
         """The dtype name the engines take (--dtype)."""
-        return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(self.precision, self.precision)
+        return DTYPE_OF_PRECISION.get(self.precision, self.precision)
 
     def engines(self) -> list[str]:
         return ["vllm", "sglang"] if self.engine == "both" else [self.engine]
