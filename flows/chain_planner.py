@@ -19,8 +19,8 @@ from conversions.manifest import Format
 from flows import step_code
 from flows.config import ConfigError, PipelineConfig
 from tasks import chat_template
-from tasks.registry import DEFAULT_CHAIN, STAGES
-from tasks.stage import REPO_ROOT, Reason, Status, Why
+from tasks.registry import CONVERT_STAGE, DATA_STAGE, DEFAULT_CHAIN, STAGES
+from tasks.stage import REPO_ROOT, Reason, StageRole, Status, Why
 
 @dataclass
 class Step:
@@ -44,8 +44,12 @@ def _short(fmt: str) -> str:
 
 
 def _convert(src_fmt: str, dst_fmt: str, source_stage: str | None, implicit: bool) -> Step:
-    return Step("convert", f"convert-{_short(src_fmt)}-to-{_short(dst_fmt)}", src_fmt, dst_fmt, source_stage, implicit,
-                extra={"from_format": src_fmt, "to_format": dst_fmt, "source_stage": source_stage})
+    return Step(CONVERT_STAGE, f"{CONVERT_STAGE}-{_short(src_fmt)}-to-{_short(dst_fmt)}", src_fmt, dst_fmt, source_stage,
+                implicit, extra={"from_format": src_fmt, "to_format": dst_fmt, "source_stage": source_stage})
+
+
+def _role(stage: str) -> StageRole:
+    return STAGES[stage].role
 
 
 def _hash(obj) -> str:
@@ -59,15 +63,15 @@ def build_steps(cfg: PipelineConfig, stages: list[str], input_format: str | None
     for s in stages:
         spec = STAGES[s]
         scfg = cfg.stage_config(s)
-        if s == "data":
-            steps.append(Step("data", "data", None, Format.DATASET))
+        if spec.role == StageRole.DATA:
+            steps.append(Step(s, s, None, spec.produces(scfg)))
             continue
-        if s == "convert":
-            target = cfg.convert.to_format
+        if spec.role == StageRole.CONVERT:
+            target = spec.produces(scfg)
             if current is None:
-                raise ConfigError("stages: 'convert' has no checkpoint to convert (no earlier stage, no --from)")
+                raise ConfigError(f"stages: '{s}' has no checkpoint to convert (no earlier stage, no --from)")
             steps.append(_convert(current, target, prev_stage, implicit=False))
-            current, prev_stage = target, "convert"
+            current, prev_stage = target, s
             continue
         want = spec.consumes(scfg)
         if current is not None and want is not None and current != want:
@@ -111,11 +115,12 @@ def data_facts(cfg: PipelineConfig, root: Path, input_format: str | None, input_
     its tokenizer is used (an HF input and data.tokenizer not 'train')."""
     from tasks.data.digest import file_digests
 
-    from_model = input_format == Format.HF_SAFETENSORS and cfg.data.tokenizer != "train"
-    return {"config": flat({"data": cfg.data.model_dump(mode="json"), "model.vocab_size": cfg.model.vocab_size,
+    data = cfg.stage_config(DATA_STAGE)
+    from_model = input_format == Format.HF_SAFETENSORS and data.tokenizer != "train"
+    return {"config": flat({DATA_STAGE: data.model_dump(mode="json"), "model.vocab_size": cfg.model.vocab_size,
                             "seed": cfg.seed}),
-            "code": stage_code("data", root),
-            "files": dict(file_digests(cfg.data)) | (_template_file(cfg) if from_model else {}),
+            "code": stage_code(DATA_STAGE, root),
+            "files": dict(file_digests(data)) | (_template_file(cfg) if from_model else {}),
             "input": {"checkpoint": input_fingerprint if from_model else None}}
 
 
@@ -134,10 +139,10 @@ def fingerprint_steps(cfg: PipelineConfig, steps: list[Step], input_fingerprint:
                       input_format: str | None = None, root: Path = REPO_ROOT) -> None:
     """Each step's facts and fingerprint; `root`: the project tree whose code the steps run (a test's copy)."""
     data = data_facts(cfg, root, input_format, input_fingerprint)
-    data_fp = _hash(["data", data])
+    data_fp = _hash([DATA_STAGE, data])
     prev = input_fingerprint
     for st in steps:
-        if st.name == "data":
+        if _role(st.name) == StageRole.DATA:
             st.facts, st.fingerprint = data, data_fp
             continue
         st.input_fingerprint = prev
@@ -181,10 +186,10 @@ def plan(cfg: PipelineConfig, input_format: str | None = None, input_fingerprint
          root: Path = REPO_ROOT) -> list[Step]:
     """Steps for cfg.stages. The data stage is added (usually cached) when a later stage needs it."""
     stages = list(cfg.stages)
-    if "data" not in stages:
-        stages = ["data"] + stages
+    if DATA_STAGE not in stages:
+        stages = [DATA_STAGE] + stages
     steps = build_steps(cfg, stages, input_format)
-    if "data" not in cfg.stages:
+    if DATA_STAGE not in cfg.stages:
         steps[0].implicit = True
     fingerprint_steps(cfg, steps, input_fingerprint, input_format, root)
     return steps
@@ -192,16 +197,17 @@ def plan(cfg: PipelineConfig, input_format: str | None = None, input_fingerprint
 
 def predecessor(cfg: PipelineConfig) -> Step | None:
     """When a run starts mid-chain without --from: the step of the full chain whose output it continues from."""
-    listed = [s for s in cfg.stages if s != "data"]
+    listed = [s for s in cfg.stages if _role(s) != StageRole.DATA]
     if not listed:
         return None
     full = build_steps(cfg, DEFAULT_CHAIN, None)
     fingerprint_steps(cfg, full, None)
-    if listed[0] == "convert":  # an explicit convert starts from the raw output of the stage before the next one
-        nxt = next((s for s in listed if s != "convert"), None)
+    # an explicit convert starts from the raw output of the stage before the next one
+    if _role(listed[0]) == StageRole.CONVERT:
+        nxt = next((s for s in listed if _role(s) != StageRole.CONVERT), None)
         end = next((i for i, s in enumerate(full) if s.name == nxt), len(full))
-        prior = [s for s in full[:end] if s.name not in ("data", "convert")]
+        prior = [s for s in full[:end] if _role(s.name) == StageRole.MODEL]
     else:
         idx = next(i for i, s in enumerate(full) if s.name == listed[0])
-        prior = [s for s in full[:idx] if s.name != "data"]
+        prior = [s for s in full[:idx] if _role(s.name) != StageRole.DATA]
     return prior[-1] if prior else None

@@ -128,6 +128,14 @@ def error_key(loc: tuple) -> str:
     return key
 
 
+class StageRole(StrEnum):
+    """What a stage is to the chain planner, so the planner asks the stage rather than naming it."""
+
+    DATA = "data"           # builds the datasets every later stage reads; added to a chain that lacks it
+    CONVERT = "convert"     # converts a checkpoint between formats; inserted where two neighbours' formats differ
+    MODEL = "model"         # reads and/or writes a checkpoint (training, serving)
+
+
 @dataclass(frozen=True)
 class StageSpec:
     name: str
@@ -140,6 +148,7 @@ class StageSpec:
     validate_host: Callable[[Any, Any], list[ConfigProblem]] = lambda cfg, pipeline: []  # what this machine lacks
     cacheable: bool = True                      # False: side effects (serving, promotion) make every run count
     trains: bool = False                        # a training stage: optimizer states in its checkpoints, memory and disk plans
+    role: StageRole = StageRole.MODEL
     description: str = ""
 
     def load_task(self):
