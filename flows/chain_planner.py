@@ -128,8 +128,9 @@ def step_facts(cfg: PipelineConfig, st: Step, root: Path, data_fp: str, prev: st
     """What determines a step's output: its resolved config, the code it runs, the user files it runs or reads and
     its inputs' fingerprints. The fingerprint is their digest; the summary names what changed between two of them."""
     scfg = cfg.stage_config(st.name)
-    return {"config": flat({st.name: {**scfg.model_dump(mode="json"), **st.extra}, "model": cfg.model.model_dump(mode="json"),
-                            "seed": cfg.seed}),
+    config = {st.name: {**scfg.model_dump(mode="json"), **st.extra}, "model": cfg.model.model_dump(mode="json"),
+              "seed": cfg.seed}
+    return {"config": flat(config),
             "code": stage_code(st.name, root),
             "files": step_code.user_files(scfg, st.name) | _template_file(cfg),
             "input": {"checkpoint": prev, "data": data_fp}}

@@ -78,11 +78,34 @@ def test_no_decision_reads_message_text():
     assert not found, "decide on an enum, an errno or a typed field instead:\n" + "\n".join(found)
 
 
-@pytest.mark.parametrize("snippet", [
-    "def f(p):\n    try:\n        p.write_text('x')\n    except OSError as e:\n        if 'No space left' in str(e):\n            return 1\n",
-    "def f(alive):\n    was = f'v1, ' + ('serving' if alive else 'down')\n    return was.endswith('serving')\n",
-    "def f(status):\n    return status.endswith('completed')\n",
-    "def f():\n    try:\n        pass\n    except Exception as exc:\n        return str(exc).startswith('CUDA out of memory')\n",
-])
+FOUND = {  # one of each kind the check names, as main had the first two
+    "exception text": """
+def f(p):
+    try:
+        p.write_text('x')
+    except OSError as e:
+        if 'No space left' in str(e):
+            return 1
+""",
+    "a composed message": """
+def f(alive):
+    was = f'v1, ' + ('serving' if alive else 'down')
+    return was.endswith('serving')
+""",
+    "an enum value's suffix": """
+def f(status):
+    return status.endswith('completed')
+""",
+    "exception text, by prefix": """
+def f():
+    try:
+        pass
+    except Exception as exc:
+        return str(exc).startswith('CUDA out of memory')
+""",
+}
+
+
+@pytest.mark.parametrize("snippet", FOUND.values(), ids=FOUND.keys())
 def test_the_check_finds_each_kind_it_names(snippet):
     assert decisions_on_text("x.py", ast.parse(snippet), {"completed"})
