@@ -49,8 +49,8 @@ def markdown(summary: dict) -> str:
         metrics = ", ".join(f"{k}={_fmt(v)}" for k, v in list((s.get("metrics") or {}).items())[:4])
         ev = s.get("eval") or {}
         ev_s = f"{ev.get('metric')}: {_fmt(ev.get('before'))} → {_fmt(ev.get('after'))}" if ev else ""
-        lines.append(f"| {s['label']} | {s['status']} | {reasons_text(s.get('reason'))} | {s.get('engine', '')} {s.get('backend', '')} | {g} | "
-                     f"{metrics} | {ev_s} | `{s.get('output') or ''}` |")
+        lines.append(f"| {s['label']} | {s['status']} | {reasons_text(s.get('reason'))} | "
+                     f"{s.get('engine', '')} {s.get('backend', '')} | {g} | {metrics} | {ev_s} | `{s.get('output') or ''}` |")
     mem = [s for s in summary["stages"] if (s.get("memory") or {}).get("measured_mb_max")]
     if mem:
         lines += ["", "## Memory per rank (measured peak vs `baton plan`)", "", "| stage | measured MiB | planned MiB |",
