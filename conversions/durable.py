@@ -72,13 +72,14 @@ NEARLY_FULL = 1 << 20  # a writer that dropped errno failed on a disk with less 
 
 
 def is_disk_full(err: BaseException, path: Path) -> bool:
-    """ENOSPC anywhere in err's chain or text, or (for a writer that drops errno: torch's zip writer says only "file
-    write failed") the disk holding path has under 1 MiB free right after the failure."""
+    """ENOSPC as the errno of an OSError anywhere in err's chain, or (for a writer that drops errno: torch's zip writer
+    says only "file write failed", a C++ library raises RuntimeError) the disk holding path has under 1 MiB free right
+    after the failure. Never the message text: the disk's own state decides."""
     seen: set[int] = set()
     e: BaseException | None = err
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left on device" in str(e):
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
             return True
         e = e.__cause__ or e.__context__
     existing = Path(path).resolve()

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Iterator
 
 from . import folder, manifest as mf
+from .safetensors_stream import DTYPE_CODES
 
 def _decoder_fields(arch: dict, vocab_size: int | None) -> dict:
     """What LlamaConfig and Qwen2Config share, from baton's architecture dict."""
@@ -105,7 +106,7 @@ def dominant_dtype(root: Path) -> str | None:
     counts: dict[str, int] = {}
     for dtype, _ in tensor_shapes(root).values():
         counts[dtype] = counts.get(dtype, 0) + 1
-    names = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+    names = {code: name for name, code in DTYPE_CODES.items() if name in ("float32", "bfloat16", "float16")}
     return names.get(max(counts, key=counts.get)) if counts else None
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from conversions import durable, manifest as mf
 from conversions.manifest import Format
+from conversions.home import home_path
 from conversions.refusal import Refused
 
 KEY_ENV = "BATON_SEAL_KEY"
@@ -35,7 +36,7 @@ class SealKeyError(Refused):
 
 def key_file() -> Path:
     """The seal key's path: BATON_SEAL_KEY, else BATON_HOME's seal.key."""
-    return Path(os.environ.get(KEY_ENV) or Path(os.environ.get("BATON_HOME", ".baton")) / KEY_NAME).absolute()
+    return Path(os.environ.get(KEY_ENV) or home_path() / KEY_NAME).absolute()
 
 
 def ensure_key(path: Path | None = None) -> Path:

@@ -1,22 +1,26 @@
 """The chain planner: a config becomes an ordered list of steps, its stages plus a convert step wherever two
 neighbours' formats differ.
 
-Each step has a fingerprint: a hash of what determines its output (its config, the model, the data, its input's
-fingerprint, and the code of the stage). A step whose fingerprint already completed is not re-run; an interrupted one
-is resumed in the same work folder, so the engine picks up its latest checkpoint.
+Each step has a fingerprint: the digest of its facts, what determines its output (its resolved config, the code it
+runs: every project file its stage's task module reaches, found by flows.step_code; the user files the config names
+that it runs or reads: a reward function, a chat template, a task folder; its input's fingerprint and the data's). A step
+whose fingerprint already completed is not re-run; an interrupted one is resumed in the same work folder, so the engine
+picks up its latest checkpoint. When a step does run, `why_run` says why: what changed since the last completed run of
+the same step under the same config name (the run index keeps its facts).
 """
 from __future__ import annotations
 
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from conversions.manifest import Format
-from conversions.registry import CONVERTERS, supported
+from flows import step_code
 from flows.config import ConfigError, PipelineConfig
 from tasks import chat_template
-from tasks.registry import DEFAULT_CHAIN, STAGES
-from tasks.stage import REPO_ROOT
+from tasks.registry import CONVERT_STAGE, DATA_STAGE, DEFAULT_CHAIN, STAGES
+from tasks.stage import REPO_ROOT, Reason, StageRole, Status, Why
 
 @dataclass
 class Step:
@@ -29,6 +33,7 @@ class Step:
     fingerprint: str = ""
     input_fingerprint: str | None = None
     extra: dict = field(default_factory=dict)
+    facts: dict = field(default_factory=dict)  # what the fingerprint digests: config, code, files, input (chain_planner)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -39,23 +44,12 @@ def _short(fmt: str) -> str:
 
 
 def _convert(src_fmt: str, dst_fmt: str, source_stage: str | None, implicit: bool) -> Step:
-    return Step("convert", f"convert-{_short(src_fmt)}-to-{_short(dst_fmt)}", src_fmt, dst_fmt, source_stage, implicit,
-                extra={"from_format": src_fmt, "to_format": dst_fmt, "source_stage": source_stage})
+    return Step(CONVERT_STAGE, f"{CONVERT_STAGE}-{_short(src_fmt)}-to-{_short(dst_fmt)}", src_fmt, dst_fmt, source_stage,
+                implicit, extra={"from_format": src_fmt, "to_format": dst_fmt, "source_stage": source_stage})
 
 
-CORE_CODE = ("conversions/manifest.py", "conversions/hf.py", "conversions/probe.py", "conversions/verify.py",
-             "tasks/events.py", "conversions/chat.py", "tasks/launch.py", "tasks/stage.py", "tasks/gates.py")
-STAGE_CODE = {"rlhf": ("tasks/serve/lm_eval_worker.py",), "finetune": ("tasks/serve/lm_eval_worker.py",)}  # gate.metric lm_eval
-
-
-def _code_digest(*paths: str) -> str:
-    h = hashlib.sha256()
-    for d in paths:
-        p = REPO_ROOT / d
-        for f in sorted(p.rglob("*.py")) if p.is_dir() else ([p] if p.exists() else []):
-            h.update(f.relative_to(REPO_ROOT).as_posix().encode())
-            h.update(f.read_bytes())
-    return h.hexdigest()
+def _role(stage: str) -> StageRole:
+    return STAGES[stage].role
 
 
 def _hash(obj) -> str:
@@ -69,15 +63,15 @@ def build_steps(cfg: PipelineConfig, stages: list[str], input_format: str | None
     for s in stages:
         spec = STAGES[s]
         scfg = cfg.stage_config(s)
-        if s == "data":
-            steps.append(Step("data", "data", None, Format.DATASET))
+        if spec.role == StageRole.DATA:
+            steps.append(Step(s, s, None, spec.produces(scfg)))
             continue
-        if s == "convert":
-            target = cfg.convert.to_format
+        if spec.role == StageRole.CONVERT:
+            target = spec.produces(scfg)
             if current is None:
-                raise ConfigError("stages: 'convert' has no checkpoint to convert (no earlier stage, no --from)")
+                raise ConfigError(f"stages: '{s}' has no checkpoint to convert (no earlier stage, no --from)")
             steps.append(_convert(current, target, prev_stage, implicit=False))
-            current, prev_stage = target, "convert"
+            current, prev_stage = target, s
             continue
         want = spec.consumes(scfg)
         if current is not None and want is not None and current != want:
@@ -97,66 +91,124 @@ def build_steps(cfg: PipelineConfig, stages: list[str], input_format: str | None
     return steps
 
 
-def data_fingerprint(cfg: PipelineConfig, common: str, input_format: str | None, input_fingerprint: str | None) -> str:
+def flat(obj, key: str = "") -> dict:
+    """A config as {dotted key: value} (`rlhf.lr`, `data.sft[1].train`), so a change names its key."""
+    if isinstance(obj, dict) and obj:
+        return {k: v for name, item in obj.items() for k, v in flat(item, f"{key}.{name}" if key else str(name)).items()}
+    if isinstance(obj, (list, tuple)) and obj:
+        return {k: v for i, item in enumerate(obj) for k, v in flat(item, f"{key}[{i}]").items()}
+    return {key: obj}
+
+
+def stage_code(name: str, root: Path) -> dict[str, str]:
+    """{file: sha256} of the code a stage's step runs: the project files its task module reaches (flows.step_code)."""
+    return step_code.closure(root, [STAGES[name].task.split(":")[0]])
+
+
+def _template_file(cfg: PipelineConfig) -> dict:
+    """The chat template as fingerprints see it: its text (the value, or the file it names), not its path."""
+    return {chat_template.KEY: chat_template.digest(cfg.model.chat_template)} if cfg.model.chat_template else {}
+
+
+def data_facts(cfg: PipelineConfig, root: Path, input_format: str | None, input_fingerprint: str | None) -> dict:
     """The data step's config and code, the contents of every file its sources match, and the input checkpoint when
     its tokenizer is used (an HF input and data.tokenizer not 'train')."""
     from tasks.data.digest import file_digests
 
-    from_model = input_format == Format.HF_SAFETENSORS and cfg.data.tokenizer != "train"
-    tokenizer_from = [input_fingerprint, chat_template.digest(cfg.model.chat_template)] if from_model else None
-    return _hash(["data", cfg.data.model_dump(), cfg.model.vocab_size, cfg.seed, _code_digest("tasks/data"), common,
-                  file_digests(cfg.data), tokenizer_from])
+    data = cfg.stage_config(DATA_STAGE)
+    from_model = input_format == Format.HF_SAFETENSORS and data.tokenizer != "train"
+    return {"config": flat({DATA_STAGE: data.model_dump(mode="json"), "model.vocab_size": cfg.model.vocab_size,
+                            "seed": cfg.seed}),
+            "code": stage_code(DATA_STAGE, root),
+            "files": dict(file_digests(data)) | (_template_file(cfg) if from_model else {}),
+            "input": {"checkpoint": input_fingerprint if from_model else None}}
 
 
-def model_facts(cfg: PipelineConfig) -> dict:
-    """The model section as fingerprints see it: a template file's contents, not just its path."""
-    return {**cfg.model.model_dump(), "chat_template": chat_template.digest(cfg.model.chat_template)}
+def step_facts(cfg: PipelineConfig, st: Step, root: Path, data_fp: str, prev: str | None) -> dict:
+    """What determines a step's output: its resolved config, the code it runs, the user files it runs or reads and
+    its inputs' fingerprints. The fingerprint is their digest; the summary names what changed between two of them."""
+    scfg = cfg.stage_config(st.name)
+    config = {st.name: {**scfg.model_dump(mode="json"), **st.extra}, "model": cfg.model.model_dump(mode="json"),
+              "seed": cfg.seed}
+    return {"config": flat(config),
+            "code": stage_code(st.name, root),
+            "files": step_code.user_files(scfg, st.name) | _template_file(cfg),
+            "input": {"checkpoint": prev, "data": data_fp}}
 
 
 def fingerprint_steps(cfg: PipelineConfig, steps: list[Step], input_fingerprint: str | None,
-                      input_format: str | None = None) -> None:
-    common = _code_digest(*CORE_CODE)
-    data_fp = data_fingerprint(cfg, common, input_format, input_fingerprint)
+                      input_format: str | None = None, root: Path = REPO_ROOT) -> None:
+    """Each step's facts and fingerprint; `root`: the project tree whose code the steps run (a test's copy)."""
+    data = data_facts(cfg, root, input_format, input_fingerprint)
+    data_fp = _hash([DATA_STAGE, data])
     prev = input_fingerprint
     for st in steps:
-        if st.name == "data":
-            st.fingerprint = data_fp
+        if _role(st.name) == StageRole.DATA:
+            st.facts, st.fingerprint = data, data_fp
             continue
-        scfg = cfg.stage_config(st.name).model_dump()
         st.input_fingerprint = prev
-        code = [f"tasks/{st.name}", *STAGE_CODE.get(st.name, ())]
-        if st.name == "convert" and supported(st.consumes, st.produces):
-            code.append(CONVERTERS[(st.consumes, st.produces)].split(":")[0].replace(".", "/") + ".py")
-        st.fingerprint = _hash([st.name, st.extra, scfg, model_facts(cfg), cfg.seed, data_fp, prev,
-                                _code_digest(*code), common])
+        st.facts = step_facts(cfg, st, root, data_fp, prev)
+        st.fingerprint = _hash([st.name, st.facts])
         if st.produces is not None:
             prev = st.fingerprint
 
 
-def plan(cfg: PipelineConfig, input_format: str | None = None, input_fingerprint: str | None = None) -> list[Step]:
+# ---- why a step runs or is reused -----------------------------------------------------------------------------------
+def _changed(old: dict, new: dict) -> tuple[str, ...]:
+    return tuple(sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k)))
+
+
+def changes(old: dict | None, new: dict) -> list[Reason]:
+    """What differs between a step's earlier facts and its current ones, one reason per kind of change."""
+    if not old:
+        return [Reason(Why.NEW)]
+    found = [Reason(why, detail) for why, part in ((Why.CODE, "code"), (Why.CONFIG, "config"), (Why.FILE, "files"),
+                                                    (Why.INPUT, "input"))
+             if (detail := _changed(old.get(part) or {}, new.get(part) or {}))]
+    return found or [Reason(Why.NEW)]
+
+
+def why_run(step: Step, record: dict | None, last_facts: dict | None, use_cache: bool) -> list[Reason]:
+    """Why `step` runs rather than being reused. `record`: the index's record of its fingerprint; `last_facts`: those
+    of the last completed run of the same step under the same config name."""
+    if not STAGES[step.name].cacheable:
+        return [Reason(Why.ALWAYS_RUNS)]
+    if not use_cache:
+        return [Reason(Why.CACHE_OFF)]
+    status = (record or {}).get("status")
+    if status == Status.COMPLETED:
+        return [Reason(Why.OUTPUT_CHANGED)]
+    if status in (Status.RUNNING, Status.FAILED, Status.CANCELLED):
+        return [Reason(Why.RESUMED)]
+    return changes(last_facts, step.facts)
+
+
+def plan(cfg: PipelineConfig, input_format: str | None = None, input_fingerprint: str | None = None,
+         root: Path = REPO_ROOT) -> list[Step]:
     """Steps for cfg.stages. The data stage is added (usually cached) when a later stage needs it."""
     stages = list(cfg.stages)
-    if "data" not in stages:
-        stages = ["data"] + stages
+    if DATA_STAGE not in stages:
+        stages = [DATA_STAGE] + stages
     steps = build_steps(cfg, stages, input_format)
-    if "data" not in cfg.stages:
+    if DATA_STAGE not in cfg.stages:
         steps[0].implicit = True
-    fingerprint_steps(cfg, steps, input_fingerprint, input_format)
+    fingerprint_steps(cfg, steps, input_fingerprint, input_format, root)
     return steps
 
 
 def predecessor(cfg: PipelineConfig) -> Step | None:
     """When a run starts mid-chain without --from: the step of the full chain whose output it continues from."""
-    listed = [s for s in cfg.stages if s != "data"]
+    listed = [s for s in cfg.stages if _role(s) != StageRole.DATA]
     if not listed:
         return None
     full = build_steps(cfg, DEFAULT_CHAIN, None)
     fingerprint_steps(cfg, full, None)
-    if listed[0] == "convert":  # an explicit convert starts from the raw output of the stage before the next one
-        nxt = next((s for s in listed if s != "convert"), None)
+    # an explicit convert starts from the raw output of the stage before the next one
+    if _role(listed[0]) == StageRole.CONVERT:
+        nxt = next((s for s in listed if _role(s) != StageRole.CONVERT), None)
         end = next((i for i, s in enumerate(full) if s.name == nxt), len(full))
-        prior = [s for s in full[:end] if s.name not in ("data", "convert")]
+        prior = [s for s in full[:end] if _role(s.name) == StageRole.MODEL]
     else:
         idx = next(i for i, s in enumerate(full) if s.name == listed[0])
-        prior = [s for s in full[:idx] if s.name != "data"]
+        prior = [s for s in full[:idx] if _role(s.name) != StageRole.DATA]
     return prior[-1] if prior else None

@@ -5,6 +5,7 @@ import base64
 from pathlib import Path
 
 from tasks import events
+from tasks.stage import reasons_text
 
 
 def loss_plot(history: dict, path: Path, title: str) -> Path | None:
@@ -38,8 +39,8 @@ def _fmt(v) -> str:
 def markdown(summary: dict) -> str:
     lines = [f"# baton run `{summary['run_id']}`", "",
              f"Status: **{summary['status']}** · MLflow run `{summary.get('mlflow_run_id')}` · run dir `{summary.get('run_dir')}`", "",
-             "| stage | status | engine | gate | key metrics | eval | output |",
-             "|---|---|---|---|---|---|---|"]
+             "| stage | status | why | engine | gate | key metrics | eval | output |",
+             "|---|---|---|---|---|---|---|---|"]
     for s in summary["stages"]:
         gate = s.get("gate") or {}
         checks = gate.get("checks", [])
@@ -48,8 +49,8 @@ def markdown(summary: dict) -> str:
         metrics = ", ".join(f"{k}={_fmt(v)}" for k, v in list((s.get("metrics") or {}).items())[:4])
         ev = s.get("eval") or {}
         ev_s = f"{ev.get('metric')}: {_fmt(ev.get('before'))} → {_fmt(ev.get('after'))}" if ev else ""
-        lines.append(f"| {s['label']} | {s['status']} | {s.get('engine', '')} {s.get('backend', '')} | {g} | "
-                     f"{metrics} | {ev_s} | `{s.get('output') or ''}` |")
+        lines.append(f"| {s['label']} | {s['status']} | {reasons_text(s.get('reason'))} | "
+                     f"{s.get('engine', '')} {s.get('backend', '')} | {g} | {metrics} | {ev_s} | `{s.get('output') or ''}` |")
     mem = [s for s in summary["stages"] if (s.get("memory") or {}).get("measured_mb_max")]
     if mem:
         lines += ["", "## Memory per rank (measured peak vs `baton plan`)", "", "| stage | measured MiB | planned MiB |",

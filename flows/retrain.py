@@ -303,9 +303,10 @@ def reconcile_serving(base: PipelineConfig, serve: ServeConfig, champ: dict, nam
     current = serving()
     if current is None:
         return "stopped a leftover candidate server"
-    was = f"version {current.get('version')}, " + ("serving" if supervisor.alive(current.get("server")) else "down")
-    if current.get("server") and str(current.get("version")) == version and was.endswith("serving"):
+    alive = bool(current.get("server")) and supervisor.alive(current["server"])
+    if alive and str(current.get("version")) == version:
         return "stopped a leftover candidate server" if candidate else None
+    was = f"version {current.get('version')}, {'serving' if alive else 'down'}"
     ok, state = start_serving(base, serve.model_copy(update={"port": 0}), champ["path"], version, publish=False)
     if not ok:
         return f"could not serve champion version {version}: {state['error']}"

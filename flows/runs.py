@@ -14,6 +14,7 @@ import filelock
 import psutil
 
 from conversions import durable
+from tasks.paths import plain_name
 from tasks.tracking import baton_home
 from tasks.stage import Status
 
@@ -49,6 +50,22 @@ class Index:
     def put(self, fp: str, **record) -> None:
         durable.write_text(self.root / f"{fp}.json",
                            json.dumps({"fingerprint": fp, **record}, indent=2, default=str) + "\n")
+
+    def _last_path(self, config: str, label: str) -> Path:
+        return self.root / "last" / plain_name(config) / f"{plain_name(label)}.json"
+
+    def last(self, config: str, label: str) -> dict | None:
+        """{fingerprint, facts} of the last completed (or reused) run of step `label` under config name `config`:
+        what a new run of it is compared with to say why it runs."""
+        try:
+            rec = json.loads(self._last_path(config, label).read_text())
+        except (OSError, ValueError):
+            return None
+        return rec if isinstance(rec, dict) else None
+
+    def put_last(self, config: str, label: str, fp: str, facts: dict) -> None:
+        durable.write_text(self._last_path(config, label),
+                           json.dumps({"fingerprint": fp, "facts": facts}, indent=2, default=str) + "\n")
 
 
 class StepBusy(RuntimeError):

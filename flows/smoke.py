@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 from conversions import durable
+from conversions.home import home_path
 from tasks.registry import TRAINING_STAGES
 from tasks.stage import Status
 
@@ -57,7 +57,7 @@ def smoke_gate_passed(gate: dict) -> bool:
 
 
 def _record_path(cfg) -> Path:
-    return Path(os.environ.get("BATON_HOME", ".baton")).resolve() / "smoke" / f"{fingerprint(cfg)}.json"
+    return home_path().resolve() / "smoke" / f"{fingerprint(cfg)}.json"
 
 
 def record(cfg, summary: dict) -> Path:

@@ -16,6 +16,7 @@ from conversions import manifest as mf, verify
 from conversions.manifest import Format
 from conversions.refusal import Refused
 from flows.config import PipelineConfig
+from flows import chain_planner as planning
 from flows.chain_planner import Step
 from flows.runs import Index, StepLock
 from flows import report
@@ -24,7 +25,7 @@ from tasks.launch import LaunchError
 from tasks import memory_plan as mp
 from tasks.registry import STAGES, TRAINING_STAGES
 from tasks.events import EngineCause
-from tasks.stage import Failure, StageContext, StageOutput, Status
+from tasks.stage import Failure, Reason, StageContext, StageOutput, Status, Why, reasons_text
 
 
 class StageFailed(RuntimeError):
@@ -240,10 +241,22 @@ def _new_entry(step: Step) -> dict:
     return entry
 
 
+def _why_run(index: Index, cfg: PipelineConfig, step: Step, use_cache: bool) -> list[dict]:
+    last = index.last(cfg.name, step.label) or {}
+    return [r.to_dict() for r in planning.why_run(step, index.get(step.fingerprint), last.get("facts"), use_cache)]
+
+
+def _remember(index: Index, cfg: PipelineConfig, step: Step) -> None:
+    """This step's facts as the last completed ones of its label under this config: what the next run compares with."""
+    if step.facts:
+        index.put_last(cfg.name, step.label, step.fingerprint, step.facts)
+
+
 def _reuse(rec: dict, entry: dict) -> dict:
-    get_run_logger().info("=== %s: unchanged inputs and config; reusing %s ===", entry["label"], rec.get("output"))
+    get_run_logger().info("=== %s: unchanged code, inputs and config; reusing %s ===", entry["label"], rec.get("output"))
     cached = dict(rec["entry"])
-    cached.update(status=Status.CACHED, prefect_flow_run_id=entry["prefect_flow_run_id"], cached_from=rec.get("run_id"))
+    cached.update(status=Status.CACHED, prefect_flow_run_id=entry["prefect_flow_run_id"], cached_from=rec.get("run_id"),
+                  reason=[Reason(Why.CACHED).to_dict()])
     streaming.step_finished(entry["label"], cached)
     return cached
 
@@ -253,6 +266,7 @@ def _start_stage_run(c, cfg: PipelineConfig, step: Step, run: RunInfo, entry: di
     mlflow_run = tracking.start_run(
         c, cfg.tracking.experiment, step.label,
         tags={"baton.stage": step.name, "baton.run_id": run.run_id, "baton.fingerprint": step.fingerprint,
+              "baton.reason": reasons_text(entry.get("reason"))[:1000],
               tracking.PREFECT_TAG: entry["prefect_flow_run_id"] or "",
               "prefect.pipeline_flow_run_id": run.prefect_flow_run_id or "",
               **report.prefect_link_tags(entry["prefect_flow_run_id"])},
@@ -514,8 +528,11 @@ def _execute_locked(step: Step, cfg: PipelineConfig, run: RunInfo, position: int
     index = Index()
     entry = _new_entry(step)
     if use_cache and STAGES[step.name].cacheable and (rec := _cached(index, step)) is not None:
+        _remember(index, cfg, step)
         return _reuse(rec, entry)
-    get_run_logger().info("=== stage %s (%s) ===", step.label, STAGES[step.name].description)
+    entry["reason"] = _why_run(index, cfg, step, use_cache)
+    get_run_logger().info("=== stage %s (%s): %s ===", step.label, STAGES[step.name].description,
+                          reasons_text(entry["reason"]))
     check_free_space(cfg, step, run.run_dir)
     c = tracking.client()
     mlflow_run = entry["mlflow_run_id"] = _start_stage_run(c, cfg, step, run, entry)
@@ -546,6 +563,8 @@ def _execute_locked(step: Step, cfg: PipelineConfig, run: RunInfo, position: int
             entry["seconds"] = round(time.time() - t0, 2)
             index.put(step.fingerprint, status=entry["status"], work_dir=str(work), run_id=run.run_id,
                       output=entry.get("output"), entry=entry)  # before any tracking call: an outage cannot lose it
+            if ok:
+                _remember(index, cfg, step)
             _close(c, mlflow_run, monitor, entry, ok, log_path)
             streaming.step_finished(step.label, entry, log_path)
     return entry

@@ -18,8 +18,9 @@ from typing import Literal
 
 from pydantic import Field
 
+from tasks import paths
 from tasks.problems import ConfigProblem
-from tasks.stage import StrictModel
+from tasks.stage import REPO_ROOT, StrictModel
 
 LOWER_IS_BETTER = {"heldout_loss"}
 AT_LEAST = {"preference_accuracy"}  # historical rlhf rule: must not fall
@@ -40,7 +41,8 @@ class GateConfig(StrictModel):
                                                "(finetune; rlhf needs one)")
     score: str | None = Field(None, description="lm_eval: the result key '<metric>,<filter>' the gate compares "
                                                 "(higher is better); unset only for baton's task (exact_match,strip)")
-    include_path: Path | None = Field(None, description="lm_eval: folder with the task's YAML (and its data)")
+    include_path: Path | None = Field(None, description="lm_eval: folder with the task's YAML (and its data)",
+                                      json_schema_extra=paths.contents(paths.Contents.FOLDER))
     limit: int | None = Field(None, ge=1, description="lm_eval: evaluate at most this many documents")
 
 
@@ -167,7 +169,7 @@ def defined_task_names(folder: Path) -> tuple[set[str], list[str]]:
 
 
 # ---- lm_eval: the run (input and output checkpoints, one launch of the lm-eval worker) -------------------------------
-LM_EVAL_WORKER = Path(__file__).resolve().parent / "serve" / "lm_eval_worker.py"
+LM_EVAL_WORKER = REPO_ROOT / "tasks/serve/lm_eval_worker.py"  # also run by the serve stage (tasks/serve/task.py)
 
 
 def lm_eval_target(ctx, gate: GateConfig) -> tuple[str, Path | None, str]:

@@ -167,13 +167,17 @@ class Breakdown:
 
 
 # ---- model states ----------------------------------------------------------------------------------------------------
+FP32_BYTES = 4
+BYTES_OF_PRECISION = {"fp32": FP32_BYTES, "bf16": 2, "fp16": 2}  # a value of each training precision (vocabulary.py)
+
+
 def state_bytes_per_param(layout: Layout, precision: str) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes per parameter on one rank, after the layout's sharding."""
-    half = precision in ("bf16", "fp16")
+    w = BYTES_OF_PRECISION[precision]
+    o = 2 * FP32_BYTES + (FP32_BYTES if w < FP32_BYTES else 0)  # Adam's two moments, plus an fp32 master copy if 16-bit
     if layout.stage == "pretrain":  # Megatron: fp32 main grads; the distributed optimizer shards the optimizer only
-        w, g, o = (2, 4, 12) if half else (4, 4, 8)
-        return w, g, o / layout.dp if layout.distributed_optimizer else o
-    w, g, o = (2, 2, 12) if half else (4, 4, 8)      # ZeRO paper: 2Ψ + 2Ψ + KΨ
+        return w, FP32_BYTES, o / layout.dp if layout.distributed_optimizer else o
+    g = w                                            # ZeRO paper: 2Ψ + 2Ψ + KΨ
     n = layout.dp
     o = 0 if layout.offload_optimizer else (o / n if layout.zero_stage >= 1 else o)
     g = g / n if layout.zero_stage >= 2 else g
@@ -258,7 +262,7 @@ def breakdown(shape: Shape, layout: Layout, seq: int, precision: str, device: st
         buckets = 0 if layout.stage == "pretrain" else 2 * bucket_elements * 2
         buffers = GPU_CONTEXT_BYTES + buckets
     if layout.zero_stage == 3:  # gathered working set: the all-gather's flat buffer and the unflattened parameters
-        buffers += 2 * min(n, ZERO3_MAX_LIVE_PARAMETERS) * (4 if on_cpu or precision == "fp32" else 2)
+        buffers += 2 * min(n, ZERO3_MAX_LIVE_PARAMETERS) * BYTES_OF_PRECISION[precision]  # (fp32 on CPU: above)
     offloaded = (shape.params() * 12 / layout.dp if layout.offload_optimizer else 0)
     return Breakdown(weights, n * g, n * o, acts, no_rc, buffers,
                      extra={"params_per_rank": int(n), "cpu_offload_bytes_per_rank": offloaded})
@@ -390,7 +394,7 @@ def _why_not(layout: Layout, mem: Breakdown, p: Plan) -> str:
 
 
 # ---- disk ------------------------------------------------------------------------------------------------------------
-HF_BYTES_PER_PARAM = 4   # the fp32 safetensors a stage's output (or its conversion) holds
+HF_BYTES_PER_PARAM = FP32_BYTES   # the fp32 safetensors a stage's output (or its conversion) holds
 
 
 def checkpoint_bytes_per_param(stage: str, precision: str) -> int:
@@ -398,9 +402,10 @@ def checkpoint_bytes_per_param(stage: str, precision: str) -> int:
     the weights in the training precision, the optimizer's fp32 copy of them (kept even when they are fp32: Megatron's
     distributed optimizer and ZeRO's flat partition) and Adam's two fp32 moments. TRL (the Trainer): the model as
     trained, fp32 under autocast, and the two moments."""
+    moments = 2 * FP32_BYTES
     if stage == "rlhf":
-        return 4 + 8
-    return (2 if precision in ("bf16", "fp16") else 4) + 4 + 8
+        return FP32_BYTES + moments
+    return BYTES_OF_PRECISION[precision] + FP32_BYTES + moments
 
 
 def stage_disk_bytes(cfg, stage: str) -> int:

@@ -6,12 +6,31 @@ as what they are meant to be. Each problem is one line naming its key."""
 from __future__ import annotations
 
 import re
+from enum import StrEnum
 from pathlib import Path, PurePath
 
 from tasks.problems import ConfigProblem
 
 PLAIN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 LOCAL_KINDS = ("local", "venv")
+
+
+class Contents(StrEnum):
+    """What a config key's path holds that its step runs or reads, so the step's cache key digests it (the key says
+    so once, `json_schema_extra=contents(...)`; flows/step_code.py finds every marked key)."""
+
+    FILE = "file"                # a file: its bytes
+    FUNCTION = "function"        # 'path/to/file.py:fn': the file's bytes
+    FOLDER = "folder"            # every file under it (an lm-eval task folder: YAML, data, `!function` Python)
+    CHECKPOINT = "checkpoint"    # a checkpoint folder: its manifest (every file's sha256), else each file's size and time
+
+
+CONTENTS_KEY = "baton_contents"
+
+
+def contents(kind: Contents) -> dict:
+    """A config field's json_schema_extra: the field names a path whose contents its step runs or reads."""
+    return {CONTENTS_KEY: kind.value}
 
 
 def name_problem(value: str) -> str | None:

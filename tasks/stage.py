@@ -55,6 +55,42 @@ class Failure(StrEnum):
     BUG = "bug"           # an exception inside baton: the traceback, in the step log
 
 
+class Why(StrEnum):
+    """Why a step ran or was reused: its summary entry's `reason`, the terminal's line, `baton config`."""
+
+    CACHED = "cached"                   # an identical earlier step's output reused
+    NEW = "new"                         # no earlier completed run of this step under this config name
+    CODE = "code changed"               # a file the step's code reaches (detail: the files)
+    CONFIG = "config changed"           # (detail: the keys)
+    FILE = "file changed"               # a file or folder the config names, that the step runs or reads (detail: keys)
+    INPUT = "input changed"             # the input checkpoint or the data (detail: which)
+    RESUMED = "resumed"                 # an earlier attempt of this very step did not finish: its work folder continues
+    OUTPUT_CHANGED = "output changed"   # the earlier output is gone or no longer verifies
+    CACHE_OFF = "cache off"             # baton run --no-cache
+    ALWAYS_RUNS = "always runs"         # a stage with side effects (serving) is never reused
+
+
+@dataclass(frozen=True)
+class Reason:
+    why: Why
+    detail: tuple[str, ...] = ()
+
+    def text(self) -> str:
+        return f"{self.why} ({', '.join(self.detail)})" if self.detail else str(self.why)
+
+    def to_dict(self) -> dict:
+        return {"why": self.why.value, "detail": list(self.detail)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Reason":
+        return cls(Why(d["why"]), tuple(d.get("detail") or ()))
+
+
+def reasons_text(reasons: list[dict]) -> str:
+    """A summary entry's `reason` list as one phrase: 'code changed (conversions/rewards.py); config changed (rlhf.lr)'."""
+    return "; ".join(Reason.from_dict(r).text() for r in reasons or [])
+
+
 class StrictModel(BaseModel):
     """Config models reject unknown keys and re-validate on assignment (so --set overrides are checked too).
     `renamed` maps keys a model used to accept to their new names: an old key fails with "renamed to …"."""
@@ -92,6 +128,14 @@ def error_key(loc: tuple) -> str:
     return key
 
 
+class StageRole(StrEnum):
+    """What a stage is to the chain planner, so the planner asks the stage rather than naming it."""
+
+    DATA = "data"           # builds the datasets every later stage reads; added to a chain that lacks it
+    CONVERT = "convert"     # converts a checkpoint between formats; inserted where two neighbours' formats differ
+    MODEL = "model"         # reads and/or writes a checkpoint (training, serving)
+
+
 @dataclass(frozen=True)
 class StageSpec:
     name: str
@@ -104,6 +148,7 @@ class StageSpec:
     validate_host: Callable[[Any, Any], list[ConfigProblem]] = lambda cfg, pipeline: []  # what this machine lacks
     cacheable: bool = True                      # False: side effects (serving, promotion) make every run count
     trains: bool = False                        # a training stage: optimizer states in its checkpoints, memory and disk plans
+    role: StageRole = StageRole.MODEL
     description: str = ""
 
     def load_task(self):

@@ -14,12 +14,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from conversions.home import home_path
+
 PREFECT_TAG = "prefect.flow_run_id"
 
 
 def baton_home() -> Path:
     """BATON_HOME, created private (0700) on first use: it holds API keys, the registry and every run's logs."""
-    home = Path(os.environ.get("BATON_HOME", ".baton")).resolve()
+    home = home_path().resolve()
     if not home.exists():
         home.mkdir(mode=0o700, parents=True, exist_ok=True)
     return home

@@ -4,6 +4,7 @@ stage anew. The data stage takes the model's tokenizer, as nightly retraining fr
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -64,10 +65,8 @@ def planned(cfg: Path, model: Path, home: Path) -> dict[str, tuple[str, str]]:
     assert r.returncode == 0, r.stderr[-2000:]
     rows = {}
     for line in r.stdout.split("# planned steps:")[1].splitlines():
-        parts = line.lstrip("# ").split()
-        if parts:
-            rows[parts[0]] = (parts[-3] if parts[-1] == "run" else parts[-2],
-                              "to run" if parts[-1] == "run" else parts[-1])
+        if m := re.match(r"#\s+(\S+)\s.*\s([0-9a-f]{12})\s+(cached|to run)", line):  # 'to run: <why>'
+            rows[m[1]] = (m[2], m[3])
     return rows
 
 
@@ -82,9 +81,11 @@ def test_a_file_added_under_the_glob_reruns_data_and_plans_its_successors_anew(t
     cfg, model = write_config(tmp_path), tiny_model(tmp_path)
     first = data_run(cfg, model, baton_home)
     assert first["status"] == "completed" and first["tokenizer"].startswith("model:") and sft_rows(first) == 30
+    assert first["reason"] == [{"why": "new", "detail": []}]
 
     again = data_run(cfg, model, baton_home)                   # nothing changed: reused, not rebuilt
     assert again["status"] == "cached" and again["output"] == first["output"]
+    assert again["reason"] == [{"why": "cached", "detail": []}]
     assert again["fingerprint"] == first["fingerprint"]
     before = planned(cfg, model, baton_home)
     assert list(before) == ["data", "rlhf", "finetune", "convert-zero-to-hf"] and before["data"] == (first["fingerprint"][:12], "cached")
@@ -98,6 +99,8 @@ def test_a_file_added_under_the_glob_reruns_data_and_plans_its_successors_anew(t
     rerun = data_run(cfg, model, baton_home)
     assert rerun["status"] == "completed" and rerun["fingerprint"][:12] == after["data"][0]
     assert rerun["output"] != first["output"] and sft_rows(rerun) == 40
+    added = str((tmp_path / "sft" / "part-2.jsonl").resolve())
+    assert rerun["reason"] == [{"why": "file changed", "detail": [added]}]  # the summary says why the step re-ran
     files = json.loads((Path(rerun["output"]) / "baton_manifest.json").read_text())["extra"]["datasets"]["sft"]["files"]
     assert [Path(f).name for f in files] == ["part-1.jsonl", "part-2.jsonl"]
     assert planned(cfg, model, baton_home)["data"] == (after["data"][0], "cached")

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
+
+from conversions.home import ENV as HOME_ENV, home_path
 
 
 # Offline, no telemetry, and time enough for Prefect's ephemeral server to migrate its database on 2 cores.
@@ -20,8 +21,8 @@ QUIET_ENV = {
 def _env_defaults() -> None:
     for k, v in QUIET_ENV.items():
         os.environ.setdefault(k, v)
-    home = Path(os.environ.setdefault("BATON_HOME", str(Path(".baton").resolve())))
-    os.environ["BATON_HOME"] = str(home.resolve())
+    home = home_path().resolve()
+    os.environ[HOME_ENV] = str(home)
     stack = home / "stack.env"  # written by `make up`: use the running Prefect and MLflow servers
     if os.path.lexists(stack):
         from tasks import stack_env

@@ -16,6 +16,7 @@ import subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from conversions.home import home_path
 from tasks import memory_plan as mp
 from tasks.registry import TRAINING_STAGES
 
@@ -246,7 +247,7 @@ def planned_checkpoint_bytes(cfg) -> int:
 
 
 def check_disk(cfg, probe: Probe) -> list[Finding]:
-    home = Path(probe.home or os.environ.get("BATON_HOME", ".baton"))
+    home = Path(probe.home or home_path())
     need, free = planned_checkpoint_bytes(cfg), free_bytes(home)
     if need <= free:
         return []

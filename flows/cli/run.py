@@ -222,6 +222,7 @@ def cmd_config(args) -> int:
     from flows import chain_planner as planning
     from flows.config import ConfigError, load
     from flows.runs import Index
+    from tasks.registry import STAGES
 
     try:
         stages = [s.strip() for s in args.stages.split(",") if s.strip()] if args.stages else None
@@ -239,8 +240,10 @@ def cmd_config(args) -> int:
     print(f"\n# input: {described}\n# planned steps:")
     index = Index()
     for st in steps:
-        rec = index.get(st.fingerprint) or {}
-        state = Status.CACHED if rec.get("status") == Status.COMPLETED else "to run"
+        rec = index.get(st.fingerprint)
+        last = (index.last(cfg.name, st.label) or {}).get("facts")
+        state = (Status.CACHED if (rec or {}).get("status") == Status.COMPLETED and STAGES[st.name].cacheable else
+                 "to run: " + "; ".join(r.text() for r in planning.why_run(st, rec, last, use_cache=True)))
         formats = f"{st.consumes or '-'} -> {st.produces or '-'}"
         print(f"#   {st.label:<28} {formats:<38} {st.fingerprint[:12]}  {state}")
     return 0

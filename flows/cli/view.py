@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TextIO
 
 from tasks import events, launch, streaming
-from tasks.stage import Failure, Status
+from tasks.stage import Failure, Status, Why, reasons_text
 
 FAILURE_TAIL_LINES = 30
 _EXCEPTION_LINE = re.compile(r"\b[A-Z]\w*(Error|Exception|Exit|Interrupt)\b:?\s")
@@ -109,7 +109,16 @@ def describe(st: StepState) -> str:
         parts.append(f"loss {st.loss:.4g}")
     if st.status == Status.FAILED and st.entry.get("error"):
         parts.append(st.entry["error"].splitlines()[0][:120])
+    elif why := reran_because(st.entry):
+        parts.append(why)
     return "  ".join(parts)
+
+
+def reran_because(entry: dict) -> str:
+    """'re-ran: code changed (conversions/rewards.py)' for a step that ran although an earlier run of it completed;
+    '' for a first run or a reused one (its status says `cached`)."""
+    reasons = [r for r in entry.get("reason") or [] if r.get("why") not in (Why.NEW, Why.CACHED)]
+    return f"re-ran: {reasons_text(reasons)}" if reasons else ""
 
 
 class PlainView(View):
@@ -301,8 +310,8 @@ def failure_report(entry: dict) -> list[str]:
 
 
 def summary_lines(summary: dict, width: int | None = None) -> list[str]:
-    """The end-of-run table: step, status, time, gate, key numbers. Where a row would be wider than the terminal, its
-    key numbers go on the next line, indented, instead of wrapping."""
+    """The end-of-run table: step, status, time, gate, key numbers, and why a step re-ran. Where a row would be wider
+    than the terminal, its key numbers go on the next line, indented, instead of wrapping."""
     stages = summary.get("stages", [])
     label_width = max([len(s["label"]) for s in stages] + [5])
     rows = []
@@ -312,7 +321,7 @@ def summary_lines(summary: dict, width: int | None = None) -> list[str]:
         g = f"gate {sum(c['passed'] for c in checks)}/{len(checks)}" if checks else ""
         secs = fmt_seconds(s["seconds"]) if isinstance(s.get("seconds"), (int, float)) else ""
         row = f"  {s['label']:<{label_width}} {s['status']:<9} {secs:>6}  {g:<10}".rstrip()
-        key = _key_numbers(s)
+        key = "  ".join(k for k in (_key_numbers(s), reran_because(s)) if k)
         if key and width and len(row) + 2 + len(key) > width:
             rows += [row, f"{'':<{label_width + 4}}{key}"]
         else:

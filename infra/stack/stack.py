@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import postgres  # noqa: E402  (beside this file)
 from tasks.health import Unhealthy, wait_http_ok  # noqa: E402  (the checkout is on .venv's path)
 from tasks import stack_env  # noqa: E402
+from conversions.home import home_path  # noqa: E402
 from tasks.launch import kill_group  # noqa: E402
 
 POOL = os.environ.get("BATON_WORK_POOL", "baton-local")
@@ -37,7 +38,7 @@ MLFLOW_ADMIN = "baton"  # the MLflow basic-auth admin user clients log in as
 
 
 def home() -> Path:
-    return Path(os.environ.get("BATON_HOME") or REPO / ".baton").resolve()
+    return home_path(REPO).resolve()
 
 
 def state_dir() -> Path:

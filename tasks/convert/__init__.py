@@ -1,8 +1,9 @@
 from tasks.convert.config import ConvertConfig
-from tasks.stage import StageSpec
+from tasks.stage import StageRole, StageSpec
 
 STAGE = StageSpec(
     name="convert",
+    role=StageRole.CONVERT,
     config_model=ConvertConfig,
     task="tasks.convert.task:run_convert",
     consumes=lambda cfg: None,  # whatever its neighbour left; the pipeline sets from/to formats

@@ -1,9 +1,10 @@
 from conversions.manifest import Format
 from tasks.data.config import DataConfig, validate
-from tasks.stage import StageSpec
+from tasks.stage import StageRole, StageSpec
 
 STAGE = StageSpec(
     name="data",
+    role=StageRole.DATA,
     config_model=DataConfig,
     task="tasks.data.task:run_data",
     consumes=lambda cfg: None,

@@ -4,6 +4,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
+from tasks import paths
 from tasks.gates import GateConfig
 from tasks.stage import StrictModel
 from tasks.vocabulary import Precision, TrainingConfig
@@ -52,7 +53,8 @@ class RewardConfig(StrictModel):
                                 "(no network namespace, Landlock or seccomp); limits_only runs it with the resource "
                                 "limits and whatever isolation works, and says what is missing")
     function: str | None = Field(None, description="function: 'path/to/rewards.py:fn', called fn(prompt, completion, "
-                                                   "**row) -> float in the worker")
+                                                   "**row) -> float in the worker",
+                                 json_schema_extra=paths.contents(paths.Contents.FUNCTION))
 
 
 class RlhfConfig(TrainingConfig):
@@ -81,7 +83,8 @@ class RlhfConfig(TrainingConfig):
                                "dpo.sft_loss_weight); keeps a model new to the chat format generating replies")
     reference: Literal["copy", "precomputed"] = Field(
         "copy", description="dpo reference: a frozen copy of the input in memory, or its log-probs precomputed once")
-    reference_model: str | None = Field(None, description="another HF checkpoint folder as the dpo reference")
+    reference_model: str | None = Field(None, description="another HF checkpoint folder as the dpo reference",
+                                        json_schema_extra=paths.contents(paths.Contents.CHECKPOINT))
     num_generations: int = Field(4, ge=2, description="grpo: completions sampled per prompt")
     max_completion_length: int = Field(16, ge=1, description="grpo: new tokens per completion")
     rewards: list[RewardConfig] = Field(default_factory=list, description="grpo: verifiable rewards on data.prompts, "

@@ -5,6 +5,8 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
+from conversions.probe import DTYPE_OF_PRECISION
+from tasks import paths
 from tasks.stage import StrictModel
 
 
@@ -25,7 +27,8 @@ class LmEvalConfig(StrictModel):
     enabled: bool = Field(True, description="score the held-out task through the live server")
     tasks: list[str] = Field(default_factory=list,
                              description="lm-eval task names; empty: the data stage's held-out SFT task")
-    include_path: Path | None = Field(None, description="folder with extra lm-eval task YAMLs")
+    include_path: Path | None = Field(None, description="folder with extra lm-eval task YAMLs",
+                                      json_schema_extra=paths.contents(paths.Contents.FOLDER))
     limit: int | None = Field(None, ge=1, description="evaluate at most this many documents per task")
     min_score: float = Field(0.0, ge=0.0, le=1.0, description="promotion needs exact_match >= this")
     no_regression: bool = Field(False, description="promotion also needs a score >= the current champion's")
@@ -112,7 +115,7 @@ class ServeConfig(StrictModel):
 
     def engine_dtype(self) -> str:
         """The dtype name the engines take (--dtype)."""
-        return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(self.precision, self.precision)
+        return DTYPE_OF_PRECISION.get(self.precision, self.precision)
 
     def engines(self) -> list[str]:
         return ["vllm", "sglang"] if self.engine == "both" else [self.engine]

@@ -18,6 +18,7 @@ from prefect.cache_policies import NO_CACHE
 
 from conversions import manifest as mf, verify
 from tasks import tracking
+from tasks.gates import LM_EVAL_WORKER
 from tasks.serve import engines, smoke, supervisor
 from tasks.serve.config import ServeConfig
 from tasks.serve.server import Server, ServerFailed, free_port, redactor
@@ -25,7 +26,6 @@ from tasks.stage import StageContext, StageOutput
 
 HERE = Path(__file__).resolve().parent
 SGL_PROGRAM = HERE / "sgl_program.py"
-LM_EVAL_WORKER = HERE / "lm_eval_worker.py"
 EVAL_METRIC = "lm_eval_exact_match"
 
 
