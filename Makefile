@@ -141,8 +141,9 @@ bench: setup
 
 # Mutated real checkpoints of every format (ZeRO torch.save, torch_dist, safetensors, manifest, seal) through baton's
 # readers in worker processes under a 3 GiB address-space limit, with a canary for executed code (benchmarks/fuzz.py;
-# ~5 min on the loaded 2-core machine). Prints format × outcome counts, writes benchmarks/results/fuzz.json; fails on
-# an executed payload, a worker killed by a signal or a hang. Not part of `make test` (tests/test_fuzz.py runs 600).
+# ~1–2 min on the loaded 2-core machine). Prints format × outcome counts, writes benchmarks/results/fuzz.json; fails on
+# an executed payload, an unexpected exception, an accepted changed seal or manifested file, a worker killed or a hang.
+# Not part of `make test` (tests/test_fuzz.py runs 600, and a planted careless reader that must fail).
 FUZZ_ARGS ?= --cases 10000 --seed 1
 fuzz: setup
 	$(VENV)/bin/python benchmarks/fuzz.py --out $(BATON_HOME)/fuzz $(FUZZ_ARGS)
