@@ -11,10 +11,13 @@ baton's reader of that format and reads every tensor it returns. Payloads that w
 audit hook in the worker also counts os.system, subprocess, exec/compile of source text and any open of CANARY.
 
 Cases run in long-lived worker processes (RLIMIT_AS, a per-case timeout: a hang kills and restarts the worker, so does
-a death by signal). Outcomes: refused (Refused, ValueError, SafetensorError), loaded, or unexpected (the exception type
-is named: a finding). Every run also passes its code-running payloads through plain pickle.loads in the same workers
-(the control): each must trip the canary, or "0 executed" would mean nothing. Exit status 1 on an executed payload, a
-worker killed or exited, a hang, or a control that did not trip.
+a death by signal). Outcomes: refused (baton's own Refused, a check's verdict, or a library parse error listed in
+DOCUMENTED_PARSE_ERRORS by type and raising module), loaded, accepted (a sealed or manifested file whose bytes changed
+was read without a word), or unexpected (any other exception, named with where it was raised: a finding). Every run also
+passes its code-running payloads through plain pickle.loads in the same workers (the control): each must trip the
+canary, or "0 executed" would mean nothing. Exit status 1 on an executed payload, an accepted change, an unexpected
+exception, a worker killed or exited, a hang, or a control that did not trip (`failures`, which tests/test_fuzz.py
+asserts too). --reader PATH:FUNCTION runs a planted reader instead of baton's (tests/fuzz_planted.py).
 """
 from __future__ import annotations
 
@@ -293,12 +296,12 @@ def rewrite_zip(data: bytes, mutate) -> tuple[bytes, str]:
 TARGETS = {"zero": [("mp_rank_00_model_states.pt", 1)],
            "megatron": [(".metadata", 4), ("__0_0.distcp", 3), ("common.pt", 2), ("metadata.json", 1)],
            "safetensors": [("model.safetensors", 1)],
-           "manifest": [("baton_manifest.json", 1)],
+           "manifest": [("baton_manifest.json", 2), ("config.json", 1)],
            "seal": [(SEAL_MARKER, 4), ("global_step3/weights.bin", 1)]}
 
 
-def mutate(folder: Path, fmt: str, rng: random.Random, canary: str) -> str:
-    """Mutate one file of the seed copy at folder; what was done, in words."""
+def mutate(folder: Path, fmt: str, rng: random.Random, canary: str) -> tuple[str, bool]:
+    """Mutate one file of the seed copy at folder; what was done, in words, and whether its bytes changed."""
     names, weights = zip(*TARGETS[fmt])
     name = rng.choices(names, weights)[0]
     path = folder / name
@@ -317,8 +320,9 @@ def mutate(folder: Path, fmt: str, rng: random.Random, canary: str) -> str:
         data, what = zip_length(data, rng)
     else:
         data, what = bytes_mutation(data, rng)
+    changed = data != path.read_bytes()
     path.write_bytes(data)
-    return f"{name}: {what}"
+    return f"{name}: {what}", changed
 
 
 # ---- the worker -----------------------------------------------------------------------------------------------------
@@ -373,9 +377,20 @@ def walk_tensors(obj, read) -> int:
     return n
 
 
-def load_case(fmt: str, folder: Path) -> str:
-    """Baton's reader of fmt on folder, every tensor read; 'loaded' or 'refused' (a Refused/ValueError raises)."""
-    from conversions import hf, manifest as mf, megatron, sealed, torch_dist, torch_lazy
+# Files whose every byte a reader vouches for: a mutation of one that changed its bytes must be refused.
+PROTECTED = {"seal": {SEAL_MARKER, "global_step3/weights.bin"}, "manifest": {"config.json"}}
+
+# Library errors that count as a refusal, by exception type and the module that raised it (the innermost frame), each
+# a parse error the library documents. Everything else that is not baton's own Refused is a finding.
+DOCUMENTED_PARSE_ERRORS = {
+    ("SafetensorError", "conversions.hf"): "safetensors.safe_open: SafetensorError on a malformed header or buffer",
+}
+
+
+def load_case(fmt: str, folder: Path) -> tuple[str, str | None]:
+    """Baton's reader of fmt on folder, every tensor read: ('loaded', None), or ('refused', the check that refused)
+    where the reader answers with a verdict instead of raising Refused."""
+    from conversions import hf, megatron, sealed, torch_dist, torch_lazy, verify
 
     if fmt == "zero":
         walk_tensors(torch_lazy.load(folder / "mp_rank_00_model_states.pt"), lambda t: t.load())
@@ -390,10 +405,25 @@ def load_case(fmt: str, folder: Path) -> str:
         for _, tensor in hf.iter_tensors(folder):
             tensor.clone()
     elif fmt == "manifest":
-        mf.read(folder)
+        if not all(c["passed"] for c in verify.integrity(folder)):
+            return "refused", "verify.integrity"
     elif fmt == "seal":
-        return "refused" if sealed.problem(folder, SEAL_MARKER) else "loaded"
-    return "loaded"
+        if sealed.problem(folder, SEAL_MARKER):
+            return "refused", "sealed.problem"
+    return "loaded", None
+
+
+def load_reader(spec: str | None):
+    """The reader a run uses: load_case, or PATH:FUNCTION (a planted one, to show that the harness catches it)."""
+    if not spec:
+        return load_case
+    import importlib.util
+
+    path, name = spec.rsplit(":", 1)
+    module_spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return getattr(module, name)
 
 
 def baton_frame(e: BaseException) -> str | None:
@@ -404,24 +434,37 @@ def baton_frame(e: BaseException) -> str | None:
     return f"{Path(ours[-1].filename).relative_to(REPO)}:{ours[-1].lineno} {ours[-1].name}" if ours else None
 
 
-def expected_errors() -> tuple[type, ...]:
-    from safetensors import SafetensorError
+def origin(e: BaseException) -> str:
+    """The module of the innermost Python frame the exception was raised in (or passed through, when raised in C)."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame.f_globals.get("__name__", "?") if tb is not None else "?"
 
+
+def classify(e: BaseException) -> str:
+    """'refused' for baton's own Refused or a documented library parse error from its known origin, else
+    'unexpected'."""
     from conversions.refusal import Refused
-    return Refused, ValueError, SafetensorError
+
+    if isinstance(e, Refused) or (type(e).__name__, origin(e)) in DOCUMENTED_PARSE_ERRORS:
+        return "refused"
+    return "unexpected"
 
 
-def run_one(spec: dict, seeds: Path, scratch: Path, canary: Canary, expected, announce=lambda what: None) -> dict:
+def run_one(spec: dict, seeds: Path, scratch: Path, canary: Canary, reader=load_case,
+            announce=lambda what: None) -> dict:
     fmt = spec["format"]
     rng = random.Random(spec["case_seed"])
     folder = scratch / "case"
     shutil.rmtree(folder, ignore_errors=True)
+    changed = False
     if fmt == "control":
         name = spec["payload"]
         data, what = b"\x80\x04" + payloads(str(canary.path))[name] + b".", f"plain pickle.loads of {name}"
     else:
         shutil.copytree(seeds / fmt, folder)
-        what = mutate(folder, fmt, rng, str(canary.path))
+        what, changed = mutate(folder, fmt, rng, str(canary.path))
     announce(what)  # the parent knows the case before the reader runs: a hang or a crash is then named
     t0 = time.perf_counter()
     result = {"i": spec["i"], "format": fmt, "mutation": what}
@@ -431,20 +474,23 @@ def run_one(spec: dict, seeds: Path, scratch: Path, canary: Canary, expected, an
             pickle.loads(data)  # the control: no restricted loader at all
             result["outcome"] = "loaded"
         else:
-            result["outcome"] = load_case(fmt, folder)
-    except expected as e:
-        result.update(outcome="refused", error=type(e).__name__)
-    except BaseException as e:  # noqa: BLE001 - every other exception is a finding, named
-        result.update(outcome="unexpected", error=type(e).__name__, message=str(e)[:300], where=baton_frame(e))
+            result["outcome"], result["error"] = reader(fmt, folder)
+    except BaseException as e:  # noqa: BLE001 - a refusal is named; every other exception is a finding, named too
+        result.update(outcome=classify(e), error=type(e).__name__, origin=origin(e))
+        if result["outcome"] == "unexpected":
+            result.update(message=str(e)[:300], where=baton_frame(e))
     finally:
         canary.armed = False
+    protected = what.split(":", 1)[0] in PROTECTED.get(fmt, ())
+    if result["outcome"] == "loaded" and protected and changed:
+        result["outcome"] = "accepted"  # a file the reader vouches for changed, and it said nothing
     result["executed"] = canary.take()
     result["seconds"] = time.perf_counter() - t0
     result["rss_kb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return result
 
 
-def worker(seeds: Path, scratch: Path) -> None:
+def worker(seeds: Path, scratch: Path, reader_spec: str | None = None) -> None:
     """Read case specs (JSON lines) on stdin, answer on the original stdout; anything printed goes to stderr."""
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
     answers = os.fdopen(os.dup(1), "w", buffering=1)
@@ -453,7 +499,7 @@ def worker(seeds: Path, scratch: Path) -> None:
     os.environ["BATON_SEAL_KEY"] = str(seeds / "seal.key")
     scratch.mkdir(parents=True, exist_ok=True)
     os.chdir(scratch)
-    expected = expected_errors()
+    reader = load_reader(reader_spec)
     canary = Canary(scratch / CANARY)
     for fmt in TARGETS:  # imports and first-use paths done before the hook is armed
         load_case(fmt, seeds / fmt)
@@ -461,21 +507,22 @@ def worker(seeds: Path, scratch: Path) -> None:
     for line in sys.stdin:
         spec = json.loads(line)
         announce = lambda what: answers.write(json.dumps({"started": spec["i"], "mutation": what}) + "\n")  # noqa
-        answers.write(json.dumps(run_one(spec, seeds, scratch, canary, expected, announce)) + "\n")
+        answers.write(json.dumps(run_one(spec, seeds, scratch, canary, reader, announce)) + "\n")
 
 
 # ---- the parent -----------------------------------------------------------------------------------------------------
 class Worker:
-    def __init__(self, n: int, seeds: Path, out: Path):
-        self.n, self.seeds, self.out, self.buf = n, seeds, out, b""
+    def __init__(self, n: int, seeds: Path, out: Path, reader: str | None = None):
+        self.n, self.seeds, self.out, self.buf, self.reader = n, seeds, out, b"", reader
         self.log = open(out / f"worker-{n}.log", "ab")
         self.proc = None
         self.peak_rss_kb = 0
 
     def start(self) -> None:
         self.buf = b""
+        reader = ["--reader", self.reader] if self.reader else []
         self.proc = subprocess.Popen([sys.executable, __file__, "--worker", str(self.seeds),
-                                      str(self.out / f"worker-{self.n}")], stdin=subprocess.PIPE,
+                                      str(self.out / f"worker-{self.n}"), *reader], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log, cwd=REPO)
         ready = self.read(120.0)
         if not (ready and ready.get("ready")):
@@ -513,14 +560,15 @@ class Worker:
         return self.proc.returncode
 
 
-def run_cases(specs: list[dict], seeds: Path, out: Path, workers: int, timeout: float) -> tuple[list[dict], int]:
+def run_cases(specs: list[dict], seeds: Path, out: Path, workers: int, timeout: float,
+              reader: str | None = None) -> tuple[list[dict], int]:
     """Every spec through the workers; results in spec order, and the workers' peak RSS (KiB)."""
     todo: queue.Queue = queue.Queue()
     for spec in specs:
         todo.put(spec)
     results: list[dict] = []
     lock = threading.Lock()
-    pool = [Worker(n, seeds, out) for n in range(workers)]
+    pool = [Worker(n, seeds, out, reader) for n in range(workers)]
     errors: list[BaseException] = []
 
     def drive(w: Worker):
@@ -582,13 +630,16 @@ def family(mutation: str | None) -> str:
     return "bytes" if m else "unknown"
 
 
+FINDINGS = ("unexpected", "accepted", "hang", "worker died")
+
+
 def summarize(results: list[dict], peak_rss_kb: int, seconds: float) -> dict:
     table: dict[str, Counter] = {}
     by_family: dict[str, Counter] = {}
     for r in results:
         table.setdefault(r["format"], Counter())[r["outcome"]] += 1
         by_family.setdefault(family(r.get("mutation")), Counter())[r["outcome"]] += 1
-    findings = [r for r in results if r["outcome"] in ("unexpected", "hang", "worker died") or r["executed"]]
+    findings = [r for r in results if r["outcome"] in FINDINGS or r["executed"]]
     return {"cases": len(results), "table": {f: dict(c) for f, c in sorted(table.items())},
             "by_mutation": {f: dict(c) for f, c in sorted(by_family.items())},
             "executed": sum(1 for r in results if r["executed"]),
@@ -596,10 +647,12 @@ def summarize(results: list[dict], peak_rss_kb: int, seconds: float) -> dict:
                            if r["outcome"] == "worker died" and str(r.get("error")).startswith("SIG")),
             "worker_exits": sum(1 for r in results if r["outcome"] == "worker died"),
             "hangs": sum(1 for r in results if r["outcome"] == "hang"),
+            "accepted": sum(1 for r in results if r["outcome"] == "accepted"),
             "unexpected": dict(Counter(r["error"] for r in results if r["outcome"] == "unexpected")),
-            "unexpected_where": dict(Counter(f"{r['error']} at {r.get('where')}" for r in results
+            "unexpected_where": dict(Counter(f"{r['error']} from {r.get('origin')} at {r.get('where')}" for r in results
                                              if r["outcome"] == "unexpected")),
-            "refusal_types": dict(Counter(r.get("error") for r in results if r["outcome"] == "refused")),
+            "refusal_types": dict(Counter(f"{r.get('error')} from {r.get('origin', 'its verdict')}" for r in results
+                                          if r["outcome"] == "refused")),
             "peak_worker_rss_mb": round(peak_rss_kb / 1024, 1), "seconds": round(seconds, 1),
             "cases_per_s": round(len(results) / seconds, 1) if seconds else None,
             "findings": findings[:200]}
@@ -611,7 +664,8 @@ def machine() -> dict:
     return {"cpus": os.cpu_count(), "cpu": cpu, "loadavg": os.getloadavg(), "python": platform.python_version()}
 
 
-def run(cases: int, seed: int, out: Path, workers: int = 2, timeout: float = CASE_TIMEOUT_S) -> dict:
+def run(cases: int, seed: int, out: Path, workers: int = 2, timeout: float = CASE_TIMEOUT_S,
+        reader: str | None = None) -> dict:
     """Build the seeds under out, run the cases and the control through the same workers, and return the summary."""
     out = Path(out)
     shutil.rmtree(out / "seeds", ignore_errors=True)
@@ -620,7 +674,7 @@ def run(cases: int, seed: int, out: Path, workers: int = 2, timeout: float = CAS
     specs = make_specs(cases, seed)
     specs += [{**c, "i": cases + c["i"]} for c in control_specs()]
     t0 = time.perf_counter()
-    results, peak = run_cases(specs, seeds, out, workers, timeout)
+    results, peak = run_cases(specs, seeds, out, workers, timeout, reader)
     summary = summarize([r for r in results if r["format"] != "control"], peak, time.perf_counter() - t0)
     summary["control"] = {r["mutation"]: r["executed"] for r in results if r["format"] == "control"}
     summary["control_tripped"] = sum(1 for found in summary["control"].values()
@@ -629,7 +683,7 @@ def run(cases: int, seed: int, out: Path, workers: int = 2, timeout: float = CAS
 
 
 def format_table(s: dict) -> str:
-    outcomes = ["loaded", "refused", "unexpected", "hang", "worker died"]
+    outcomes = ["loaded", "refused", "accepted", "unexpected", "hang", "worker died"]
     rows = [f"{'format':<19}" + "".join(f"{o:>12}" for o in outcomes)]
     for fmt, counts in s["table"].items():
         rows.append(f"{fmt:<19}" + "".join(f"{counts.get(o, 0):>12}" for o in outcomes))
@@ -639,10 +693,55 @@ def format_table(s: dict) -> str:
     rows.append(f"control: {s['control_tripped']} of {len(s['control'])} payloads run by plain pickle.loads in the "
                 "same workers tripped the canary")
     rows.append(f"cases {s['cases']}  executed {s['executed']}  signals {s['signals']}  hangs {s['hangs']}  "
+                f"accepted {s['accepted']}  unexpected {sum(s['unexpected'].values())}  "
                 f"peak worker RSS {s['peak_worker_rss_mb']} MB (limit {MEMORY_LIMIT >> 30} GiB address space)  "
                 f"{s['seconds']} s ({s['cases_per_s']} cases/s)")
     if s["unexpected"]:
         rows += [f"unexpected: {n} × {where}" for where, n in s["unexpected_where"].items()]
+    rows += [f"FAILED: {f}" for f in failures(s)]
+    return "\n".join(rows)
+
+
+def failures(s: dict) -> list[str]:
+    """Why this run fails (empty: it passes). `make fuzz` and tests/test_fuzz.py both judge by this."""
+    found = [f"{s[key]} {what}" for key, what in (
+        ("executed", "case(s) ran a payload"), ("signals", "worker(s) killed by a signal"),
+        ("worker_exits", "worker(s) exited"), ("hangs", "hang(s)"),
+        ("accepted", "changed protected file(s) accepted"))
+        if s[key]]
+    if s["unexpected"]:
+        found.append(f"{sum(s['unexpected'].values())} unexpected exception(s): "
+                     + ", ".join(f"{n} × {w}" for w, n in s["unexpected_where"].items()))
+    if s["control_tripped"] != len(CODE_RUNNING):
+        found.append(f"the canary tripped on {s['control_tripped']} of {len(CODE_RUNNING)} control payloads")
+    return found
+
+
+def readme_line(s: dict) -> str:
+    """The figures the README and docs quote, as this harness words them."""
+    return (f"{s['cases']:,} cases, {s['executed']} payloads executed, {s['signals']} workers killed by a signal, "
+            f"{s['hangs']} hangs, {sum(s['unexpected'].values())} unexpected exceptions, {s['accepted']} changed "
+            f"sealed or manifested files accepted, peak worker RSS {round(s['peak_worker_rss_mb'])} MB.")
+
+
+def docs_block(r: dict) -> str:
+    """The run as docs/reliability-and-security.md shows it, from a result file's content."""
+    when = r["started"].replace("T", " ")[:16] + " UTC"
+    outcomes = ("loaded", "refused", "accepted")
+    rows = [f"`make fuzz`, one whole run (`benchmarks/results/fuzz.json`: {when}, seed {r['seed']}, {r['workers']} "
+            f"workers under a {r['memory_limit_bytes'] >> 30} GiB",
+            f"`RLIMIT_AS`, {r['case_timeout_s']:g} s per case; see **Fuzzing** above for what is mutated and how a "
+            "payload that runs is detected):", "",
+            "| cases | payload executed | worker killed by a signal | hangs | unexpected exceptions | changed files "
+            "accepted | peak worker RSS | control: plain pickle ran |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|",
+            f"| {r['cases']:,} | {r['executed']} | {r['signals']} | {r['hangs']} | {sum(r['unexpected'].values())} | "
+            f"{r['accepted']} | {round(r['peak_worker_rss_mb'])} MB | {r['control_tripped']} of {len(r['control'])} |",
+            "", "| reader | " + " | ".join(outcomes) + " |", "|---|" + "---:|" * len(outcomes)]
+    rows += [f"| {fmt} | " + " | ".join(f"{counts.get(o, 0):,}" for o in outcomes) + " |"
+             for fmt, counts in r["table"].items()]
+    rows += ["", "| refused by | cases |", "|---|---:|"]
+    rows += [f"| {how} | {n:,} |" for how, n in sorted(r["refusal_types"].items(), key=lambda kv: -kv[1])]
     return "\n".join(rows)
 
 
@@ -654,25 +753,27 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--timeout", type=float, default=CASE_TIMEOUT_S, help="seconds per case before a hang is counted")
     p.add_argument("--result", type=Path, default=RESULT)
+    p.add_argument("--reader", help="PATH:FUNCTION read instead of baton's readers (a planted broken one, in tests)")
     p.add_argument("--worker", nargs=2, type=Path, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
-        worker(*a.worker)
+        worker(*a.worker, a.reader)
         return 0
     if a.out is None:
         p.error("--out is required")
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     at_start = machine()
-    s = run(a.cases, a.seed, a.out, a.workers, a.timeout)
+    s = run(a.cases, a.seed, a.out, a.workers, a.timeout, a.reader)
     print(format_table(s))
+    print(f"README: {readme_line(s)}")
     a.result.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps({"started": started, "seed": a.seed, "workers": a.workers, "memory_limit_bytes": MEMORY_LIMIT,
                        "case_timeout_s": a.timeout, "machine_at_start": at_start, "machine_at_end": machine(), **s},
                       indent=1)
     a.result.write_text(text.replace(str(a.out.resolve()), "WORK_DIR") + "\n")  # the result names no local path
-    print(f"result: {a.result}")
-    canary_works = s["control_tripped"] == len(s["control"])
-    return 0 if canary_works and not (s["executed"] or s["signals"] or s["worker_exits"] or s["hangs"]) else 1
+    print(f"result: {a.result}\nfor docs/reliability-and-security.md (tests/test_fuzz.py checks it is there):\n"
+          + docs_block(json.loads(text)))
+    return 1 if failures(s) else 0
 
 
 if __name__ == "__main__":

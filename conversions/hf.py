@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Iterator
 
 from . import folder, manifest as mf
+from .refusal import Refused
 from .safetensors_stream import DTYPE_CODES
 
 def _decoder_fields(arch: dict, vocab_size: int | None) -> dict:
@@ -62,24 +63,31 @@ def safetensors_files(root: Path) -> list[Path]:
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit on a header
 
 
+class HeaderError(Refused):
+    """A safetensors file whose header cannot be what a writer made."""
+
+
 def read_header(path: Path) -> dict:
     """The safetensors JSON header (tensor names, dtypes, shapes, offsets; `__metadata__`) without reading tensors.
-    ValueError when the file cannot hold the header it announces (a crafted length would ask for exabytes)."""
+    HeaderError when the file cannot hold the header it announces (a crafted length would ask for exabytes) or the
+    header is not a JSON object in UTF-8."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         first = f.read(8)
         if len(first) < 8:
-            raise ValueError(f"{path}: {size} bytes, too short for a safetensors header")
+            raise HeaderError(f"{path}: {size} bytes, too short for a safetensors header")
         (n,) = struct.unpack("<Q", first)
         if n > min(MAX_HEADER_BYTES, size - 8):
-            raise ValueError(f"{path}: its header claims {n} bytes (the file has {size}, the limit is "
+            raise HeaderError(f"{path}: its header claims {n} bytes (the file has {size}, the limit is "
                              f"{MAX_HEADER_BYTES})")
         try:
             header = json.loads(f.read(n))
         except RecursionError:  # nesting deeper than the parser goes: not a header any writer makes
-            raise ValueError(f"{path}: its header nests too deep") from None
+            raise HeaderError(f"{path}: its header nests too deep") from None
+        except ValueError as e:  # json.JSONDecodeError, or UnicodeDecodeError from json.loads's detect_encoding
+            raise HeaderError(f"{path}: its header is not JSON ({type(e).__name__}: {str(e)[:200]})") from None
     if not isinstance(header, dict):
-        raise ValueError(f"{path}: its header is not a JSON object")
+        raise HeaderError(f"{path}: its header is not a JSON object")
     return header
 
 

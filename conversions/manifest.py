@@ -256,11 +256,30 @@ def read(root: Path) -> dict | None:
         return None
     try:
         m = json.loads(path.read_text())
-    except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested deeper than the parser goes
+    except (ValueError, RecursionError) as e:  # JSON or UTF-8 errors; RecursionError: nested deeper than json goes
         raise ManifestError(f"{path}: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
-    if m.get("schema") != SCHEMA:
-        raise ManifestError(f"{path}: unknown manifest schema {m.get('schema')!r}")
+    if not isinstance(m, dict) or m.get("schema") != SCHEMA:
+        raise ManifestError(f"{path}: unknown manifest schema {m.get('schema') if isinstance(m, dict) else m!r:.80}")
+    bad = _bad_file_entry(m.get("files"))
+    if bad is not None:
+        raise ManifestError(f"{path}: files: {bad}")
     return m
+
+
+_FILE_ENTRY = {"path": str, "size": int, "sha256": str}
+
+
+def _bad_file_entry(files) -> str | None:
+    """What is wrong with a manifest's `files` (None when each entry has a str path, an int size and a str sha256)."""
+    if not isinstance(files, list):
+        return "not a list"
+    for i, entry in enumerate(files):
+        if not isinstance(entry, dict):
+            return f"entry {i} is not an object"
+        for key, kind in _FILE_ENTRY.items():
+            if not isinstance(entry.get(key), kind) or isinstance(entry.get(key), bool):
+                return f"entry {i}: {key} must be a {kind.__name__}"
+    return None
 
 
 def parent_ref(root: Path) -> dict | None:

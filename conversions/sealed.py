@@ -7,6 +7,9 @@ A digest proves nothing about who wrote it: whoever can write the step folder co
 sha256 together. So a seal also carries an HMAC-SHA256 of its body under a key private to the BATON_HOME
 (`$BATON_HOME/seal.key`, 32 random bytes, 0600, created once); a seal whose HMAC does not verify is not trusted.
 Workers find the key through BATON_SEAL_KEY (a path; the orchestrator sets it, the key itself never travels).
+
+The HMAC covers the body's meaning (its canonical JSON), so the seal file must also be byte for byte the text `seal`
+writes: a seal with a byte moved, added or dropped (whitespace, a duplicated key) is not trusted either.
 """
 from __future__ import annotations
 
@@ -101,6 +104,11 @@ def _content(folder: Path, marker: str) -> list[Path]:
     return [f for f in sorted(folder.rglob("*")) if f.is_file() and marker not in f.name]
 
 
+def _text(body: dict) -> str:
+    """The seal file's only accepted spelling of body."""
+    return json.dumps(body, indent=2) + "\n"
+
+
 def seal(folder: Path, marker: str, **facts) -> dict:
     """Write folder/marker with facts, sizes and sha256 of what is on disk now (call after the files are fsynced)."""
     files = _content(folder, marker)
@@ -108,11 +116,12 @@ def seal(folder: Path, marker: str, **facts) -> dict:
     body = {**facts, "files": {n: f.stat().st_size for n, f in zip(names, files)},
             "sha256": dict(zip(names, mf.sha256_files(files)))}
     body["hmac"] = _mac(body, read_key(ensure_key()))
-    durable.write_json(folder / marker, body)
+    durable.write_text(folder / marker, _text(body))
     return body
 
 
 def read(folder: Path, marker: str) -> dict | None:
+    """The seal's body; None when it is missing, unreadable or not a JSON object."""
     try:
         body = json.loads((folder / marker).read_text())
     except (OSError, ValueError, RecursionError):  # unreadable, not JSON, or nested deeper than the parser goes
@@ -135,6 +144,8 @@ def problem(folder: Path, marker: str) -> str | None:
     untrusted = signature_problem(body)
     if untrusted:
         return untrusted  # before any byte of the files is read: nothing in this folder is trusted
+    if (folder / marker).read_bytes() != _text(body).encode():
+        return f"{marker} is not the text baton wrote (its meaning verifies, its bytes were edited)"
     hashes = body.get("sha256")
     if not hashes:
         return "no sha256 recorded at save time"

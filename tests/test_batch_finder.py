@@ -21,10 +21,20 @@ def test_largest_fitting_finds_the_boundary(answer):
     assert len(tried) <= 2 * 11  # doubling + bisection: logarithmic
 
 
+NOISE_MB = 3  # run-to-run spread of one probe's peak RSS on this machine
+
+
 def _assert_boundary(prober, budget: float, m: int) -> None:
+    """m is the boundary of the measured probes, and the probes measured what a micro-batch costs: each probe's peak is
+    its ranks' worst (as each rank reported it), and memory grows with the micro-batch (a prober that ignored the
+    size, or reported one rank's peak, would show neither)."""
     peak = {k: v["peak_rss_mb"] for k, v in prober.measured.items()}
     assert m >= 1 and peak[m] <= budget, peak
     assert peak[m + 1] > budget, f"{m + 1} would also fit: {peak}"
+    assert all(v["peak_rss_mb"] == max(v["rank_peaks_mb"]) for v in prober.measured.values()), prober.measured
+    sizes = sorted(peak)
+    assert peak[sizes[-1]] > peak[sizes[0]], peak
+    assert all(peak[b] >= peak[a] - NOISE_MB for a, b in zip(sizes, sizes[1:])), f"memory shrank with the batch: {peak}"
 
 
 @pytest.mark.slow

@@ -119,10 +119,17 @@ def test_work_left_within_the_noise_of_the_imports_is_not_judged():
 
 
 def test_every_metric_the_bench_logs_follows_the_naming_scheme():
+    from tasks import events
+
     conv = {"size": "M", "format": "megatron-tp2pp2"}
-    for key in ("read_cold", "read_warm", "write", "baton_cold", "baton_warm", "dcp-naive"):
-        for quantity in ("bytes_per_s", "s", "peak_rss_mib"):
-            bench.perf_name(conv, key, quantity)  # raises on a name outside tasks/events.py's scheme
+    keys, quantities = ("read_cold", "read_warm", "write", "baton_cold", "baton_warm", "dcp-naive"), \
+        ("bytes_per_s", "s", "peak_rss_mib")
+    names = {bench.perf_name(conv, key, quantity) for key in keys for quantity in quantities}
+    assert len(names) == len(keys) * len(quantities)  # no two measurements share a metric
+    assert "perf/m_megatron_tp2pp2_dcp_naive_peak_rss_mib" in names and "perf/m_megatron_tp2pp2_write_s" in names
+    assert all(events.name_problem(n) is None for n in names)
+    with pytest.raises(ValueError, match="metric name"):  # the check that guards them can refuse a name
+        events.checked("perf/M_megatron-tp2pp2_write_s")
 
 
 def test_the_gates_levels_are_reported_against_their_step():

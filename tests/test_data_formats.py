@@ -57,7 +57,7 @@ def test_sft_formats_are_detected_and_normalised_to_messages(tmp_path, fmt):
     row, expected = SFT_CASES[fmt]
     rows, facts = canonical(tmp_path, "sft", [row] * 4)
     assert facts["format"] == fmt and facts["rows_read"] == 4 and facts["rows_bad"] == {}
-    assert all(r == {"messages": expected} for r in rows)
+    assert rows == [{"messages": expected}] * 4
 
 
 def test_columns_mapping_and_declared_format(tmp_path):

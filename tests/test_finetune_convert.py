@@ -40,10 +40,11 @@ def test_zero1_matches_deepspeed_bit_for_bit(zero1_checkpoint, tmp_path):
     assert info["shards"] > 1 and (tmp_path / "ours" / safetensors_stream.INDEX_NAME).exists()
     convert_zero_checkpoint_to_state_dict(str(zero1_checkpoint), str(tmp_path / "ds"), safe_serialization=True)
     ours, theirs = hf.load_state_dict(tmp_path / "ours"), hf.load_state_dict(tmp_path / "ds")
-    assert ours.keys() == theirs.keys()
+    assert ours and ours.keys() == theirs.keys()
     assert all(torch.equal(ours[k], theirs[k]) and ours[k].dtype == theirs[k].dtype for k in ours)
     # a complete HF folder that transformers loads with no missing or unexpected keys
-    assert all(c["passed"] for c in verify.preflight(tmp_path / "ours") + verify.roundtrip(tmp_path / "ours"))
+    checks = verify.preflight(tmp_path / "ours") + verify.roundtrip(tmp_path / "ours")
+    assert checks and all(c["passed"] for c in checks), checks
 
 
 def test_bf16_output_is_the_cast_of_the_fp32_master_weights(zero1_checkpoint, tmp_path):
@@ -51,6 +52,7 @@ def test_bf16_output_is_the_cast_of_the_fp32_master_weights(zero1_checkpoint, tm
     info = zero.to_hf(zero1_checkpoint, tmp_path / "bf16", max_shard_bytes=1 << 30, dtype="bfloat16")
     assert info["dtype"] == "bfloat16" and hf.dominant_dtype(tmp_path / "bf16") == "bfloat16"
     full, half = hf.load_state_dict(tmp_path / "fp32"), hf.load_state_dict(tmp_path / "bf16")
+    assert full and full.keys() == half.keys()
     assert all(torch.equal(full[k].to(torch.bfloat16), half[k]) for k in full)
 
 

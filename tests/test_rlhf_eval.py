@@ -13,10 +13,18 @@ from tasks.rlhf import worker
 pytestmark = pytest.mark.fast
 
 
+def split_by_offsets(tok, prompt: str, completion: str) -> tuple[list[int], list[int]]:
+    """prompt+completion tokenized once; the completion is the tokens that start at or after the prompt's last
+    character (the tokenizer's own offsets, not the worker's divergence rule)."""
+    enc = tok(prompt + completion, add_special_tokens=False, return_offsets_mapping=True)
+    first = next(i for i, (start, _) in enumerate(enc["offset_mapping"]) if start >= len(prompt))
+    return enc["input_ids"][:first], enc["input_ids"][first:]
+
+
 def one_at_a_time(model, tok, pairs, ref):
     """The definition, one unpadded sequence per forward: accuracy, mean chosen loss per token, mean KL per token."""
     def logps(m, prompt, completion):
-        p, c = worker._split_ids(tok, prompt, completion)
+        p, c = split_by_offsets(tok, prompt, completion)
         with torch.no_grad():
             out = torch.log_softmax(m(torch.tensor([p + c])).logits[0, len(p) - 1:-1].float(), dim=-1)
         return out, torch.tensor(c)
