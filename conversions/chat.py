@@ -5,7 +5,7 @@ The data stage writes canonical rows (tasks/data/formats.py); the training worke
                                                           assistant reply (through the template's closing eos) learned
     completion(tok, prompt, reply) -> (prompt_text, reply_text)   preference pairs as TRL's standard strings
     reply_context_ids(tok, messages) -> ids                 what the model saw before its reply (serving must match)
-    boundary_problem(tok) -> str | None                     why the template's replies cannot be trained as served
+    boundary_problem(tok, conversations) -> str | None     why the template's replies cannot be trained as served
     end_of_turn_id(tok) -> id | None                       the special token the template closes a reply with
     add_end_of_turn_stop(root, tokenizer_dir) -> ids | None   that token made a stop token of the checkpoint at root
 A conversation is rendered once and tokenized once, as a server tokenizes the whole rendered history: BPE merges that
@@ -90,6 +90,9 @@ def _encode_turns(tok, messages: list[dict]) -> tuple[list[int], list[int], list
     """(ids, labels, each reply's first token index) of the whole rendering tokenized once. Every token that starts
     inside a reply's span is learned; the reply's first token is the first after its engine prompt's tokens."""
     full, turns = render_turns(tok, messages)
+    if not tok.is_fast:  # only a fast (Rust) tokenizer says where each token lies in the text
+        raise TemplateError(f"{type(tok).__name__} is a slow tokenizer: training masks replies by the character "
+                            "offsets of a fast one (tokenizer.json)")
     enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = enc["input_ids"], enc["offset_mapping"]
     labels, starts = [IGNORE] * len(ids), []
