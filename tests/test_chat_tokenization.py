@@ -13,15 +13,15 @@ from conftest import REPO
 
 pytestmark = pytest.mark.fast
 
-# `[USER] …` / `[BOT] …` turns separated by a blank line: no special token anywhere. The generation prompt ends at
-# `[BOT]`, and a reply is rendered as ' ' + content, so the engine's prompt ends on a token boundary.
+# `[USER] …` / `[BOT] …` turns on one line, each closed by a space: no special token anywhere, and the space that
+# ends a turn merges with the next turn's '[' (' [' is the vocabulary's most frequent pair). The generation prompt
+# ends at `[BOT]` and a reply is rendered as ' ' + content, so the engine's prompt ends on a token boundary.
 PLAIN = ("{% for m in messages %}{{ '[BOT]' if m['role'] == 'assistant' else '[' + m['role'] | upper + ']' }} "
-         "{{ m['content'] }}\n\n{% endfor %}{% if add_generation_prompt %}[BOT]{% endif %}")
-# The same turns with the generation prompt's trailing space: a served prompt ends with ' ', which the conversation
-# merges into the reply's first token (' A').
-PLAIN_SPACE = PLAIN.replace("[BOT]{% endif %}", "[BOT] {% endif %}").replace(
-    "{{ '[BOT]' if m['role'] == 'assistant' else '[' + m['role'] | upper + ']' }} ",
-    "{{ '[BOT] ' if m['role'] == 'assistant' else '[' + m['role'] | upper + '] ' }}")
+         "{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}[BOT]{% endif %}")
+# The same turns with the space after `[BOT]` in the generation prompt: a served prompt ends with ' ', which the
+# conversation merges into the reply's first token (' A').
+PLAIN_SPACE = ("{% for m in messages %}{{ '[BOT] ' if m['role'] == 'assistant' else '[' + m['role'] | upper + '] ' }}"
+               "{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}[BOT] {% endif %}")
 CONVERSATION = [{"role": "system", "content": "Answer in one sentence."},
                 {"role": "user", "content": "What color is a kiwi?"}, {"role": "assistant", "content": "A kiwi is brown."},
                 {"role": "user", "content": "What color is a fig?"}, {"role": "assistant", "content": "A fig is purple."}]
@@ -47,7 +47,7 @@ def turn_by_turn(tok, messages: list[dict]) -> list[int]:
 
 def rendered_rows(template: str) -> list[str]:
     """The own model's SFT conversations (tests/test_own_model_and_data.py) rendered with the template: a user's own
-    BPE trained on their chat text learns merges across turn boundaries ('\\n\\n', ' A')."""
+    BPE trained on their chat text learns merges across turn boundaries (' [', ' A')."""
     import tempfile
     from pathlib import Path
 
@@ -76,7 +76,7 @@ def test_a_plain_text_template_trains_on_the_ids_the_engine_tokenizes(plain_tok)
     e = chat.encode(tok, CONVERSATION, 512)
     assert e.ids == whole
     learned = tok.decode([t for t, lab in zip(e.ids, e.labels) if lab != chat.IGNORE])
-    assert learned == " A kiwi is brown.\n\n A fig is purple.\n\n"  # each reply through the template's blank line
+    assert learned == " A kiwi is brown. [ A fig is purple. "  # each reply, and the token that starts in its space
     # every reply's context is, token for token, the engine's prompt for that turn
     for k in (2, 4):
         prompt = served(tok, CONVERSATION[:k], generation_prompt=True)

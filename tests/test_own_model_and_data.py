@@ -209,16 +209,20 @@ def test_own_model_and_files_through_rlhf_finetune_convert(workspace, baton_home
 @pytest.mark.timeout(900)
 def test_a_plain_text_template_trains_on_what_vllm_serves(workspace, baton_home):
     """A Qwen2 with its own byte-level BPE, trained on its chat text, and a plain-text template (`[USER] …` /
-    `[BOT] …`, a blank line between turns, no special token anywhere) → data → finetune → convert → vLLM: the serve
+    `[BOT] …` on one line, no special token anywhere) → data → finetune → convert → vLLM: the serve
     gate's chat_template_parity finds vLLM's /tokenize of the multi-turn conversation identical to training's, where
-    main's turn-by-turn encoding differed (computed here with the served tokenizer, so the check could fail)."""
+    main's turn-by-turn encoding differs with this vocabulary (shown first, so the check could fail)."""
     from transformers import AutoTokenizer
 
     from test_chat_tokenization import PLAIN, rendered_rows, served, turn_by_turn
     from tasks.serve.smoke import CONVERSATIONS
 
-    tmp_path, files, texts = workspace
-    ckpt = own_model(tmp_path / "plain", "qwen2", texts + rendered_rows(PLAIN), hidden=128, template=PLAIN)
+    tmp_path, files, _ = workspace
+    ckpt = own_model(tmp_path / "plain", "qwen2", rendered_rows(PLAIN), hidden=128, template=PLAIN)
+    tok = AutoTokenizer.from_pretrained(str(ckpt))
+    multi = CONVERSATIONS["multi-turn"]
+    engine = served(tok, multi, generation_prompt=True)  # what vLLM's /tokenize returns when the check passes
+    assert turn_by_turn(tok, multi + [{"role": "assistant", "content": "reply"}])[:len(engine)] != engine
     r = cli("manifest", str(ckpt), home=baton_home)
     assert r.returncode == 0, r.stderr[-2000:]
     cfg = write_config(tmp_path / "own.yaml", files)
@@ -235,10 +239,8 @@ def test_a_plain_text_template_trains_on_what_vllm_serves(workspace, baton_home)
     print(f"plain serve: {parity['detail']}")
     assert parity["passed"] and "multi-turn" in parity["detail"], parity
     assert stages["serve"]["gate"]["passed"], stages["serve"]["gate"]
-    tok = AutoTokenizer.from_pretrained(stages["convert-zero-to-hf"]["output"])
-    multi = CONVERSATIONS["multi-turn"]
-    engine = served(tok, multi, generation_prompt=True)  # what vLLM's /tokenize returned, the check says
-    assert turn_by_turn(tok, multi + [{"role": "assistant", "content": "reply"}])[:len(engine)] != engine
+    assert (Path(stages["convert-zero-to-hf"]["output"]) / "tokenizer.json").read_bytes() == \
+        (ckpt / "tokenizer.json").read_bytes()  # the served vocabulary is the one the fault was shown with
 
 
 def assert_the_configured_template_went_everywhere(stages: dict, ckpt: Path, template: str) -> None:
