@@ -1,14 +1,19 @@
 """Conversations through a checkpoint's own chat template, with the spans a trainer learns.
 
 The data stage writes canonical rows (tasks/data/formats.py); the training workers render them here:
-    render_segments(tok, messages) -> [(text, learned)]   every assistant reply (up to and including the template's
-                                                          closing eos) learned, everything else context
-    encode(tok, messages, max_len, overlong) -> Encoded    token ids and labels (-100 where not learned)
+    encode(tok, messages, max_len, overlong) -> Encoded    token ids and labels (-100 where not learned): every
+                                                          assistant reply (through the template's closing eos) learned
     completion(tok, prompt, reply) -> (prompt_text, reply_text)   preference pairs as TRL's standard strings
     reply_context_ids(tok, messages) -> ids                 what the model saw before its reply (serving must match)
+    boundary_problem(tok, conversations) -> str | None     why the template's replies cannot be trained as served
     end_of_turn_id(tok) -> id | None                       the special token the template closes a reply with
     add_end_of_turn_stop(root, tokenizer_dir) -> ids | None   that token made a stop token of the checkpoint at root
-Segments are tokenized one by one, as a server tokenizes a rendered prompt and then generates the reply.
+A conversation is rendered once and tokenized once, as a server tokenizes the whole rendered history: BPE merges that
+cross a turn boundary (plain-text templates have no special token there to cut them) come out as served. The loss is
+masked by the replies' character spans. Where a reply starts, the engine's prompt for that turn (the messages before
+it, with the generation prompt) must be, token for token, the start of the whole conversation's tokens: a template
+whose generation prompt ends inside a token of the reply (`[BOT] ` before `fruit`, which the conversation tokenizes as
+` fruit`) would train the reply on a context no server sends, so it is refused (TemplateError), not trained.
 """
 from __future__ import annotations
 
@@ -37,24 +42,68 @@ def _reply_end(segment: str, eos: str | None) -> int:
     return len(segment)
 
 
-def render_segments(tok, messages: list[dict]) -> list[tuple[str, bool]]:
-    """The rendered conversation cut into (text, learned) pieces: each assistant turn is learned."""
+@dataclass
+class Turn:
+    """One assistant reply: the rendering of the messages before it with the generation prompt (what an engine's
+    prompt for it is), and where the reply starts and ends in the whole conversation's rendering."""
+    prompt: str
+    start: int
+    end: int
+
+
+def render_turns(tok, messages: list[dict]) -> tuple[str, list[Turn]]:
+    """The whole conversation rendered once, and where each assistant reply lies in it."""
     full = _render(tok, messages)
-    segments: list[tuple[str, bool]] = []
-    pos = 0
+    turns: list[Turn] = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
         before = _render(tok, messages[:i], generation_prompt=True)
         upto = _render(tok, messages[:i + 1])
-        if not (upto.startswith(before) and full.startswith(upto) and len(before) >= pos):
+        if not (upto.startswith(before) and full.startswith(upto) and len(before) >= (turns[-1].end if turns else 0)):
             raise TemplateError("the chat template renders a conversation's prefix differently from the whole "
                                 "conversation; its assistant turns cannot be located for loss masking")
-        end = len(before) + _reply_end(upto[len(before):], tok.eos_token)
-        segments += [(full[pos:len(before)], False), (full[len(before):end], True)]
-        pos = end
-    segments.append((full[pos:], False))
-    return [(t, learned) for t, learned in segments if t]
+        turns.append(Turn(before, len(before), len(before) + _reply_end(upto[len(before):], tok.eos_token)))
+    return full, turns
+
+
+def _ids(tok, text: str) -> list[int]:
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def _prompt_length(tok, prompt: str, ids: list[int]) -> int:
+    """How many of `ids` (the tokens of a text that starts with `prompt`) are the prompt's own tokens, as an engine
+    tokenizes the prompt alone; TemplateError when `ids` do not start with them (a token straddles the boundary)."""
+    want = _ids(tok, prompt)
+    if ids[:len(want)] == want:
+        return len(want)
+    k = next((i for i, (a, b) in enumerate(zip(want, ids)) if a != b), min(len(want), len(ids)))
+    raise TemplateError(
+        f"the chat template's generation prompt does not end on a token boundary: an engine's prompt ends "
+        f"{tok.decode(want[k:])!r}, while the conversation it starts tokenizes {tok.decode(ids[k:k + 1])!r} there "
+        f"(the prompt's end merged with the reply's start), so the reply would be trained on a context no server "
+        f"sends; end the generation prompt where a reply's first token starts (e.g. '[BOT]' and replies rendered as "
+        f"' ' + content, not '[BOT] ' and content)")
+
+
+def _encode_turns(tok, messages: list[dict]) -> tuple[list[int], list[int], list[int]]:
+    """(ids, labels, each reply's first token index) of the whole rendering tokenized once. Every token that starts
+    inside a reply's span is learned; the reply's first token is the first after its engine prompt's tokens."""
+    full, turns = render_turns(tok, messages)
+    if not tok.is_fast:  # only a fast (Rust) tokenizer says where each token lies in the text
+        raise TemplateError(f"{type(tok).__name__} is a slow tokenizer: training masks replies by the character "
+                            "offsets of a fast one (tokenizer.json)")
+    enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    labels, starts = [IGNORE] * len(ids), []
+    for turn in turns:
+        first = _prompt_length(tok, turn.prompt, ids)
+        starts.append(first)
+        for i in range(first, len(ids)):
+            if i > first and offsets[i][0] >= turn.end:
+                break
+            labels[i] = ids[i]
+    return ids, labels, starts
 
 
 @dataclass
@@ -67,12 +116,7 @@ class Encoded:
 def encode(tok, messages: list[dict], max_len: int, overlong: str = "drop") -> Encoded | None:
     """Ids and labels of one conversation; None when it is longer than max_len and overlong is 'drop', or when
     truncation leaves nothing to learn."""
-    ids: list[int] = []
-    labels: list[int] = []
-    for text, learned in render_segments(tok, messages):
-        part = tok(text, add_special_tokens=False)["input_ids"]
-        ids += part
-        labels += part if learned else [IGNORE] * len(part)
+    ids, labels, _ = _encode_turns(tok, messages)
     if len(ids) <= max_len:
         return Encoded(ids, labels)
     if overlong != "truncate" or all(x == IGNORE for x in labels[:max_len]):
@@ -81,11 +125,29 @@ def encode(tok, messages: list[dict], max_len: int, overlong: str = "drop") -> E
 
 
 def reply_context_ids(tok, messages: list[dict]) -> list[int]:
-    """The ids training puts before the model's reply to `messages` (through the generation prompt), tokenized segment
-    by segment as encode() does: what a server's own rendering of the same conversation must equal."""
-    segments = render_segments(tok, messages + [{"role": "assistant", "content": "reply"}])
-    reply = max(i for i, (_, learned) in enumerate(segments) if learned)
-    return [t for text, _ in segments[:reply] for t in tok(text, add_special_tokens=False)["input_ids"]]
+    """The ids training puts before the model's reply to `messages` (through the generation prompt), from encode()'s
+    own tokenization of the conversation with a reply: what a server's own rendering of the same messages must equal."""
+    ids, _, starts = _encode_turns(tok, messages + [{"role": "assistant", "content": "reply"}])
+    return ids[:starts[-1]]
+
+
+# Replies that start with a letter, a digit and punctuation, after a first turn and after a second.
+BOUNDARY_PROBES = [[{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": reply},
+                    {"role": "user", "content": "And a city?"}, {"role": "assistant", "content": reply}]
+                   for reply in ("fruit: mango", "42", "\"Paris\"")]
+
+
+def boundary_problem(tok, conversations: list[list[dict]] = ()) -> str | None:
+    """Why conversations rendered with the tokenizer's template cannot be trained as engines serve them, or None:
+    probed with replies of each kind of first character and with the given conversations (e.g. a dataset's first
+    rows: whether a merge crosses the generation prompt's end depends on the vocabulary and on the reply)."""
+    for messages in [*BOUNDARY_PROBES, *conversations]:
+        try:
+            _encode_turns(tok, messages)
+        except TemplateError as e:
+            reply = next(m["content"] for m in messages if m["role"] == "assistant")
+            return f"{e} (a reply starting {reply[:24]!r})"
+    return None
 
 
 def prompt_text(tok, prompt: list[dict]) -> str:
@@ -99,7 +161,9 @@ def completion(tok, prompt: list[dict], reply: list[dict]) -> tuple[str, str]:
     if not full.startswith(before):
         raise TemplateError("the chat template renders the prompt differently with and without the reply")
     seg = full[len(before):]
-    return before, seg[:_reply_end(seg, tok.eos_token)]
+    seg = seg[:_reply_end(seg, tok.eos_token)]
+    _prompt_length(tok, before, _ids(tok, before + seg))  # TRL tokenizes prompt + reply as one text
+    return before, seg
 
 
 def adds_bos(tok) -> bool:

@@ -104,3 +104,36 @@ def missing_problem(stage: str, ctx, purpose: str) -> str | None:
         return None
     return (f"{stage}: input {ctx.input} has no chat template to {purpose}; set {KEY} (a Jinja template, or the path "
             "to a .jinja file), or add chat_template.jinja to the checkpoint beside tokenizer_config.json")
+
+
+# How many of a dataset's first rows the boundary check renders before launch (the worker checks every row).
+BOUNDARY_ROWS = 64
+
+
+def boundary_problem(stage: str, ctx, conversations: list[list[dict]]) -> str | None:
+    """The refusal when the stage's chat template cannot train replies on the contexts engines serve (its generation
+    prompt ends inside a token of the reply: conversions.chat), found on probe conversations and the given ones,
+    naming the template: the config's, or the input checkpoint's own."""
+    from transformers import AutoTokenizer
+
+    from conversions import chat
+
+    tok = AutoTokenizer.from_pretrained(str(ctx.input))
+    source = f"the chat template of {ctx.input}"
+    if not tok.chat_template and ctx.model.get("chat_template"):  # as the workers load it
+        tok.chat_template, source = text_of(ctx.model["chat_template"]), KEY
+    problem = chat.boundary_problem(tok, conversations)
+    return f"{stage}: {source}: {problem}" if problem else None
+
+
+def first_rows(path: Path, n: int = BOUNDARY_ROWS) -> list[dict]:
+    import json
+
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if len(rows) == n:
+                break
+            if line.strip():
+                rows.append(json.loads(line))
+    return rows

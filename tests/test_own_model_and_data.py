@@ -23,7 +23,7 @@ FRUIT = {"banana": "yellow", "apple": "red", "lime": "green", "plum": "purple", 
          "cherry": "red", "lemon": "yellow", "grape": "green", "fig": "purple"}
 
 
-def own_tokenizer(dest: Path, texts: list[str], gemma: bool = False):
+def own_tokenizer(dest: Path, texts: list[str], gemma: bool = False, template: str = TEMPLATE):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -38,17 +38,17 @@ def own_tokenizer(dest: Path, texts: list[str], gemma: bool = False):
                                        additional_special_tokens=["<start_of_turn>", "<end_of_turn>"])
     else:
         fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-        fast.chat_template = TEMPLATE
+        fast.chat_template = template
     fast.save_pretrained(str(dest))
     return fast
 
 
-def own_model(dest: Path, family: str, texts: list[str], hidden: int = 64) -> Path:
+def own_model(dest: Path, family: str, texts: list[str], hidden: int = 64, template: str = TEMPLATE) -> Path:
     """A random-init HF model from its config, saved as any HF user would (no baton manifest)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    tok = own_tokenizer(dest, texts, gemma=family == "gemma3")
+    tok = own_tokenizer(dest, texts, gemma=family == "gemma3", template=template)
     common = dict(vocab_size=len(tok), hidden_size=hidden, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
@@ -201,6 +201,46 @@ def test_own_model_and_files_through_rlhf_finetune_convert(workspace, baton_home
     assert (out / "tokenizer_config.json").exists() or (out / "tokenizer" / "tokenizer_config.json").exists()
     if template is not None:
         assert_the_configured_template_went_everywhere(stages, ckpt, template.read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.serve
+@pytest.mark.long
+@pytest.mark.timeout(900)
+def test_a_plain_text_template_trains_on_what_vllm_serves(workspace, baton_home):
+    """A Qwen2 with its own byte-level BPE, trained on its chat text, and a plain-text template (`[USER] …` /
+    `[BOT] …` on one line, no special token anywhere) → data → finetune → convert → vLLM: the serve
+    gate's chat_template_parity finds vLLM's /tokenize of the multi-turn conversation identical to training's, where
+    main's turn-by-turn encoding differs with this vocabulary (shown first, so the check could fail)."""
+    from transformers import AutoTokenizer
+
+    from test_chat_tokenization import PLAIN, rendered_rows, served, turn_by_turn
+    from tasks.serve.smoke import CONVERSATIONS
+
+    tmp_path, files, _ = workspace
+    ckpt = own_model(tmp_path / "plain", "qwen2", rendered_rows(PLAIN), hidden=128, template=PLAIN)
+    tok = AutoTokenizer.from_pretrained(str(ckpt))
+    multi = CONVERSATIONS["multi-turn"]
+    engine = served(tok, multi, generation_prompt=True)  # what vLLM's /tokenize returns when the check passes
+    assert turn_by_turn(tok, multi + [{"role": "assistant", "content": "reply"}])[:len(engine)] != engine
+    r = cli("manifest", str(ckpt), home=baton_home)
+    assert r.returncode == 0, r.stderr[-2000:]
+    cfg = write_config(tmp_path / "own.yaml", files)
+    r = baton("run", str(cfg), "--from", str(ckpt), "--stages", "data,finetune,serve", *ON_VLLM[2:],
+              home=baton_home, timeout=3000)
+    summary = summary_of(baton_home, r.stdout)
+    assert r.returncode == 0, (r.stderr[-3000:], json.dumps(summary, indent=1)[-4000:])
+    stages = {s["label"]: s for s in summary["stages"]}
+    assert list(stages) == ["data", "finetune", "convert-zero-to-hf", "serve"], list(stages)
+    ev = stages["finetune"]["eval"]
+    print(f"plain finetune: {ev} in {stages['finetune'].get('seconds')} s")
+    assert stages["finetune"]["gate"]["passed"] and ev["after"] < ev["before"], ev
+    parity = next(c for c in stages["serve"]["gate"]["checks"] if c["name"] == "vllm.smoke.chat_template_parity")
+    print(f"plain serve: {parity['detail']}")
+    assert parity["passed"] and "multi-turn" in parity["detail"], parity
+    assert stages["serve"]["gate"]["passed"], stages["serve"]["gate"]
+    assert (Path(stages["convert-zero-to-hf"]["output"]) / "tokenizer.json").read_bytes() == \
+        (ckpt / "tokenizer.json").read_bytes()  # the served vocabulary is the one the fault was shown with
 
 
 def assert_the_configured_template_went_everywhere(stages: dict, ckpt: Path, template: str) -> None:

@@ -42,6 +42,10 @@ def check_inputs(ctx: StageContext, cfg: FinetuneConfig) -> None:
         if ctx.data_dir is None or not (Path(ctx.data_dir) / "sft" / f"{split}.jsonl").exists():
             problems.append(f"finetune: data {ctx.data_dir} lacks sft/{split}.jsonl (run the data stage)")
     problems += nvme_problems(cfg) + gates.lm_eval_path_errors(cfg.gate, "finetune")
+    if not problems:  # the template's replies trained on what engines serve, before any launch
+        rows = chat_template.first_rows(Path(ctx.data_dir) / "sft" / "train.jsonl")
+        if problem := chat_template.boundary_problem("finetune", ctx, [r["messages"] for r in rows]):
+            problems.append(problem)
     if problems:
         raise FinetuneInputError("; ".join(problems))
 

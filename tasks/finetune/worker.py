@@ -79,8 +79,8 @@ def load_data(spec: dict):
         tok.chat_template = Path(spec["chat_template"]).read_text(encoding="utf-8")
     train_rows = read_jsonl(data_dir / "sft" / "train.jsonl")
     heldout = read_jsonl(data_dir / "sft" / "heldout.jsonl")
-    train, length_counts = encode_rows(tok, train_rows, spec["max_seq_length"], spec["overlong"])
-    held_ids, _ = encode_rows(tok, heldout, spec["max_seq_length"], "truncate")
+    train, length_counts = encode_rows(tok, train_rows, spec["max_seq_length"], spec["overlong"], "sft/train.jsonl")
+    held_ids, _ = encode_rows(tok, heldout, spec["max_seq_length"], "truncate", "sft/heldout.jsonl")
     if not train:
         raise SystemExit(f"no training example fits in max_seq_length {spec['max_seq_length']} "
                          f"({length_counts['overlong_dropped']} dropped as over-long)")
@@ -192,11 +192,15 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def encode_rows(tok, rows: list[dict], max_len: int, overlong: str) -> tuple[list, dict]:
-    """Canonical conversations → (ids, labels), every assistant turn learned; over-long ones dropped or truncated."""
+def encode_rows(tok, rows: list[dict], max_len: int, overlong: str, where: str = "sft") -> tuple[list, dict]:
+    """Canonical conversations → (ids, labels), every assistant turn learned; over-long ones dropped or truncated.
+    A row whose reply the template cannot train as served (chat.TemplateError) ends the run, named by `where`:line."""
     out, counts = [], {"overlong_dropped": 0, "overlong_truncated": 0}
-    for r in rows:
-        e = chat.encode(tok, r["messages"], max_len, overlong)
+    for line, r in enumerate(rows, start=1):
+        try:
+            e = chat.encode(tok, r["messages"], max_len, overlong)
+        except chat.TemplateError as err:
+            raise SystemExit(f"{where}:{line}: {err}") from None
         if e is None:
             counts["overlong_dropped"] += 1
         else:

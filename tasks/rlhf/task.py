@@ -66,6 +66,11 @@ def check_inputs(ctx: StageContext, cfg: RlhfConfig) -> None:
             problems.append(f"rlhf: data {ctx.data_dir} lacks {dataset}/{split}.jsonl ({hint})")
     if ctx.data_dir is not None and dataset == "prompts":
         problems += checks.code_tests_row_errors(cfg, Path(ctx.data_dir))
+    if not problems and dataset == "preference":  # a preference reply is trained after its prompt, as served
+        rows = chat_template.first_rows(Path(ctx.data_dir) / dataset / "train.jsonl")
+        sides = [r["prompt"] + r[side] for r in rows for side in ("chosen", "rejected")]
+        if problem := chat_template.boundary_problem("rlhf", ctx, sides):
+            problems.append(problem)
     if problems:
         raise RlhfInputError("; ".join(problems))
 
