@@ -119,6 +119,33 @@ def iter_tensors(root: Path) -> Iterator[tuple[str, "object"]]:
                 yield name, st.get_tensor(name)
 
 
+class TensorReader:
+    """Every shard opened once (memory mapped): `names`, and `reader(name)` → that tensor."""
+
+    def __init__(self, root: Path):
+        self.root, self._open, self._where = Path(root), [], {}
+
+    def __enter__(self) -> "TensorReader":
+        from safetensors import safe_open
+
+        for f in safetensors_files(self.root):
+            st = safe_open(str(f), framework="pt")
+            self._open.append(st)
+            self._where.update(dict.fromkeys(st.keys(), st))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._open.clear()
+        self._where.clear()
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def __call__(self, name: str):
+        return self._where[name].get_tensor(name)
+
+
 def load_state_dict(root: Path) -> dict:
     return dict(iter_tensors(root))
 
