@@ -257,6 +257,12 @@ def _checkpoint_dtype(src: Path) -> str:
     return m.get("dtype") or "float32"
 
 
+def adapter(src: Path) -> dict | None:
+    """The LoRA adapters' config (r, lora_alpha, ...) the finetune worker writes when it trained adapters."""
+    path = Path(src) / "adapter_config.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 def to_hf(src: Path, dst: Path, *, max_shard_bytes: int, dtype: str | None = None, tag: str | None = None) -> dict:
     """Write a complete HF folder from a ZeRO checkpoint folder that also holds config.json and tokenizer/."""
     src, dst = Path(src), Path(dst)
@@ -266,8 +272,7 @@ def to_hf(src: Path, dst: Path, *, max_shard_bytes: int, dtype: str | None = Non
     if dtype not in DTYPES:
         raise ZeroCheckpointError(f"unsupported output dtype {dtype!r}; one of {sorted(DTYPES)}")
     ck = open_checkpoint(src, tag)
-    adapter = src / "adapter_config.json"  # written by the finetune worker when it trained LoRA adapters
-    lora = json.loads(adapter.read_text()) if adapter.exists() else None
+    lora = adapter(src)
     plan = planned_tensors(ck, DTYPES[dtype], lora=lora, model=hf_layout.meta_model(src))
     files = safetensors_stream.write(dst, plan, max_shard_bytes)
     config = json.loads((src / "config.json").read_text())

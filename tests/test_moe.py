@@ -5,7 +5,7 @@ per-expert layout the input had (what from_pretrained and the servers read), and
 exactly the engine's fused expert parameters."""
 from __future__ import annotations
 
-import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -22,6 +22,9 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   dict(num_experts=4, moe_intermediate_size=48, intermediate_size=96)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, intermediate_size=48)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",  # with a shared expert beside the routed ones
+                  dict(num_experts=4, moe_intermediate_size=48, shared_expert_intermediate_size=80,
+                       intermediate_size=96)),
 }
 STEPS = 4
 
@@ -46,6 +49,7 @@ def make_moe_checkpoint(dest: Path, family: str, tokenizer_dir: Path, seed: int 
 
 
 def finetune_and_convert(tmp: Path, family: str, zero_stage: int, launcher: str, tiny_config, data_dir):
+    """The input checkpoint, the finetune stage's output and the convert step's output (each with its gate)."""
     from tasks.convert.config import ConvertConfig
     from tasks.convert.task import run_convert
     from tasks.finetune.task import run_finetune
@@ -76,6 +80,11 @@ def qwen3_moe_zero3(tmp_path_factory, tiny_config, data_dir):
 @pytest.fixture(scope="module")
 def mixtral_zero2(tmp_path_factory, tiny_config, data_dir):
     return finetune_and_convert(tmp_path_factory.mktemp("mixtral"), "mixtral", 2, "deepspeed", tiny_config, data_dir)
+
+
+@pytest.fixture(scope="module")
+def qwen2_moe_zero2(tmp_path_factory, tiny_config, data_dir):
+    return finetune_and_convert(tmp_path_factory.mktemp("qwen2moe"), "qwen2_moe", 2, "torchrun", tiny_config, data_dir)
 
 
 def logged_metrics(work: Path) -> list[dict]:
@@ -133,3 +142,80 @@ def test_mixtral_finetunes_under_zero2_and_exports_exactly(mixtral_zero2, tmp_pa
     src, fine, conv = mixtral_zero2
     assert_moe_relay(src, fine, conv, 2, tmp_path)
     assert any(".block_sparse_moe.experts.3.w2.weight" in n for n in hf.tensor_shapes(conv.output))
+
+
+@pytest.mark.long  # its own finetune run (~45 s of CPU): Qwen2-MoE's shared expert through finetune and export
+def test_qwen2_moe_with_a_shared_expert_finetunes_and_exports_exactly(qwen2_moe_zero2, tmp_path):
+    src, fine, conv = qwen2_moe_zero2
+    assert_moe_relay(src, fine, conv, 2, tmp_path)
+    assert "model.layers.1.mlp.shared_expert.down_proj.weight" in hf.tensor_shapes(conv.output)
+
+
+# ---- the conversion gate names a faulty expert ------------------------------------------------------------------
+def faulty_copy(conv_output: Path, dest: Path, fault) -> Path:
+    """The converted checkpoint as a faulty converter would have written it: `fault` changes its tensors, then the
+    manifest is written for the changed files (so integrity passes and only the checks of the weights can fail)."""
+    from safetensors.torch import save_file
+
+    shutil.copytree(conv_output, dest)
+    tensors = hf.load_state_dict(dest)
+    fault(tensors)
+    for f in hf.safetensors_files(dest):
+        f.unlink()
+    save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    m = mf.read(conv_output)
+    mf.write(dest, mf.build(dest, format=m["format"], stage=m["stage"], parent=m.get("parent"), dtype=m.get("dtype"),
+                            tokenizer_dir=dest))
+    return dest
+
+
+def swap_experts_0_and_1(t: dict) -> None:
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        a, b = (f"model.layers.0.mlp.experts.{e}.{proj}.weight" for e in (0, 1))
+        t[a], t[b] = t[b], t[a]
+
+
+def transpose_an_expert(t: dict) -> None:
+    name = "model.layers.1.mlp.experts.2.down_proj.weight"
+    t[name] = t[name].T.contiguous()
+
+
+def drop_the_shared_expert(t: dict) -> None:
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        del t[f"model.layers.0.mlp.shared_expert.{proj}.weight"]
+
+
+def source_check(gate: dict) -> dict:
+    return next(c for c in gate["checks"] if c["name"] == "L1.source_tensors")
+
+
+def refused(conv, fine, fault, tmp_path: Path) -> dict:
+    from tasks.convert.task import gate
+
+    assert source_check(conv.gate)["passed"], conv.gate  # the same checkpoint, unchanged, passes the check
+    bad = faulty_copy(conv.output, tmp_path / "faulty", fault)
+    g = gate(bad, fine.output, "hf-safetensors")
+    assert not g["passed"] and not source_check(g)["passed"], g
+    return source_check(g)
+
+
+def test_a_wrong_expert_order_fails_the_gate_naming_the_tensor(qwen3_moe_zero3, tmp_path):
+    _, fine, conv = qwen3_moe_zero3
+    detail = refused(conv, fine, swap_experts_0_and_1, tmp_path)["detail"]
+    assert ("model.layers.0.mlp.experts.0.gate_proj.weight: differs from the source (holds the source's "
+            "model.layers.0.mlp.experts.1.gate_proj.weight") in detail, detail
+
+
+def test_a_transposed_expert_fails_the_gate_naming_the_tensor(qwen3_moe_zero3, tmp_path):
+    _, fine, conv = qwen3_moe_zero3
+    detail = refused(conv, fine, transpose_an_expert, tmp_path)["detail"]
+    assert "model.layers.1.mlp.experts.2.down_proj.weight: transposed (shape (48, 64), the source's (64, 48))" \
+        in detail, detail
+
+
+@pytest.mark.long  # needs the Qwen2-MoE run above
+def test_a_dropped_shared_expert_fails_the_gate_naming_the_tensor(qwen2_moe_zero2, tmp_path):
+    _, fine, conv = qwen2_moe_zero2
+    detail = refused(conv, fine, drop_the_shared_expert, tmp_path)["detail"]
+    assert "model.layers.0.mlp.shared_expert.gate_proj.weight: in the source, missing from the output" in detail, \
+        detail
