@@ -97,7 +97,11 @@ def produce(group: Group, read: Callable[[str], object], model) -> dict:
         if len(group.sources) != 1:
             raise ValueError(f"{group.sources}: several checkpoint tensors for the one parameter {group.first}")
         return {group.first: read(group.sources[0])}
-    return _convert(group.converter, group.first, list(zip(group.sources, group.patterns)), read, model)
+    try:
+        return _convert(group.converter, group.first, list(zip(group.sources, group.patterns)), read, model)
+    except RuntimeError as e:  # e.g. experts of different shapes do not stack
+        raise ValueError(f"{group.first}: the checkpoint's {group.sources[0]} ... ({len(group.sources)} tensors) do "
+                         f"not merge into it: {e}") from None
 
 
 class _SplitOnce:

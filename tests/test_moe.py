@@ -219,3 +219,4 @@ def test_a_dropped_shared_expert_fails_the_gate_naming_the_tensor(qwen2_moe_zero
     detail = refused(conv, fine, drop_the_shared_expert, tmp_path)["detail"]
     assert "model.layers.0.mlp.shared_expert.gate_proj.weight: in the source, missing from the output" in detail, \
         detail
+
