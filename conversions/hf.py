@@ -56,6 +56,26 @@ def decoder_config(arch: dict, vocab_size: int | None = None, **special_tokens):
     return DECODER_CONFIGS[arch.get("arch") or "llama"](arch, vocab_size, **special_tokens)
 
 
+# model.moe's keys → (Megatron-Core's TransformerConfig field, the HF config keys that hold it: the first present wins;
+# Qwen2/3-MoE and DeepSeek name the expert width moe_intermediate_size, Mixtral intermediate_size)
+MOE_NAMES = {
+    "num_experts": ("num_moe_experts", ("num_experts", "num_local_experts", "n_routed_experts")),
+    "top_k": ("moe_router_topk", ("num_experts_per_tok",)),
+    "expert_ffn_hidden_size": ("moe_ffn_hidden_size", ("moe_intermediate_size", "intermediate_size")),
+    "shared_expert_ffn_hidden_size": ("moe_shared_expert_intermediate_size", ("shared_expert_intermediate_size",)),
+    "aux_loss_coef": ("moe_aux_loss_coeff", ("router_aux_loss_coef",)),
+}
+
+
+def moe_of_hf_config(config: dict) -> dict | None:
+    """model.moe's values read from an HF config.json (None: a dense model)."""
+    found = {key: next((config[k] for k in hf_keys if config.get(k) is not None), None)
+             for key, (_, hf_keys) in MOE_NAMES.items()}
+    if not found["num_experts"]:
+        return None
+    return {k: v for k, v in found.items() if v is not None}
+
+
 def safetensors_files(root: Path) -> list[Path]:
     return sorted(Path(root).glob("*.safetensors"))
 
@@ -126,6 +146,33 @@ def iter_tensors(root: Path) -> Iterator[tuple[str, "object"]]:
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():
                 yield name, st.get_tensor(name)
+
+
+class TensorReader:
+    """Every shard opened once (memory mapped): `names`, and `reader(name)` → that tensor."""
+
+    def __init__(self, root: Path):
+        self.root, self._open, self._where = Path(root), [], {}
+
+    def __enter__(self) -> "TensorReader":
+        from safetensors import safe_open
+
+        for f in safetensors_files(self.root):
+            st = safe_open(str(f), framework="pt")
+            self._open.append(st)
+            self._where.update(dict.fromkeys(st.keys(), st))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._open.clear()
+        self._where.clear()
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def __call__(self, name: str):
+        return self._where[name].get_tensor(name)
 
 
 def load_state_dict(root: Path) -> dict:

@@ -219,6 +219,79 @@ def roundtrip(root: Path) -> list[dict]:
     return [check("L1.roundtrip", not problems, detail)]
 
 
+# ---- L1 against the source -----------------------------------------------------------------------------------------
+def source_parity(root: Path, src: Path) -> list[dict]:
+    """The checks of an HF folder against the checkpoint it was converted from, where that format has a reader in
+    the engine's own parameter names (DeepSpeed ZeRO); none for other sources."""
+    if _format_of(Path(src)) != Format.DEEPSPEED_ZERO:
+        return []
+    return _guarded("L1.source_tensors", lambda: source_tensors(Path(root), Path(src)))
+
+
+def source_tensors(root: Path, src: Path) -> list[dict]:
+    """An HF folder converted from a DeepSpeed ZeRO checkpoint: transformers loads it (merging a mixture's experts by
+    its own mapping, not baton's) into exactly the engine's parameters. A difference is named by the file tensors
+    that hold it: a permuted expert order, a transposed expert, a dropped (shared) expert."""
+    from . import zero
+
+    source = {t.name: t for t in zero.planned_tensors(zero.open_checkpoint(src), lora=zero.adapter(src))}
+    loaded, unexpected = _loaded_parameters(root)
+    differ = [n for n, t in source.items() if loaded is None or n not in loaded or not _equal(t.produce(), loaded[n])]
+    problems = _named_differences(root, {n: source[n] for n in differ}) + [f"{n}: not in the source"
+                                                                          for n in unexpected]
+    if differ and not problems:
+        problems = [f"{n}: loads differently from the source" for n in differ]
+    detail = "; ".join(problems[:5]) + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "") \
+        if problems else f"{len(source)} parameters load exactly as the source's ({Path(src).name})"
+    return [check("L1.source_tensors", not problems, detail)]
+
+
+def _loaded_parameters(root: Path):
+    """(state dict, unexpected file tensors) as transformers loads the folder; (None, []) if it cannot."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(str(root), dtype="auto", output_loading_info=True)
+    except Exception:  # the per-tensor comparison below names what is wrong
+        return None, []
+    return model.state_dict(), sorted(map(str, info.get("unexpected_keys") or []))
+
+
+def _equal(want, got) -> bool:
+    import torch
+
+    return tuple(want.shape) == tuple(got.shape) and torch.equal(want.to(got.dtype), got)
+
+
+def _named_differences(root: Path, params: dict) -> list[str]:
+    """The file tensors save_pretrained would write for these source parameters, compared with the files."""
+    import torch
+
+    from . import hf_layout
+
+    readers = {n: (torch.Size(t.shape), t.dtype, t.produce) for n, t in params.items()}
+    want = {name: read() for name, (_, _, read) in hf_layout.file_layout(hf_layout.meta_model(root), readers).items()}
+    present = hf.tensor_shapes(root)
+    problems = []
+    with hf.TensorReader(root) as read:
+        for name, w in want.items():
+            if name not in present:
+                problems.append(f"{name}: in the source, missing from the output")
+                continue
+            got = read(name)
+            if _equal(w, got):
+                continue
+            if got.ndim == 2 and _equal(w.T, got):
+                problems.append(f"{name}: transposed (shape {tuple(got.shape)}, the source's {tuple(w.shape)})")
+            elif tuple(got.shape) != tuple(w.shape):
+                problems.append(f"{name}: shape {tuple(got.shape)}, the source's {tuple(w.shape)}")
+            else:
+                holds = next((other for other, o in want.items() if other != name and _equal(o, got)), None)
+                problems.append(f"{name}: differs from the source" + (f" (holds the source's {holds}: tensors in the "
+                                                                      "wrong order)" if holds else ""))
+    return problems
+
+
 # ---- L2 ------------------------------------------------------------------------------------------------------------
 def logits_parity(root: Path, against: Path) -> list[dict]:
     """Logits of root vs another HF checkpoint, or vs a probe_logits.safetensors reference from an engine."""

@@ -4,7 +4,10 @@ DeepSpeed's own `zero_to_fp32` opens every optimizer file at once and (ZeRO-1/2)
 so it needs about twice the fp32 model in RAM. Here each parameter is assembled on its own from byte ranges of the
 partition files (read lazily, see torch_lazy) and written straight into a pre-planned safetensors shard, so peak
 memory stays near the largest tensor. The values are the same fp32 master weights DeepSpeed's converter produces,
-bit for bit (tested against it).
+bit for bit (tested against it). A mixture of experts from transformers 5 holds each layer's experts as one 3-D
+parameter in memory, so in the checkpoint; the HF folder gets them per expert again, under the names from_pretrained
+and the servers read (hf_layout: transformers' own conversion mapping, reversed as save_pretrained does), where
+DeepSpeed's converter keeps the engine's names.
 
 Layout (DeepSpeed 0.1x): `<root>/latest` names the tag; `<root>/<tag>/` holds
   - `mp_rank_00_model_states.pt` (ZeRO-1/2) or `zero_pp_rank_<r>_mp_rank_00_model_states.pt` (ZeRO-3):
@@ -28,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from . import hf, manifest as mf, safetensors_stream, torch_lazy
+from . import hf, hf_layout, manifest as mf, safetensors_stream, torch_lazy
 from .refusal import Refused
 from .torch_lazy import LazyTensor
 
@@ -219,10 +222,11 @@ def merge_lora(readers: dict, adapter: dict, prefix: str = "base_model.model.", 
 
 
 def planned_tensors(ck: ZeroCheckpoint, dtype: torch.dtype = torch.float32, exclude_frozen: bool = False,
-                    lora: dict | None = None) -> list[safetensors_stream.PlannedTensor]:
+                    lora: dict | None = None, model=None) -> list[safetensors_stream.PlannedTensor]:
     """Every tensor of the consolidated state dict (buffers, frozen and trainable parameters, shared names),
     floating ones cast to dtype, as DeepSpeed's converter defines it; LoRA adapters merged when `lora` (peft's
-    adapter_config) is given."""
+    adapter_config) is given; in the layout save_pretrained writes for `model` (a meta model of the checkpoint's
+    config: merged experts split per expert again) when it is given, else under the engine's parameter names."""
     readers: dict[str, tuple[torch.Size, torch.dtype, Callable[[], torch.Tensor]]] = {}
     for name, t in ck.buffers.items():
         readers[name] = (t.shape, t.dtype if not t.dtype.is_floating_point else torch.float32,
@@ -235,6 +239,8 @@ def planned_tensors(ck: ZeroCheckpoint, dtype: torch.dtype = torch.float32, excl
             readers[name] = readers[source]
     if lora is not None:
         readers = merge_lora(readers, lora)
+    if model is not None:
+        readers = hf_layout.file_layout(model, readers)
     plan = []
     for name, (shape, src_dtype, read) in readers.items():
         out_dtype = dtype if src_dtype.is_floating_point else src_dtype
@@ -251,6 +257,12 @@ def _checkpoint_dtype(src: Path) -> str:
     return m.get("dtype") or "float32"
 
 
+def adapter(src: Path) -> dict | None:
+    """The LoRA adapters' config (r, lora_alpha, ...) the finetune worker writes when it trained adapters."""
+    path = Path(src) / "adapter_config.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 def to_hf(src: Path, dst: Path, *, max_shard_bytes: int, dtype: str | None = None, tag: str | None = None) -> dict:
     """Write a complete HF folder from a ZeRO checkpoint folder that also holds config.json and tokenizer/."""
     src, dst = Path(src), Path(dst)
@@ -260,9 +272,8 @@ def to_hf(src: Path, dst: Path, *, max_shard_bytes: int, dtype: str | None = Non
     if dtype not in DTYPES:
         raise ZeroCheckpointError(f"unsupported output dtype {dtype!r}; one of {sorted(DTYPES)}")
     ck = open_checkpoint(src, tag)
-    adapter = src / "adapter_config.json"  # written by the finetune worker when it trained LoRA adapters
-    lora = json.loads(adapter.read_text()) if adapter.exists() else None
-    plan = planned_tensors(ck, DTYPES[dtype], lora=lora)
+    lora = adapter(src)
+    plan = planned_tensors(ck, DTYPES[dtype], lora=lora, model=hf_layout.meta_model(src))
     files = safetensors_stream.write(dst, plan, max_shard_bytes)
     config = json.loads((src / "config.json").read_text())
     for key in ("torch_dtype", "dtype"):

@@ -29,6 +29,27 @@ class ConfigError(Refused):
     """A config problem, reported before anything launches."""
 
 
+class MoeConfig(StrictModel):
+    """A mixture of experts in every layer's MLP. Megatron's and HF's names for each key: conversions.hf.MOE_NAMES."""
+
+    num_experts: int = Field(..., ge=2, description="routed experts per layer")
+    top_k: int = Field(2, ge=1, description="experts each token is routed to")
+    expert_ffn_hidden_size: int | None = Field(
+        None, ge=1, description="inner size of one expert's SwiGLU MLP (default: model.ffn_hidden_size)")
+    shared_expert_ffn_hidden_size: int = Field(
+        0, ge=0, description="inner size of a shared expert every token goes through, beside the routed ones (0: none)")
+    aux_loss_coef: float = Field(0.001, ge=0, description="weight of the router's load-balancing loss in the loss")
+
+    @model_validator(mode="after")
+    def _top_k_within_experts(self):
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k {self.top_k} is more than num_experts {self.num_experts}")
+        return self
+
+    def expert_ffn(self, model: "ModelConfig") -> int:
+        return self.expert_ffn_hidden_size or model.ffn_hidden_size
+
+
 class ModelConfig(StrictModel):
     """Decoder architecture, shared by every engine: a Llama-style decoder, or Qwen2's (the same with q/k/v biases)."""
 
@@ -47,6 +68,10 @@ class ModelConfig(StrictModel):
     rope_theta: float = Field(10000.0, description="RoPE base frequency")
     norm_eps: float = Field(1e-5, description="RMSNorm epsilon")
     init_std: float = Field(0.02, description="standard deviation of the random weight initialisation")
+    moe: MoeConfig | None = Field(
+        None, description="a mixture of experts (unset: a dense MLP). `baton plan` counts its total and active "
+                          "parameters; Megatron MoE pretraining is not wired yet, an HF MoE runs --from through "
+                          "rlhf and finetune (docs/moe.md)")
     chat_template: str | None = Field(
         None, description="a Jinja chat template, or a path to a template file, used when the input HF checkpoint has "
                           "none: written into the tokenizer the data, rlhf and finetune stages use and their outputs")

@@ -23,7 +23,10 @@ WANTED = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.tiktoken"
 
 def hf_manifest(path: Path, stage: str | None = None) -> dict:
     """The manifest of an HF folder made elsewhere: architecture from config.json, every file hashed."""
-    arch = {k: v for k, v in json.loads((path / "config.json").read_text()).items() if k in ARCH_KEYS}
+    config = json.loads((path / "config.json").read_text())
+    arch = {k: v for k, v in config.items() if k in ARCH_KEYS}
+    if moe := hf.moe_of_hf_config(config):  # in model.moe's names
+        arch["moe"] = moe
     return mf.build(path, format=Format.HF_SAFETENSORS, stage=stage, architecture=arch,
                     parameter_count=hf.parameter_count(path), dtype=hf.dominant_dtype(path),
                     engine={"name": "external"}, tokenizer_dir=path)

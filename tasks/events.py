@@ -41,6 +41,7 @@ GROUPS = {"train": "the optimisation loop, one point per step",
 TRAIN_LOSS = "train/loss"
 TRAIN_LR = "train/lr"
 TRAIN_GRAD_NORM = "train/grad_norm"
+TRAIN_ROUTER_AUX_LOSS = "train/router_aux_loss"
 STEP_TIME_S = "perf/step_time_s"
 TOKENS_PER_S = "perf/tokens_per_s"
 MFU = "perf/mfu"
@@ -53,6 +54,8 @@ METRICS = {
     TRAIN_LOSS: ("", "training loss of the step (mean over ranks; TRL's own loss in rlhf)"),
     TRAIN_LR: ("", "learning rate of the step"),
     TRAIN_GRAD_NORM: ("", "gradient norm (pretrain, rlhf)"),
+    TRAIN_ROUTER_AUX_LOSS: ("", "finetune of a mixture of experts: the router's load-balancing loss (train/loss "
+                                "includes it times router_aux_loss_coef)"),
     "train/<trl_log>": ("", "rlhf: TRL's other logs, '/' → '_' (train/rewards_margins, train/logps_chosen, ...)"),
     STEP_TIME_S: ("s", "wall time of the optimizer step"),
     TOKENS_PER_S: ("tokens/s", "training tokens per second, all ranks together"),

@@ -61,7 +61,9 @@ CPU_FIT = {
 
 @dataclass(frozen=True)
 class Shape:
-    """A Llama-style decoder."""
+    """A Llama-style decoder; with `experts`, every layer's MLP is a mixture of experts: a router (hidden × experts),
+    `experts` SwiGLU experts of width `expert_ffn` of which each token uses `top_k`, and optionally a shared expert of
+    width `shared_ffn` that every token uses (`ffn` is then unused)."""
     layers: int
     hidden: int
     heads: int
@@ -69,18 +71,34 @@ class Shape:
     ffn: int
     vocab: int
     tied: bool = False
+    experts: int = 0
+    top_k: int = 0
+    expert_ffn: int = 0
+    shared_ffn: int = 0
 
-    def layer_params(self) -> int:
+    def mlp_params(self, active: bool = False) -> int:
+        """One layer's MLP: every expert's weights, or (active) those a token goes through."""
+        if not self.experts:
+            return 3 * self.hidden * self.ffn
+        routed = (self.top_k if active else self.experts) * 3 * self.hidden * self.expert_ffn
+        return self.hidden * self.experts + routed + 3 * self.hidden * self.shared_ffn
+
+    def layer_params(self, active: bool = False) -> int:
         d = self.hidden // self.heads
         attention = self.hidden * (self.heads + 2 * self.groups) * d + self.heads * d * self.hidden
-        return attention + 3 * self.hidden * self.ffn + 2 * self.hidden
+        return attention + self.mlp_params(active) + 2 * self.hidden
 
     def embedding_params(self) -> int:
         return self.vocab * self.hidden
 
-    def params(self) -> int:
+    def params(self, active: bool = False) -> int:
+        """Every parameter (what memory holds), or (active) those one token's forward pass uses."""
         out = 0 if self.tied else self.embedding_params()
-        return self.layers * self.layer_params() + self.embedding_params() + out + self.hidden
+        return self.layers * self.layer_params(active) + self.embedding_params() + out + self.hidden
+
+    def active_ffn(self) -> int:
+        """The MLP width one token's activations span: ffn, or its top_k experts' and the shared expert's."""
+        return self.top_k * self.expert_ffn + self.shared_ffn if self.experts else self.ffn
 
 
 # Llama 3 / 3.1 / 3.2 shapes; a bare parameter count picks the nearest and adjusts the depth.
@@ -200,8 +218,10 @@ def params_per_rank(shape: Shape, layout: Layout) -> float:
 
 # ---- activations -----------------------------------------------------------------------------------------------------
 def layer_activation_coefficient(shape: Shape) -> float:
-    """The paper's 34 for a Llama block: attention 7 + 4·g/a, two norms 4, SwiGLU MLP 3 + 6·f/h."""
-    return 7 + 4 * shape.groups / shape.heads + 4 + 3 + 6 * shape.ffn / shape.hidden
+    """The paper's 34 for a Llama block: attention 7 + 4·g/a, two norms 4, SwiGLU MLP 3 + 6·f/h. A mixture of
+    experts: f is the width a token goes through (top_k experts and the shared one), plus its k routed copies (2·k)."""
+    routed_copies = 2 * shape.top_k if shape.experts else 0
+    return 7 + 4 * shape.groups / shape.heads + 4 + 3 + 6 * shape.active_ffn() / shape.hidden + routed_copies
 
 
 def layer_activation_bytes(shape: Shape, seq: int, layout: Layout, flash: bool) -> float:
@@ -304,8 +324,9 @@ def megatron_parallel_sizes(shape: Shape, hw: Hardware, rejected: list[str]) -> 
     TP × PP dividing the ranks."""
     out = []
     for tp in _powers_of_two(hw.gpus_per_node):
-        bad = [f"{name} {v}" for name, v in (("heads", shape.heads), ("query groups", shape.groups),
-                                            ("ffn", shape.ffn)) if v % tp]
+        widths = (("ffn", shape.ffn),) if not shape.experts else (("expert ffn", shape.expert_ffn),
+                                                                  ("shared ffn", shape.shared_ffn))
+        bad = [f"{name} {v}" for name, v in (("heads", shape.heads), ("query groups", shape.groups), *widths) if v % tp]
         if bad:
             rejected.append(f"TP{tp}: does not divide {', '.join(bad)}")
             continue
@@ -432,8 +453,11 @@ def planned_disk_bytes(cfg, stages) -> int:
 # ---- configs in and out ----------------------------------------------------------------------------------------------
 def shape_of_model(model) -> Shape:
     """The pipeline's `model:` section as a Shape."""
+    moe = model.moe
+    experts = dict(experts=moe.num_experts, top_k=moe.top_k, expert_ffn=moe.expert_ffn(model),
+                   shared_ffn=moe.shared_expert_ffn_hidden_size) if moe else {}
     return Shape(model.num_layers, model.hidden_size, model.num_attention_heads, model.num_query_groups,
-                 model.ffn_hidden_size, model.vocab_size, model.tie_word_embeddings)
+                 model.ffn_hidden_size, model.vocab_size, model.tie_word_embeddings, **experts)
 
 
 def layout_of_stage(stage: str, cfg, device: str) -> Layout:
@@ -478,18 +502,35 @@ def stage_block(p: Plan) -> dict:
 
 
 def model_block(shape: Shape, seq: int) -> dict:
-    return {"model": {"num_layers": shape.layers, "hidden_size": shape.hidden, "num_attention_heads": shape.heads,
-                      "num_query_groups": shape.groups, "ffn_hidden_size": shape.ffn, "seq_length": seq,
-                      "vocab_size": shape.vocab, "tie_word_embeddings": shape.tied}}
+    block = {"num_layers": shape.layers, "hidden_size": shape.hidden, "num_attention_heads": shape.heads,
+             "num_query_groups": shape.groups, "ffn_hidden_size": shape.ffn, "seq_length": seq,
+             "vocab_size": shape.vocab, "tie_word_embeddings": shape.tied}
+    if shape.experts:
+        block["moe"] = {"num_experts": shape.experts, "top_k": shape.top_k,
+                        "expert_ffn_hidden_size": shape.expert_ffn,
+                        "shared_expert_ffn_hidden_size": shape.shared_ffn}
+    return {"model": block}
+
+
+def describe_size(shape: Shape) -> str:
+    """'46.70B parameters', with the active count of a mixture of experts."""
+    def size(n: int) -> str:
+        return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+    text = f"{size(shape.params())} parameters"
+    if shape.experts:
+        shared = f" and a shared expert of ffn {shape.shared_ffn}" if shape.shared_ffn else ""
+        text += (f", {size(shape.params(active=True))} active per token (top-{shape.top_k} of {shape.experts} "
+                 f"experts of ffn {shape.expert_ffn}{shared})")
+    return text
 
 
 def format_plan(p: Plan) -> str:
     hw, s = p.hardware, p.shape
     unit = "GPU" if hw.device == "cuda" else "CPU rank"
-    n = s.params()
-    size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
-    lines = [f"model: {size} parameters ({s.layers} layers, hidden {s.hidden}, {s.heads} heads, "
-             f"{s.groups} query groups, ffn {s.ffn}, vocab {s.vocab}); seq {p.seq}, {p.precision}",
+    mlp = f"ffn {s.ffn}" if not s.experts else "MoE MLP"
+    lines = [f"model: {describe_size(s)}; {s.layers} layers, hidden {s.hidden}, {s.heads} heads, "
+             f"{s.groups} query groups, {mlp}, vocab {s.vocab}; seq {p.seq}, {p.precision}",
              f"hardware: {hw.nodes} node(s) × {hw.gpus_per_node} {unit}(s), {hw.per_rank_bytes() / GiB:.1f} GiB per "
              f"rank",
              f"size guide: {p.strategy}"]

@@ -93,3 +93,62 @@ def test_plan_of_the_tiny_config_fits_on_this_machine(capsys):
     assert baton_main(["plan", "configs/tiny.yaml"]) == 0
     out = capsys.readouterr().out
     assert "the configured layout" in out and "TP1 × PP1 × DP1" in out
+
+
+# ---- mixtures of experts ------------------------------------------------------------------------------------------
+MIXTRAL_8X7B = ["--layers", "32", "--hidden", "4096", "--heads", "32", "--query-groups", "8", "--ffn", "14336",
+                "--vocab", "32000", "--experts", "8", "--top-k", "2"]
+
+
+def test_mixtral_8x7b_total_and_active_parameters_match_the_published_counts(capsys):
+    """Mistral's published counts for Mixtral-8x7B: 46.7B parameters, 12.9B active per token."""
+    import json
+
+    rc = baton_main(["plan", *MIXTRAL_8X7B, "--stage", "finetune", "--json"])
+    out = json.loads(capsys.readouterr().out)["search"]
+    assert rc == 0
+    assert round(out["parameters"] / 1e9, 1) == 46.7 and round(out["active_parameters"] / 1e9, 1) == 12.9
+    # memory holds every expert: the weights' bytes follow the total, not the active count
+    dense = mp.Shape(32, 4096, 32, 8, 14336, 32000)
+    moe = mp.Shape(32, 4096, 32, 8, 14336, 32000, experts=8, top_k=2, expert_ffn=14336)
+    assert moe.params(active=True) < 0.3 * moe.params() and moe.params() > 5.5 * dense.params()
+    lay = mp.Layout("finetune", dp=8, zero_stage=2)
+    assert mp.breakdown(moe, lay, 4096, "bf16", "cuda").weights == 2 * moe.params()
+
+
+def test_the_model_moe_section_is_planned_and_pretraining_it_is_refused(tmp_path, capsys):
+    from flows.config import ConfigError, load
+
+    cfg = tmp_path / "moe.yaml"
+    cfg.write_text(yaml.safe_dump({"stages": ["data", "finetune"], "model": {
+        "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_hidden_size": 96, "shared_expert_ffn_hidden_size": 64}}}))
+    baton_main(["plan", str(cfg)])
+    out = capsys.readouterr().out
+    assert "active per token (top-2 of 4 experts of ffn 96 and a shared expert of ffn 64)" in out, out
+    shape = mp.shape_of_model(load(cfg).model)
+    assert (shape.experts, shape.top_k, shape.expert_ffn, shape.shared_ffn) == (4, 2, 96, 64)
+    with pytest.raises(ConfigError, match="model.moe: Megatron MoE pretraining is not wired yet"):
+        load(cfg, stages=["data", "pretrain"])
+    with pytest.raises(ConfigError, match="top_k 5 is more than num_experts 4"):
+        load(cfg, ["model.moe.top_k=5"])
+
+
+@pytest.mark.parametrize("family, expected", [
+    ("Qwen3MoeConfig", {"num_experts": 4, "top_k": 2, "expert_ffn_hidden_size": 48, "aux_loss_coef": 0.001}),
+    ("Qwen2MoeConfig", {"num_experts": 4, "top_k": 2, "expert_ffn_hidden_size": 48,
+                        "shared_expert_ffn_hidden_size": 80, "aux_loss_coef": 0.001}),
+    ("MixtralConfig", {"num_experts": 4, "top_k": 2, "expert_ffn_hidden_size": 48, "aux_loss_coef": 0.001}),
+])
+def test_an_hf_moe_config_reads_into_model_moe_names(family, expected):
+    """transformers' own config classes, saved as config.json, read back in model.moe's names (conversions.hf)."""
+    import transformers
+
+    from conversions import hf
+
+    sizes = {"MixtralConfig": dict(num_local_experts=4, intermediate_size=48),
+             "Qwen3MoeConfig": dict(num_experts=4, moe_intermediate_size=48, intermediate_size=96)}.get(
+        family, dict(num_experts=4, moe_intermediate_size=48, intermediate_size=96, shared_expert_intermediate_size=80))
+    config = getattr(transformers, family)(num_experts_per_tok=2, router_aux_loss_coef=0.001, **sizes).to_dict()
+    found = hf.moe_of_hf_config(config)
+    assert {k: found.get(k) for k in expected} == expected
+    assert hf.moe_of_hf_config(transformers.LlamaConfig().to_dict()) is None

@@ -34,6 +34,10 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--query-groups", type=int)
     p.add_argument("--ffn", type=int, help="MLP width (default: 3.5 × hidden, rounded to 256)")
     p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--experts", type=int, help="a mixture of experts: routed experts per layer")
+    p.add_argument("--top-k", type=int, default=2, help="with --experts: experts each token is routed to")
+    p.add_argument("--expert-ffn", type=int, help="with --experts: one expert's MLP width (default: --ffn)")
+    p.add_argument("--shared-ffn", type=int, default=0, help="with --experts: a shared expert's MLP width")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--gpu-memory-gb", type=float, help="per GPU (default: probed; 80 without a GPU)")
@@ -63,7 +67,9 @@ def shape_from_args(a) -> mp.Shape:
         if a.hidden % a.heads or a.heads % groups:
             raise PlanInputError(f"--hidden {a.hidden}, --heads {a.heads}, --query-groups {groups}: hidden must be "
                                  "divisible by heads and heads by query groups")
-        return mp.Shape(a.layers, a.hidden, a.heads, groups, ffn, a.vocab)
+        return mp.Shape(a.layers, a.hidden, a.heads, groups, ffn, a.vocab, **experts_from_args(a, ffn))
+    if a.experts is not None:
+        raise PlanInputError("--experts needs the shape: --layers, --hidden and --heads")
     if any(v is not None for v in explicit):
         raise PlanInputError("give --layers, --hidden and --heads together (or --params alone)")
     if a.params is None:
@@ -71,6 +77,16 @@ def shape_from_args(a) -> mp.Shape:
     if a.params <= 0:
         raise PlanInputError(f"--params {a.params}: must be positive")
     return mp.shape_for_params(a.params)
+
+
+def experts_from_args(a, ffn: int) -> dict:
+    """Shape's mixture-of-experts fields from --experts/--top-k/--expert-ffn/--shared-ffn (none: dense)."""
+    if a.experts is None:
+        return {}
+    if a.experts < 2 or not 1 <= a.top_k <= a.experts:
+        raise PlanInputError(f"--experts {a.experts}, --top-k {a.top_k}: need at least 2 experts and 1 ≤ top-k ≤ "
+                             "experts")
+    return {"experts": a.experts, "top_k": a.top_k, "expert_ffn": a.expert_ffn or ffn, "shared_ffn": a.shared_ffn}
 
 
 def hardware_from_args(a, nodes: int | None = None, per_node: int | None = None, device: str | None = None):
@@ -144,6 +160,7 @@ def plan_json(configured, search) -> dict:
         if p is None:
             return None
         return {"stage": p.stage, "strategy": p.strategy, "parameters": p.shape.params(),
+                "active_parameters": p.shape.params(active=True),
                 "layout": p.layout.__dict__ if p.layout else None,
                 "memory_gib": p.memory.as_gib() if p.memory else None,
                 "capacity_gib": p.hardware.per_rank_bytes() / mp.GiB, "reason": p.reason, "rejected": p.rejected}

@@ -26,7 +26,7 @@ def worker_spec(src: Path, dst: Path, cfg: ConvertConfig, stage: str, from_forma
 
 def gate(out: Path, src: Path, to_format: str) -> dict:
     """L0 + finite weights, then for HF: preflight + L1 + L2 (against the engine's probe logits when the source has
-    them) + L3."""
+    them) + L3, and, from a checkpoint in the engine's own names (ZeRO), every parameter against the source's."""
     seconds: dict[str, float] = {}
     checks = verify.timed(seconds, "L0", lambda: verify.integrity(out))
     if not checks[-1]["passed"]:
@@ -38,7 +38,8 @@ def gate(out: Path, src: Path, to_format: str) -> dict:
     rep = verify.verify(out, against=ref if ref.exists() else None)  # its L0 reuses the digests just computed
     for level, s in rep["seconds"].items():
         seconds[level] = round(seconds.get(level, 0) + s, 3)
-    return verify.report(rep["checks"] + finite, seconds)
+    source = verify.timed(seconds, "L1", lambda: verify.source_parity(out, src))
+    return verify.report(rep["checks"] + finite + source, seconds)
 
 
 @task(name="convert", cache_policy=NO_CACHE)

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoTokenizer
 
-from conversions import chat, durable, hf, probe, sealed
+from conversions import chat, durable, hf, hf_layout, probe, sealed
 from conversions.manifest import Format
 from tasks import collectives, events
 
@@ -133,10 +133,11 @@ def train_steps(engine, tok, train: list, spec: dict, ds_config: dict, start: in
     """Steps start..steps: each rank's micro batches at their global sample positions; metrics; checkpoints."""
     steps, mb, ga = spec["steps"], ds_config["train_micro_batch_size_per_gpu"], ds_config["gradient_accumulation_steps"]
     ckpt_dir, dev, order_cache = Path(spec["output"]), engine.device, {}
+    moe = {"output_router_logits": True} if router_aux_loss(engine.module.config) else {}
     engine.train()
     for step in range(start, steps):
         t0 = time.time()
-        loss_sum, tokens = 0.0, 0
+        loss_sum, aux_sum, tokens = 0.0, 0.0, 0
         for micro in range(ga):
             position = ((step * ga + micro) * world + rank) * mb
             picked = [train[i] for i in sample_ids(len(train), spec["seed"], position, mb, order_cache)]
@@ -145,27 +146,38 @@ def train_steps(engine, tok, train: list, spec: dict, ds_config: dict, start: in
             else:
                 batch, real = collate(picked, tok.pad_token_id)
             tokens += real
-            loss = engine(**{k: v.to(dev) if torch.is_tensor(v) else v for k, v in batch.items()}).loss
-            engine.backward(loss)
+            out = engine(**{k: v.to(dev) if torch.is_tensor(v) else v for k, v in batch.items()}, **moe)
+            engine.backward(out.loss)
             engine.step()
-            stop_if_not_finite(loss.item(), rank, step + 1, micro)
-            loss_sum += loss.item()
+            stop_if_not_finite(out.loss.item(), rank, step + 1, micro)
+            loss_sum += out.loss.item()
+            aux_sum += out.aux_loss.item() if moe else 0.0
         done = step + 1
         if done % spec["log_every"] == 0 or done == steps:
-            report_step(engine, done, steps, loss_sum / ga, tokens, time.time() - t0, spec["device"], rank, world)
+            report_step(engine, done, steps, loss_sum / ga, aux_sum / ga if moe else None, tokens,
+                        time.time() - t0, spec["device"], rank, world)
         if not spec.get("probe") and (done % spec["checkpoint_every"] == 0 or done == steps):
             save(engine, ckpt_dir, done, spec["keep_checkpoints"], rank, facts)
 
 
-def report_step(engine, done: int, steps: int, loss: float, tokens: int, step_time: float, device: str, rank: int,
-                world: int) -> None:
+def router_aux_loss(config) -> bool:
+    """A mixture of experts whose config defines a load-balancing loss: its forward adds it to the loss (times
+    router_aux_loss_coef) when asked for the router logits, which transformers' configs leave off by default."""
+    return hasattr(config, "output_router_logits") and (getattr(config, "router_aux_loss_coef", 0) or 0) > 0
+
+
+def report_step(engine, done: int, steps: int, loss: float, aux: float | None, tokens: int, step_time: float,
+                device: str, rank: int, world: int) -> None:
+    """`loss` includes the router's auxiliary loss times its coefficient; `aux` is that loss alone (None: no
+    router)."""
     own_memory = [peak_memory_mib(device) if r == rank else 0.0 for r in range(world)]
-    loss_sum, token_sum, *memory = collectives.sum_over_ranks([loss, tokens, *own_memory])
+    loss_sum, token_sum, aux_sum, *memory = collectives.sum_over_ranks([loss, tokens, aux or 0.0, *own_memory])
     if rank == 0:
         mem = {f"perf/rank{r}_peak_mem_mib": memory[r] for r in range(world)}
+        router = {events.TRAIN_ROUTER_AUX_LOSS: aux_sum / world} if aux is not None else {}
         events.metric(done, {events.TRAIN_LOSS: loss_sum / world, events.TRAIN_LR: engine.get_lr()[0],
                              events.TOKENS_PER_S: token_sum / step_time, events.STEP_TIME_S: step_time,
-                             events.PEAK_MEM_MIB: max(mem.values()), **mem})
+                             events.PEAK_MEM_MIB: max(mem.values()), **router, **mem})
         events.progress(done, steps)
 
 
@@ -272,12 +284,10 @@ def collate_packed(windows: list[list[tuple[list[int], list[int]]]], pad_id: int
 def model_class(config):
     """The HF class named by config.json, imported here: importing it inside zero.Init (which patches
     torch.Tensor.__new__) breaks torch._dynamo's import with a signature mismatch."""
-    import transformers
-
-    for name in config.architectures or []:
-        if hasattr(transformers, name):
-            return getattr(transformers, name)
-    raise SystemExit(f"config.json architectures {config.architectures} names no transformers class")
+    cls = hf_layout.model_class(config)
+    if cls is None:
+        raise SystemExit(f"config.json architectures {config.architectures} names no transformers class")
+    return cls
 
 
 def build_model(input_dir: Path, ds_config: dict, zero3: bool):
@@ -297,15 +307,34 @@ def build_model(input_dir: Path, ds_config: dict, zero3: bool):
 
 
 def load_hf_weights(model, input_dir: Path, zero3: bool) -> None:
-    """Copy the input checkpoint into the model tensor by tensor (memory mapped; ZeRO-3: gathered one at a time)."""
+    """Copy the input checkpoint into the model group by group (memory mapped; ZeRO-3: gathered one group at a time).
+    A group is one tensor, or those transformers merges into one parameter (a layer's experts; hf_layout)."""
     params = dict(model.named_parameters())
-    loaded = set()
-    for name, tensor in hf.iter_tensors(input_dir):
-        if name not in params:
-            if getattr(model.config, "tie_word_embeddings", False) and name.endswith("lm_head.weight"):
-                continue
-            raise KeyError(f"{input_dir}: tensor {name} has no parameter in {type(model).__name__}")
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    with hf.TensorReader(input_dir) as read:
+        groups, unmatched = hf_layout.load_groups(model, read.names, params)
+        unmatched = [n for n in unmatched if not (tied and n.endswith("lm_head.weight"))]
+        if unmatched:
+            raise KeyError(f"{input_dir}: tensor {unmatched[0]} has no parameter in {type(model).__name__}"
+                           + (f" (and {len(unmatched) - 1} more)" if len(unmatched) > 1 else ""))
+        loaded = set()
+        for group in groups:
+            tensors = hf_layout.produce(group, read, model)
+            copy_into(params, tensors, zero3, input_dir)
+            loaded.update(tensors)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise KeyError(f"{input_dir}: no weights for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+
+def copy_into(params: dict, tensors: dict, zero3: bool, input_dir: Path) -> None:
+    """Each tensor into its parameter, shapes checked first (copy_ would broadcast a wrong one silently)."""
+    for name, tensor in tensors.items():
         p = params[name]
+        shape = tuple(p.ds_shape) if zero3 and hasattr(p, "ds_shape") else tuple(p.shape)
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"{input_dir}: {name} has shape {tuple(tensor.shape)} in the checkpoint, "
+                             f"{shape} in the model")
         if zero3:
             with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
                 if dist.get_rank() == 0:
@@ -313,10 +342,6 @@ def load_hf_weights(model, input_dir: Path, zero3: bool) -> None:
         else:
             with torch.no_grad():
                 p.copy_(tensor)
-        loaded.add(name)
-    missing = sorted(set(params) - loaded)
-    if missing:
-        raise KeyError(f"{input_dir}: no weights for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
 
 
 def add_lora(model, lora: dict):
