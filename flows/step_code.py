@@ -20,7 +20,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from conversions.manifest import MANIFEST_NAME
+from conversions.manifest import MANIFEST_NAME, sha256_file
 from tasks.paths import CONTENTS_KEY, Contents
 
 PACKAGES = ("flows", "tasks", "conversions")  # the project's own code; everything else is an installed library
@@ -103,21 +103,13 @@ def closure(root: Path, modules: Iterable[str]) -> dict[str, str]:
 
 
 # ---- the user's files a step runs or reads: the config keys marked with tasks.paths.contents(...) -----------------
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _folder_digest(folder: Path, listing_only: bool) -> str:
     """Every file under folder, by relative path: its bytes, or (listing_only) its size and modification time."""
     h = hashlib.sha256()
     for f in sorted(p for p in folder.rglob("*") if p.is_file()):
         st = f.stat()
         h.update(f.relative_to(folder).as_posix().encode() + b"\0")
-        h.update(f"{st.st_size}:{st.st_mtime_ns}".encode() if listing_only else _sha256_file(f).encode())
+        h.update(f"{st.st_size}:{st.st_mtime_ns}".encode() if listing_only else sha256_file(f).encode())
     return h.hexdigest()
 
 
@@ -127,11 +119,11 @@ def contents_digest(kind: Contents, value) -> str:
     text = str(value)
     path = Path(text.rpartition(":")[0] if kind == Contents.FUNCTION else text).expanduser()
     if kind in (Contents.FILE, Contents.FUNCTION):
-        return _sha256_file(path) if path.is_file() else "missing"
+        return sha256_file(path) if path.is_file() else "missing"
     if not path.is_dir():
         return "missing"
     if kind == Contents.CHECKPOINT and (path / MANIFEST_NAME).is_file():
-        return _sha256_file(path / MANIFEST_NAME)
+        return sha256_file(path / MANIFEST_NAME)
     return _folder_digest(path, listing_only=kind == Contents.CHECKPOINT)
 
 

@@ -5,11 +5,11 @@ $BATON_HOME/file_digests.json, written atomically), so planning a run over large
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 from conversions import durable
+from conversions.manifest import sha256_file
 from tasks.data.config import DATASETS, DataConfig
 from tasks.data.sources import matched_files
 
@@ -18,14 +18,6 @@ def _cache_path() -> Path:
     from tasks.tracking import baton_home
 
     return baton_home() / "file_digests.json"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _load(path: Path) -> dict:
@@ -59,7 +51,7 @@ def file_digests(cfg: DataConfig) -> list[list[str]]:
             st = f.stat()
             hit = cache.get(path)
             if not hit or hit["size"] != st.st_size or hit["mtime_ns"] != st.st_mtime_ns:
-                hit = cache[path] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": _sha256(f)}
+                hit = cache[path] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256_file(f)}
                 changed = True
             out.append([path, hit["sha256"]])
     if changed:
