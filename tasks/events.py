@@ -24,11 +24,14 @@ import sys
 from enum import StrEnum
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict
+from typing import TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from conversions import durable
 
 PREFIX = "@@baton "
+SpecT = TypeVar("SpecT", bound=BaseModel)
 
 # ---- metric names (README "Metric names") ---------------------------------------------------------------------------
 # <group>/<quantity>[_<unit>]. MLflow's chart view groups metrics by the part before '/' (`system/` is MLflow's own);
@@ -106,29 +109,105 @@ def summary_name(fact: str) -> str:
     return checked(f"summary/{fact}")
 
 
-def write_spec(path: Path, spec: dict) -> Path:
-    """The spec a stage task hands its worker (atomic: a worker never reads half of one)."""
+def write_spec(path: Path, spec: dict | BaseModel) -> Path:
+    """The spec a stage task hands its worker (atomic: a worker never reads half of one). A typed spec is validated
+    here, when it is built, and again by the worker that reads it (read_typed_spec): one model, both sides."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    body = spec.model_dump_json(indent=2) if isinstance(spec, BaseModel) else json.dumps(spec, indent=2)
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w") as f:
-        f.write(json.dumps(spec, indent=2) + "\n")
+        f.write(body + "\n")
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
     return path
 
 
-def read_spec(argv: list[str] | None = None, required: tuple[str, ...] = ()) -> dict:
-    """A worker's spec from `--spec SPEC.json` (`--local_rank`, which the deepspeed launcher adds, is accepted)."""
+def _spec_path(argv: list[str] | None) -> Path:
     ap = argparse.ArgumentParser()
     ap.add_argument("--spec", type=Path, required=True)
-    ap.add_argument("--local_rank", type=int, default=None)
-    path = ap.parse_args(argv).spec
+    ap.add_argument("--local_rank", type=int, default=None)  # the deepspeed launcher adds it; the spec is what counts
+    return ap.parse_args(argv).spec
+
+
+def read_spec(argv: list[str] | None = None, required: tuple[str, ...] = ()) -> dict:
+    """A worker's spec from `--spec SPEC.json` (`--local_rank`, which the deepspeed launcher adds, is accepted)."""
+    path = _spec_path(argv)
     spec = json.loads(path.read_text())
     if missing := [k for k in required if k not in spec]:
         raise SystemExit(f"{path}: the worker spec lacks {missing} (written by another baton version?)")
     return spec
+
+
+def read_typed_spec(model: type[SpecT], argv: list[str] | None = None) -> SpecT:
+    """A launched program's typed spec from `--spec SPEC.json`; a spec its model refuses ends the program with one
+    line naming the file and the fields (a writer of another baton version, or a hand-edited file)."""
+    path = _spec_path(argv)
+    try:
+        return model.model_validate_json(path.read_bytes())
+    except ValidationError as e:
+        fields = ", ".join(".".join(map(str, err["loc"])) or "(the whole spec)" for err in e.errors())
+        raise SystemExit(f"{path}: not a valid {model.__name__} ({fields})") from None
+
+
+class ProgramSpec(BaseModel):
+    """What a program baton launches reads, whole, from its spec file. No field has a default: every value comes from
+    a config model (where the defaults live), so a program and the config can never disagree. Unknown fields are
+    refused on both sides, like WorkerResult."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class LmEvalServer(ProgramSpec):
+    base_url: str
+    model: str                                 # the served model name
+    key_file: Path                             # 0600; read into OPENAI_API_KEY, never on a command line
+    num_concurrent: int
+    out: Path                                  # lm-eval's own results JSON
+
+
+class LmEvalLocal(ProgramSpec):
+    checkpoints: dict[str, Path]               # label (before, after) → folder; another format is converted to HF
+    device: str
+    batch_size: int                            # documents per forward pass
+    scratch: Path | None                       # where those conversions go (None: a temporary folder)
+
+
+class LmEvalSpec(ProgramSpec):
+    """tasks/serve/lm_eval_worker.py: a live server, or local checkpoints (the training stages' gate)."""
+
+    tasks: list[str]
+    include_path: Path | None
+    limit: int | None
+    server: LmEvalServer | None
+    local: LmEvalLocal | None
+
+    @model_validator(mode="after")
+    def _one_mode(self):
+        if (self.server is None) == (self.local is None):
+            raise ValueError("give either server or local")
+        return self
+
+
+class SupervisorSpec(ProgramSpec):
+    """tasks/serve/supervisor.py: watch one detached engine server (serve.keep_alive, retrain's promoted server)."""
+
+    name: str
+    log: Path
+    state: Path
+    url: str
+    restarts: int
+    health_timeout_s: float
+    cmd: list[str]                             # the engine's command line (secrets come through BATON_REDACT)
+
+
+class SglProgramSpec(ProgramSpec):
+    """tasks/serve/sgl_program.py: SGLang's frontend language against the live server."""
+
+    url: str
+    key_file: Path
+    n: int                                     # parallel forks of the program
 
 
 def emit(kind: str, **fields) -> None:

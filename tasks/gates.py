@@ -18,7 +18,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from tasks import paths
+from tasks import events, paths
 from tasks.problems import ConfigProblem
 from tasks.stage import REPO_ROOT, StrictModel
 
@@ -44,6 +44,7 @@ class GateConfig(StrictModel):
     include_path: Path | None = Field(None, description="lm_eval: folder with the task's YAML (and its data)",
                                       json_schema_extra=paths.contents(paths.Contents.FOLDER))
     limit: int | None = Field(None, ge=1, description="lm_eval: evaluate at most this many documents")
+    batch_size: int = Field(8, ge=1, description="lm_eval: documents per forward pass when scoring the checkpoints")
 
 
 def data_source(data_dir, kind: str) -> str:
@@ -191,11 +192,12 @@ def lm_eval_name(task: str) -> str:
 def run_lm_eval(ctx, gate: GateConfig, output: Path, device: str, timeout: float | None) -> dict:
     """Score the input checkpoint (before) and `output` (after) with lm-eval; the stage summary's `eval` entry."""
     task, include, score = lm_eval_target(ctx, gate)
-    cmd = [ctx.python("main"), str(LM_EVAL_WORKER), "--checkpoint", f"before={Path(ctx.input).resolve()}",
-           "--checkpoint", f"after={Path(output).resolve()}", "--tasks", task, "--device", device,
-           "--scratch", str(Path(ctx.work_dir).resolve())]
-    cmd += ["--include-path", str(Path(include).resolve())] if include else []
-    cmd += ["--limit", str(gate.limit)] if gate.limit else []
+    spec = events.LmEvalSpec(
+        tasks=[task], include_path=Path(include).resolve() if include else None, limit=gate.limit, server=None,
+        local=events.LmEvalLocal(checkpoints={"before": Path(ctx.input).resolve(), "after": Path(output).resolve()},
+                                 device=device, batch_size=gate.batch_size, scratch=Path(ctx.work_dir).resolve()))
+    cmd = [ctx.python("main"), str(LM_EVAL_WORKER), "--spec",
+           str(events.write_spec(Path(ctx.work_dir) / "lm_eval_gate_spec.json", spec))]
     r = ctx.launch(cmd, name="lm-eval-gate", timeout=timeout).results()
     scores = r.get("checkpoints") or {}
     found = {when: (scores.get(when) or {}).get(task) or {} for when in ("before", "after")}

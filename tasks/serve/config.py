@@ -17,6 +17,8 @@ class SmokeConfig(StrictModel):
     parity_prompts: int = Field(4, ge=1, description="prompts whose greedy token ids must equal HF generate")
     parity_tokens: int = Field(16, ge=1, description="greedy tokens compared per parity prompt")
     max_tokens: int = Field(48, ge=8, description="cap for chat / JSON / regex answers")
+    sgl_programs: int = Field(4, ge=1, description="SGLang: frontend programs (a select and a regex-constrained gen) "
+                                                   "run as one batch")
 
 
 class LmEvalConfig(StrictModel):
@@ -33,6 +35,7 @@ class LmEvalConfig(StrictModel):
     min_score: float = Field(0.0, ge=0.0, le=1.0, description="promotion needs exact_match >= this")
     no_regression: bool = Field(False, description="promotion also needs a score >= the current champion's")
     timeout_s: float = Field(900, gt=0, description="wall-clock limit of lm-eval")
+    num_concurrent: int = Field(2, ge=1, description="requests lm-eval keeps in flight to the server")
 
 
 def _loopback(host: str) -> bool:

@@ -1,7 +1,6 @@
 """lm-evaluation-harness against a live OpenAI-compatible server, or on local checkpoints (the training stages' gate).
 
-    python lm_eval_worker.py --base-url http://127.0.0.1:PORT --model NAME --key-file KEY --tasks T [--include-path D]
-    python lm_eval_worker.py --checkpoint before=DIR --checkpoint after=DIR --tasks T [--include-path D] [--device cpu]
+    python lm_eval_worker.py --spec SPEC.json     (an events.LmEvalSpec: `server` or `local` set)
 
 Server mode (model `local-chat-completions`): the API key is read from the 0600 key file into OPENAI_API_KEY (lm-eval's
 source for it), never from the command line. Prints one `result` event: {"scores": {task: {metric: value}}, ...}.
@@ -12,12 +11,12 @@ folder by baton's converter. Prints one `result` event: {"checkpoints": {label: 
 """
 from __future__ import annotations
 
-import argparse
 import os
 import tempfile
 import time
 from pathlib import Path
 
+from conversions import durable
 from tasks import events
 
 GREEDY = {"do_sample": False, "temperature": 0.0}
@@ -42,21 +41,19 @@ def task_manager(names: list[str], include_path: Path | None):
     return TaskManager(include_path=str(include_path) if include_path else None)
 
 
-def evaluate_server(args) -> dict:
+def evaluate_server(spec: events.LmEvalSpec) -> dict:
     import lm_eval
 
-    os.environ["OPENAI_API_KEY"] = args.key_file.read_text().strip()
+    server = spec.server
+    os.environ["OPENAI_API_KEY"] = server.key_file.read_text().strip()
     res = lm_eval.simple_evaluate(
         model="local-chat-completions",
-        model_args={"model": args.model, "base_url": f"{args.base_url}/v1/chat/completions",
-                    "num_concurrent": args.num_concurrent, "max_retries": 2, "tokenized_requests": False},
-        tasks=args.tasks.split(","), task_manager=task_manager(args.tasks.split(","), args.include_path),
-        apply_chat_template=True, limit=args.limit, log_samples=False)
-    if args.out:
-        import json
-
-        args.out.write_text(json.dumps({"results": res["results"], "n-samples": res.get("n-samples"),
-                                        "versions": res.get("versions")}, indent=2, default=str))
+        model_args={"model": server.model, "base_url": f"{server.base_url}/v1/chat/completions",
+                    "num_concurrent": server.num_concurrent, "max_retries": 2, "tokenized_requests": False},
+        tasks=spec.tasks, task_manager=task_manager(spec.tasks, spec.include_path),
+        apply_chat_template=True, limit=spec.limit, log_samples=False)
+    durable.write_json(server.out, {"results": res["results"], "n-samples": res.get("n-samples"),
+                                    "versions": res.get("versions")}, default=str)
     return {"scores": numeric_scores(res["results"]), "samples": res.get("n-samples")}
 
 
@@ -73,18 +70,19 @@ def as_hf_folder(folder: Path, scratch: Path) -> Path:
     return dst
 
 
-def evaluate_checkpoints(args) -> dict:
+def evaluate_checkpoints(spec: events.LmEvalSpec) -> dict:
     import lm_eval
 
-    manager = task_manager(args.tasks.split(","), args.include_path)
+    local = spec.local
+    manager = task_manager(spec.tasks, spec.include_path)
     scores, samples = {}, {}
-    with tempfile.TemporaryDirectory(dir=args.scratch) as scratch:
-        for label, folder in (c.split("=", 1) for c in args.checkpoint):
-            model_dir = as_hf_folder(Path(folder), Path(scratch))
+    with tempfile.TemporaryDirectory(dir=local.scratch) as scratch:
+        for label, folder in local.checkpoints.items():
+            model_dir = as_hf_folder(folder, Path(scratch))
             res = lm_eval.simple_evaluate(
-                model="hf", model_args={"pretrained": str(model_dir), "dtype": "float32", "device": args.device,
-                                        "batch_size": args.batch_size, "trust_remote_code": False},
-                tasks=args.tasks.split(","), task_manager=manager, apply_chat_template=True, limit=args.limit,
+                model="hf", model_args={"pretrained": str(model_dir), "dtype": "float32", "device": local.device,
+                                        "batch_size": local.batch_size, "trust_remote_code": False},
+                tasks=spec.tasks, task_manager=manager, apply_chat_template=True, limit=spec.limit,
                 gen_kwargs=dict(GREEDY), log_samples=False, bootstrap_iters=0)
             scores[label] = numeric_scores(res["results"])
             samples[label] = res.get("n-samples")
@@ -92,27 +90,11 @@ def evaluate_checkpoints(args) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--base-url", help="server mode: the server's base URL")
-    ap.add_argument("--model", help="server mode: the served model name")
-    ap.add_argument("--key-file", type=Path, help="server mode: the 0600 API key file")
-    ap.add_argument("--checkpoint", action="append", default=[], help="checkpoint mode: LABEL=FOLDER (repeatable)")
-    ap.add_argument("--device", default="cpu", help="checkpoint mode: torch device")
-    ap.add_argument("--batch-size", type=int, default=8, help="checkpoint mode: documents per forward pass")
-    ap.add_argument("--scratch", type=Path, help="checkpoint mode: where conversions to HF go (default: temp dir)")
-    ap.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
-    ap.add_argument("--include-path", type=Path)
-    ap.add_argument("--limit", type=int)
-    ap.add_argument("--num-concurrent", type=int, default=2)
-    ap.add_argument("--out", type=Path, help="server mode: write lm-eval's results JSON here")
-    args = ap.parse_args()
-    if bool(args.checkpoint) == bool(args.base_url) or (args.base_url and not (args.model and args.key_file)):
-        ap.error("give either --base-url with --model and --key-file, or --checkpoint LABEL=FOLDER")
-
+    spec = events.read_typed_spec(events.LmEvalSpec)
     import lm_eval
 
     t0 = time.time()
-    facts = evaluate_checkpoints(args) if args.checkpoint else evaluate_server(args)
+    facts = evaluate_checkpoints(spec) if spec.local else evaluate_server(spec)
     events.emit("result", **facts, seconds=round(time.time() - t0, 2), lm_eval_version=lm_eval.__version__)
 
 

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from tasks import launch
+from tasks import events, launch
 from tasks.health import Unhealthy, wait_http_ok
 from tasks.serve.records import read_json, same_process
 from tasks.distributed.net import free_port  # noqa: F401 (the repo's one free-port helper)
@@ -108,11 +108,12 @@ def remove_leftover_shm(before: set[str] | None) -> list[str]:
 
 class Server:
     """One engine server. managed=True: tied to us (log relay, killed with us); False: detached (keep_alive,
-    retrain), run by a supervisor process (`supervisor.py`) that restarts it up to `restarts` times."""
+    retrain), run by a supervisor process (`supervisor.py`) that restarts it up to `restarts` times, each time
+    waiting health_timeout seconds (serve.health_timeout_s: a detached server needs it)."""
 
     def __init__(self, name: str, cmd: list[str], env: dict, base_url: str, log_path: Path,
                  redact: Callable[[str], str], on_line: Callable[[str], None] | None = None, managed: bool = True,
-                 restarts: int = 0, health_timeout: float = 600):
+                 restarts: int = 0, health_timeout: float | None = None):
         self.name, self.cmd, self.env, self.base_url = name, [str(c) for c in cmd], env, base_url
         self.log_path, self.redact, self.on_line, self.managed = log_path, redact, on_line, managed
         self.restarts, self.health_timeout = restarts, health_timeout
@@ -144,10 +145,13 @@ class Server:
         else:  # outlives this process: its supervisor writes the log (0600, secrets redacted) and restarts it
             full_env["BATON_REDACT"] = "\n".join(getattr(self.redact, "secrets", ()))
             self.state_path.unlink(missing_ok=True)
-            supervisor = [sys.executable, str(Path(__file__).with_name("supervisor.py")), "--name", self.name,
-                          "--log", str(self.log_path), "--state", str(self.state_path), "--url", self.base_url,
-                          "--restarts", str(self.restarts), "--health-timeout", str(self.health_timeout),
-                          "--", *self.cmd]
+            if self.health_timeout is None:
+                raise ValueError("a detached server needs its health timeout (serve.health_timeout_s)")
+            spec = events.write_spec(self.log_path.with_name(self.log_path.stem + ".supervisor-spec.json"),
+                                     events.SupervisorSpec(name=self.name, log=self.log_path, state=self.state_path,
+                                                           url=self.base_url, restarts=self.restarts,
+                                                           health_timeout_s=self.health_timeout, cmd=self.cmd))
+            supervisor = [sys.executable, str(Path(__file__).with_name("supervisor.py")), "--spec", str(spec)]
             sup_log = os.open(self.log_path.with_name(self.log_path.stem + ".supervisor.log"),
                               os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
             try:

@@ -1,16 +1,14 @@
 """SGLang frontend program against a live server (runs in the sglang runtime: it imports sglang).
 
-    python sgl_program.py --url http://127.0.0.1:PORT --key-file KEYFILE [--n 4]
+    python sgl_program.py --spec SPEC.json       (an events.SglProgramSpec: url, key_file, n)
 
 A `sgl.function` with a regex-constrained `sgl.gen` and a `sgl.select` over choices, run as a batch over
 `sgl.RuntimeEndpoint`. Prints one `result` event with a verify-style check.
 """
 from __future__ import annotations
 
-import argparse
 import re
 import sys
-from pathlib import Path
 
 from tasks import events
 
@@ -20,11 +18,7 @@ CODE_REGEX = r"[A-Z]{3}-[0-9]{2}"
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--url", required=True)
-    ap.add_argument("--key-file", type=Path, required=True)
-    ap.add_argument("--n", type=int, default=4)
-    args = ap.parse_args()
+    args = events.read_typed_spec(events.SglProgramSpec)
 
     import sglang as sgl
 

@@ -1,7 +1,7 @@
 """The supervisor of every server baton leaves running on its own (`serve.keep_alive`, retrain's promoted server), so
 they are watched the way `baton serve` watches its own: one code path (`hold`) for all of them.
 
-    python supervisor.py --name vllm --log LOG --state STATE --url URL --restarts N --health-timeout S -- ENGINE_CMD...
+    python supervisor.py --spec SPEC.json        (an events.SupervisorSpec, written by Server.start)
 
 The engine runs in its own process group, killed when the supervisor dies (PR_SET_PDEATHSIG). Its output goes into
 LOG (0600) with the secrets from BATON_REDACT (newline-separated, never on a command line, removed from the engine's
@@ -12,7 +12,6 @@ back by compare-and-set, as `baton serve` does. SIGTERM stops the engine (its /d
 """
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import logging
 import os
@@ -25,6 +24,7 @@ if not __package__:  # run as a script by Server.start: make the repository impo
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from conversions import durable  # noqa: E402
+from tasks import events  # noqa: E402
 from tasks.launch import kill_group  # noqa: E402
 from tasks.serve.records import read_json, running, same_process, started_at  # noqa: E402,F401
 from tasks.serve.server import Server, ServerFailed, redactor  # noqa: E402
@@ -167,25 +167,18 @@ def _interrupt(signum, frame):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for flag in ("--name", "--log", "--state", "--url"):
-        p.add_argument(flag, required=True)
-    p.add_argument("--restarts", type=int, default=0)
-    p.add_argument("--health-timeout", type=float, default=600)
-    p.add_argument("cmd", nargs=argparse.REMAINDER)
-    args = p.parse_args(argv)
-    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    spec = events.read_typed_spec(events.SupervisorSpec, argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s supervisor %(levelname)s %(message)s")
     secrets = [s for s in os.environ.pop("BATON_REDACT", "").split("\n") if s]
-    os.close(os.open(args.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
+    os.close(os.open(spec.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _interrupt)
-    server = Server(args.name, cmd, {}, args.url, Path(args.log), redactor(*secrets), managed=True)
-    sup = Supervision(server, Path(args.state), args.restarts)
+    server = Server(spec.name, spec.cmd, {}, spec.url, spec.log, redactor(*secrets), managed=True)
+    sup = Supervision(server, spec.state, spec.restarts)
     try:
         server.start()
         sup.record("starting")
-        server.wait_healthy(args.health_timeout)
+        server.wait_healthy(spec.health_timeout_s)
     except ServerFailed as e:
         log.error("%s", str(e).splitlines()[0])
         server.stop()
@@ -196,9 +189,9 @@ def main(argv: list[str] | None = None) -> int:
         sup.record("stopped")
         return 0
     sup.record("serving")
-    code = hold(server, args.restarts, args.health_timeout, on_state=sup.record, wanted=records_kept(Path(args.state)))
+    code = hold(server, spec.restarts, spec.health_timeout_s, on_state=sup.record, wanted=records_kept(spec.state))
     if code is None:
-        if Path(args.state).parent.is_dir():
+        if spec.state.parent.is_dir():
             sup.record("stopped")
         return 0
     sup.give_up(code)

@@ -17,7 +17,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from conversions import manifest as mf, verify
-from tasks import tracking
+from tasks import events, tracking
 from tasks.gates import LM_EVAL_WORKER
 from tasks.serve import engines, smoke, supervisor
 from tasks.serve.config import ServeConfig
@@ -148,13 +148,13 @@ def _prefixed(engine: str, checks: list[dict]) -> list[dict]:
 
 def run_lm_eval(ctx: StageContext, cfg: ServeConfig, ep: smoke.Endpoint, key_file: Path, tasks_: list[str],
                 include: Path | None) -> dict:
-    cmd = [ctx.python("main"), str(LM_EVAL_WORKER), "--base-url", ep.base_url, "--model", ep.model,
-           "--key-file", str(key_file), "--tasks", ",".join(tasks_), "--out", str(ctx.work_dir / "lm_eval.json")]
-    if include:
-        cmd += ["--include-path", str(include)]
-    if cfg.lm_eval.limit:
-        cmd += ["--limit", str(cfg.lm_eval.limit)]
-    return ctx.launch(cmd, name="lm-eval", timeout=cfg.lm_eval.timeout_s).results()
+    spec = events.LmEvalSpec(
+        tasks=tasks_, include_path=include, limit=cfg.lm_eval.limit, local=None,
+        server=events.LmEvalServer(base_url=ep.base_url, model=ep.model, key_file=key_file,
+                                   num_concurrent=cfg.lm_eval.num_concurrent, out=ctx.work_dir / "lm_eval.json"))
+    spec_path = events.write_spec(ctx.work_dir / "lm_eval_spec.json", spec)
+    return ctx.launch([ctx.python("main"), str(LM_EVAL_WORKER), "--spec", str(spec_path)], name="lm-eval",
+                      timeout=cfg.lm_eval.timeout_s).results()
 
 
 def primary_score(scores: dict) -> float | None:
@@ -207,7 +207,7 @@ def serve_engine(ctx: StageContext, cfg: ServeConfig, engine: str, ident: dict, 
         checks += [chk, _guarded("smoke.regex", smoke.regex, ep, 3, s.max_tokens),
                    _guarded("smoke.greedy_parity", smoke.greedy_parity, ep, reference, ctx.input)]
         if engine == "sglang":
-            checks.append(_guarded("smoke.sgl_frontend", sgl_frontend, ctx, base_url, key_file))
+            checks.append(_guarded("smoke.sgl_frontend", sgl_frontend, ctx, cfg, base_url, key_file))
         out["checks"] += _prefixed(engine, checks)
         try:
             out["metrics"].update({k: round(v, 4) for k, v in smoke.performance(ep).items() if v is not None})
@@ -230,8 +230,10 @@ def contract_checks(ep: smoke.Endpoint, server: Server, tokenizer, serving: dict
                      server.log_path.read_text(errors="replace"), serving.get("generation_config"))]
 
 
-def sgl_frontend(ctx: StageContext, base_url: str, key_file: Path) -> dict:
-    res = ctx.launch([ctx.python("sglang"), str(SGL_PROGRAM), "--url", base_url, "--key-file", str(key_file)],
+def sgl_frontend(ctx: StageContext, cfg: ServeConfig, base_url: str, key_file: Path) -> dict:
+    spec = events.write_spec(ctx.work_dir / "sgl_program_spec.json",
+                             events.SglProgramSpec(url=base_url, key_file=key_file, n=cfg.smoke.sgl_programs))
+    res = ctx.launch([ctx.python("sglang"), str(SGL_PROGRAM), "--spec", str(spec)],
                      name="sgl-frontend", timeout=600, runtime="sglang")
     return res.results()["check"]
 
@@ -382,7 +384,7 @@ def serve(ctx: StageContext, cfg: ServeConfig, hold: bool = False) -> StageOutpu
                        extra=extra)
 
 
-def _hold(server: Server, served: str, key_file: Path, restarts: int = 0, health_timeout: float = 600) -> int | None:
+def _hold(server: Server, served: str, key_file: Path, restarts: int, health_timeout: float) -> int | None:
     """Serve in the foreground until Ctrl-C (None). An engine that dies is restarted (same command, port and key) up to
     `restarts` times; then its exit code is returned (never 0 for a crash). The same supervision runs detached
     servers (`supervisor.py`)."""
