@@ -202,6 +202,45 @@ class SupervisorSpec(ProgramSpec):
     cmd: list[str]                             # the engine's command line (secrets come through BATON_REDACT)
 
 
+class ConvertSpec(ProgramSpec):
+    """tasks/convert/worker.py: one checkpoint conversion (the pipeline's convert step and `baton convert`)."""
+
+    src: Path
+    dst: Path
+    to_format: str
+    from_format: str | None                    # None: the source's manifest says
+    max_shard_size_mb: int
+    stage: str                                 # recorded in the output's manifest
+    require_seal: bool                         # a training stage of this run sealed the source
+
+
+class FinetuneSpec(ProgramSpec):
+    """tasks/finetune/worker.py: paths as the worker sees them. probe: the batch finder's run (training steps only:
+    no evaluation, no checkpoint)."""
+
+    input: Path
+    data_dir: Path
+    output: Path
+    ds_config: Path
+    device: str
+    seed: int
+    steps: int
+    checkpoint_every: int
+    keep_checkpoints: int
+    max_seq_length: int
+    eval_max_new_tokens: int
+    zero_init: bool
+    activation_checkpointing: bool
+    log_every: int
+    lora: dict                                 # finetune.lora as its config dumps it (enabled, r, lora_alpha, ...)
+    gate_metric: str
+    overlong: str
+    packing: bool
+    eval_batch_size: int
+    chat_template: Path | None                 # model.chat_template, for an input without one
+    probe: bool
+
+
 class SglProgramSpec(ProgramSpec):
     """tasks/serve/sgl_program.py: SGLang's frontend language against the live server."""
 

@@ -144,11 +144,12 @@ def finetune_job(cfg: PipelineConfig, ctx: StageContext) -> StageJob:
     scfg = cfg.finetune.model_copy(update={"device": cluster_device(cfg.finetune)})
     spec = worker_spec(ctx, scfg, ctx.work_dir / "checkpoint", Path(SPEC_DIR / "ds_config.json"))
     # TORCH_EXTENSIONS_DIR names this machine's build cache; the image builds its ops in its own default place
-    env = {k: v for k, v in engine_env.worker_env(spec["device"]).items() if k != "TORCH_EXTENSIONS_DIR"}
-    return StageJob("finetune", "", scfg.nnodes, scfg.nproc_per_node, spec["device"], image_path(WORKER),
+    env = {k: v for k, v in engine_env.worker_env(spec.device).items() if k != "TORCH_EXTENSIONS_DIR"}
+    return StageJob("finetune", "", scfg.nnodes, scfg.nproc_per_node, spec.device, image_path(WORKER),
                     ["--spec", str(SPEC_DIR / "finetune_spec.json")],
-                    {"finetune_spec.json": _json(spec), "ds_config.json": _json(ds_config.build(scfg))},
-                    {**_base_env(spec["device"]), **env}, int(scfg.timeout_s))
+                    {"finetune_spec.json": _json(spec.model_dump(mode="json")),
+                     "ds_config.json": _json(ds_config.build(scfg))},
+                    {**_base_env(spec.device), **env}, int(scfg.timeout_s))
 
 
 def rlhf_job(cfg: PipelineConfig, ctx: StageContext) -> StageJob:

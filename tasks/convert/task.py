@@ -17,11 +17,11 @@ WORKER = Path(__file__).with_name("worker.py")
 
 
 def worker_spec(src: Path, dst: Path, cfg: ConvertConfig, stage: str, from_format: str | None = None,
-                require_seal: bool = False) -> dict:
-    """What the worker reads (events.read_spec), for the pipeline's step and `baton convert` alike: every value from
-    the convert config, none defaulted in the worker."""
-    return {"src": str(src), "dst": str(dst), "to_format": cfg.to_format, "from_format": from_format,
-            "max_shard_size_mb": cfg.max_shard_size_mb, "stage": stage, "require_seal": require_seal}
+                require_seal: bool = False) -> events.ConvertSpec:
+    """What the worker reads, for the pipeline's step and `baton convert` alike: every value from the convert
+    config."""
+    return events.ConvertSpec(src=src, dst=dst, to_format=cfg.to_format, from_format=from_format,
+                              max_shard_size_mb=cfg.max_shard_size_mb, stage=stage, require_seal=require_seal)
 
 
 def gate(out: Path, src: Path, to_format: str) -> dict:

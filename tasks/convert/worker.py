@@ -20,26 +20,23 @@ def refuse_unsealed(src: Path, fmt: str) -> None:
         raise SystemExit(f"{folder}: {why}; not converting it")
 
 
-SPEC_KEYS = ("src", "dst", "to_format", "from_format", "max_shard_size_mb", "stage", "require_seal")
-
-
 def main() -> None:
-    spec = events.read_spec(required=SPEC_KEYS)
-    src, dst, to_format = Path(spec["src"]), Path(spec["dst"]), spec["to_format"]
+    spec = events.read_typed_spec(events.ConvertSpec)
+    src, dst, to_format = spec.src, spec.dst, spec.to_format
     src_m = mf.read(src)
-    src_format = spec["from_format"] or (src_m or {}).get("format")
+    src_format = spec.from_format or (src_m or {}).get("format")
     if not src_format:
         raise SystemExit(f"{src}: no manifest, pass --from-format")
     fn = registry.converter(src_format, to_format)
-    if spec["require_seal"]:
+    if spec.require_seal:
         refuse_unsealed(src, src_format)
     t0 = time.time()
     dst.mkdir(parents=True, exist_ok=True)
-    info = fn(src, dst, max_shard_bytes=spec["max_shard_size_mb"] << 20) or {}
+    info = fn(src, dst, max_shard_bytes=spec.max_shard_size_mb << 20) or {}
     seconds = time.time() - t0
     if to_format in sealed.MARKERS:  # baton wrote it, so a training stage may load it as it is (pretrain: from HF)
         sealed.seal(dst, sealed.MARKERS[to_format], converted_from=str(src))
-    write_manifest(src, dst, src_m, src_format, to_format, spec["stage"], seconds, info)
+    write_manifest(src, dst, src_m, src_format, to_format, spec.stage, seconds, info)
     events.emit("result", **events.ConvertResult(seconds=seconds, from_format=src_format, to_format=to_format,
                                                  info=json.loads(json.dumps(info, default=str))).model_dump())
 

@@ -66,21 +66,19 @@ def command(ctx: StageContext, cfg: FinetuneConfig, spec_path: Path) -> tuple[li
 
 
 def worker_spec(ctx: StageContext, cfg: FinetuneConfig, out: Path, ds_config_path: Path,
-                template: Path | None = None, probe: bool = False) -> dict:
+                template: Path | None = None, probe: bool = False) -> events.FinetuneSpec:
     """What the worker reads from finetune_spec.json (paths as the worker will see them). `probe`: the batch
     finder's run (training steps only: no evaluation, no checkpoint)."""
-    return {
-        "input": str(Path(ctx.input).resolve()), "data_dir": str(Path(ctx.data_dir).resolve()), "output": str(out),
-        "ds_config": str(ds_config_path), "device": cfg.resolved_device(), "seed": ctx.seed, "steps": cfg.steps,
-        "checkpoint_every": cfg.checkpoint_every, "keep_checkpoints": cfg.keep_checkpoints,
-        "max_seq_length": cfg.max_seq_length or ctx.model.get("seq_length", 128),
-        "eval_max_new_tokens": cfg.eval_max_new_tokens, "zero_init": cfg.zero.init,
-        "activation_checkpointing": cfg.activation_checkpointing, "log_every": cfg.log_every,
-        "lora": cfg.lora.model_dump(), "gate_metric": gates.resolve_metric(cfg.gate, ctx.data_dir, "sft", "exact_match"),
-        "overlong": cfg.overlong, "packing": cfg.packing, "eval_batch_size": cfg.micro_batch_size,
-        "chat_template": str(template) if template else None,  # model.chat_template, for an input without one
-        "probe": probe,
-    }
+    return events.FinetuneSpec(
+        input=Path(ctx.input).resolve(), data_dir=Path(ctx.data_dir).resolve(), output=out,
+        ds_config=ds_config_path, device=cfg.resolved_device(), seed=ctx.seed, steps=cfg.steps,
+        checkpoint_every=cfg.checkpoint_every, keep_checkpoints=cfg.keep_checkpoints,
+        max_seq_length=cfg.max_seq_length or ctx.model.get("seq_length", 128),
+        eval_max_new_tokens=cfg.eval_max_new_tokens, zero_init=cfg.zero.init,
+        activation_checkpointing=cfg.activation_checkpointing, log_every=cfg.log_every,
+        lora=cfg.lora.model_dump(), gate_metric=gates.resolve_metric(cfg.gate, ctx.data_dir, "sft", "exact_match"),
+        overlong=cfg.overlong, packing=cfg.packing, eval_batch_size=cfg.micro_batch_size,
+        chat_template=template, probe=probe)
 
 
 def nvme_problems(cfg: FinetuneConfig) -> list[str]:
@@ -191,7 +189,7 @@ def run_finetune(ctx: StageContext, cfg: FinetuneConfig) -> StageOutput:
     swap_bytes = clear_nvme_swap(cfg)
     m = finalize(out, ctx, cfg, r)
     before, after = r.before, r.after
-    metric = json.loads((Path(ctx.work_dir) / "finetune_spec.json").read_text())["gate_metric"]
+    metric = events.FinetuneSpec.model_validate_json((Path(ctx.work_dir) / "finetune_spec.json").read_bytes()).gate_metric
     ev, eval_check = gate_eval(ctx, cfg, out, metric, before, after)
     metric_events = res.metrics()
     last = metric_events[-1] if metric_events else {}

@@ -38,74 +38,74 @@ IGNORE = chat.IGNORE
 
 # ---- main: the recipe; the phases follow in the order it runs them ---------------------------------------------------
 def main() -> None:
-    spec = events.read_spec()  # (and --local_rank, which the deepspeed launcher passes)
-    ds_config = json.loads(Path(spec["ds_config"]).read_text())
+    spec = events.read_typed_spec(events.FinetuneSpec)  # (and --local_rank, which the deepspeed launcher passes)
+    ds_config = json.loads(spec.ds_config.read_text())
     timings = {"imports_s": time.time() - T_START}
     rank, world = init_process(spec, timings)
     stage = ds_config["zero_optimization"]["stage"]
     facts = {"world_size": world, "zero_stage": stage}
     tok, train, heldout, held_ids, counts = load_data(spec)
     engine = build_engine(spec, ds_config, stage, timings)
-    if spec.get("probe"):  # the batch finder: only the training steps; every rank's peak is in the metric events
+    if spec.probe:  # the batch finder: only the training steps; every rank's peak is in the metric events
         train_steps(engine, tok, train, spec, ds_config, 0, rank, world, facts)
         dist.barrier()
         return
-    n_examples = sum(map(len, train)) if spec.get("packing") else len(train)
+    n_examples = sum(map(len, train)) if spec.packing else len(train)
     start, opening = start_step(engine, tok, heldout, held_ids, spec, facts, rank, timings, counts, n_examples)
     t_train = time.time()
     train_steps(engine, tok, train, spec, ds_config, start, rank, world, facts)
-    if start >= spec["steps"] and rank == 0:
+    if start >= spec.steps and rank == 0:
         print(f"rank 0: checkpoint at step {start} already complete; nothing to train", flush=True)
     timings["train_s"] = time.time() - t_train
     finish(engine, tok, heldout, held_ids, spec, stage, rank, timings, opening)
 
 
-def init_process(spec: dict, timings: dict) -> tuple[int, int]:
+def init_process(spec: events.FinetuneSpec, timings: dict) -> tuple[int, int]:
     t = time.time()
-    deepspeed.init_distributed(dist_backend="nccl" if spec["device"] == "cuda" else "gloo")
+    deepspeed.init_distributed(dist_backend="nccl" if spec.device == "cuda" else "gloo")
     timings["init_distributed_s"] = time.time() - t
-    if spec["device"] == "cuda":
+    if spec.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    torch.manual_seed(spec["seed"])
+    torch.manual_seed(spec.seed)
     return dist.get_rank(), dist.get_world_size()
 
 
-def load_data(spec: dict):
+def load_data(spec: events.FinetuneSpec):
     """The tokenizer, the encoded training examples (over-long ones dropped or truncated, counted), the held-out rows
     and their encodings."""
-    input_dir, data_dir = Path(spec["input"]), Path(spec["data_dir"])
+    input_dir, data_dir = spec.input, spec.data_dir
     tok = AutoTokenizer.from_pretrained(str(input_dir))
-    if not tok.chat_template and spec.get("chat_template"):  # model.chat_template, for an input without one
-        tok.chat_template = Path(spec["chat_template"]).read_text(encoding="utf-8")
+    if not tok.chat_template and spec.chat_template:  # model.chat_template, for an input without one
+        tok.chat_template = spec.chat_template.read_text(encoding="utf-8")
     train_rows = read_jsonl(data_dir / "sft" / "train.jsonl")
     heldout = read_jsonl(data_dir / "sft" / "heldout.jsonl")
-    train, length_counts = encode_rows(tok, train_rows, spec["max_seq_length"], spec["overlong"], "sft/train.jsonl")
-    held_ids, _ = encode_rows(tok, heldout, spec["max_seq_length"], "truncate", "sft/heldout.jsonl")
+    train, length_counts = encode_rows(tok, train_rows, spec.max_seq_length, spec.overlong, "sft/train.jsonl")
+    held_ids, _ = encode_rows(tok, heldout, spec.max_seq_length, "truncate", "sft/heldout.jsonl")
     if not train:
-        raise SystemExit(f"no training example fits in max_seq_length {spec['max_seq_length']} "
+        raise SystemExit(f"no training example fits in max_seq_length {spec.max_seq_length} "
                          f"({length_counts['overlong_dropped']} dropped as over-long)")
-    if spec.get("packing"):  # a training sample is then a window of examples
-        windows = pack(train, spec["max_seq_length"])
+    if spec.packing:  # a training sample is then a window of examples
+        windows = pack(train, spec.max_seq_length)
         length_counts.update(packed_windows=len(windows), packed_fill=round(
-            sum(len(x) for x, _ in train) / (len(windows) * spec["max_seq_length"]), 4))
+            sum(len(x) for x, _ in train) / (len(windows) * spec.max_seq_length), 4))
         train = windows
     return tok, train, heldout, held_ids, length_counts
 
 
-def build_engine(spec: dict, ds_config: dict, stage: int, timings: dict):
+def build_engine(spec: events.FinetuneSpec, ds_config: dict, stage: int, timings: dict):
     t = time.time()
-    model = build_model(Path(spec["input"]), ds_config, zero3=stage == 3 and spec.get("zero_init", True))
-    if spec.get("activation_checkpointing"):
+    model = build_model(spec.input, ds_config, zero3=stage == 3 and spec.zero_init)
+    if spec.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if spec["lora"]["enabled"]:
-        model = add_lora(model, spec["lora"])
+    if spec.lora["enabled"]:
+        model = add_lora(model, spec.lora)
     groups = param_groups(model, ds_config["optimizer"]["params"]["weight_decay"])
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config)
     timings["model_and_engine_s"] = time.time() - t
     return engine
 
 
-def start_step(engine, tok, heldout: list, held_ids: list, spec: dict, facts: dict, rank: int, timings: dict,
+def start_step(engine, tok, heldout: list, held_ids: list, spec: events.FinetuneSpec, facts: dict, rank: int, timings: dict,
                counts: dict, n_train: int) -> tuple[int, dict]:
     """Score the input, resume from the newest complete checkpoint, announce where training starts. Returns that
     step and the facts the result reports about the start."""
@@ -113,10 +113,10 @@ def start_step(engine, tok, heldout: list, held_ids: list, spec: dict, facts: di
     t = time.time()
     before, _ = evaluate(engine, tok, heldout, held_ids, spec, stage == 3)
     timings["eval_before_s"] = time.time() - t
-    ckpt_dir = Path(spec["output"])
+    ckpt_dir = spec.output
     start = resume(engine, ckpt_dir, rank, facts)
-    if start > spec["steps"]:
-        raise SystemExit(f"{ckpt_dir}: the checkpoint at step {start} is past steps={spec['steps']} "
+    if start > spec.steps:
+        raise SystemExit(f"{ckpt_dir}: the checkpoint at step {start} is past steps={spec.steps} "
                          "(start in a fresh work dir)")
     if rank == 0:
         print(f"rank 0: {n_train} training examples, {len(heldout)} held out; before {before}; {counts}; "
@@ -128,11 +128,11 @@ def start_step(engine, tok, heldout: list, held_ids: list, spec: dict, facts: di
     return start, opening
 
 
-def train_steps(engine, tok, train: list, spec: dict, ds_config: dict, start: int, rank: int, world: int,
+def train_steps(engine, tok, train: list, spec: events.FinetuneSpec, ds_config: dict, start: int, rank: int, world: int,
                 facts: dict) -> None:
     """Steps start..steps: each rank's micro batches at their global sample positions; metrics; checkpoints."""
-    steps, mb, ga = spec["steps"], ds_config["train_micro_batch_size_per_gpu"], ds_config["gradient_accumulation_steps"]
-    ckpt_dir, dev, order_cache = Path(spec["output"]), engine.device, {}
+    steps, mb, ga = spec.steps, ds_config["train_micro_batch_size_per_gpu"], ds_config["gradient_accumulation_steps"]
+    ckpt_dir, dev, order_cache = spec.output, engine.device, {}
     moe = {"output_router_logits": True} if router_aux_loss(engine.module.config) else {}
     engine.train()
     for step in range(start, steps):
@@ -140,9 +140,9 @@ def train_steps(engine, tok, train: list, spec: dict, ds_config: dict, start: in
         loss_sum, aux_sum, tokens = 0.0, 0.0, 0
         for micro in range(ga):
             position = ((step * ga + micro) * world + rank) * mb
-            picked = [train[i] for i in sample_ids(len(train), spec["seed"], position, mb, order_cache)]
-            if spec.get("packing"):
-                batch, real = collate_packed(picked, tok.pad_token_id, spec["max_seq_length"])
+            picked = [train[i] for i in sample_ids(len(train), spec.seed, position, mb, order_cache)]
+            if spec.packing:
+                batch, real = collate_packed(picked, tok.pad_token_id, spec.max_seq_length)
             else:
                 batch, real = collate(picked, tok.pad_token_id)
             tokens += real
@@ -153,11 +153,11 @@ def train_steps(engine, tok, train: list, spec: dict, ds_config: dict, start: in
             loss_sum += out.loss.item()
             aux_sum += out.aux_loss.item() if moe else 0.0
         done = step + 1
-        if done % spec["log_every"] == 0 or done == steps:
+        if done % spec.log_every == 0 or done == steps:
             report_step(engine, done, steps, loss_sum / ga, aux_sum / ga if moe else None, tokens,
-                        time.time() - t0, spec["device"], rank, world)
-        if not spec.get("probe") and (done % spec["checkpoint_every"] == 0 or done == steps):
-            save(engine, ckpt_dir, done, spec["keep_checkpoints"], rank, facts)
+                        time.time() - t0, spec.device, rank, world)
+        if not spec.probe and (done % spec.checkpoint_every == 0 or done == steps):
+            save(engine, ckpt_dir, done, spec.keep_checkpoints, rank, facts)
 
 
 def router_aux_loss(config) -> bool:
@@ -181,20 +181,20 @@ def report_step(engine, done: int, steps: int, loss: float, aux: float | None, t
         events.progress(done, steps)
 
 
-def finish(engine, tok, heldout: list, held_ids: list, spec: dict, stage: int, rank: int, timings: dict,
+def finish(engine, tok, heldout: list, held_ids: list, spec: events.FinetuneSpec, stage: int, rank: int, timings: dict,
            opening: dict) -> None:
     """Score again, write the in-memory model's probe logits (and the LoRA config the converter merges with), then
     the run's one result: `opening` (what start_step measured) and what this measures."""
-    ckpt_dir, dev, device = Path(spec["output"]), engine.device, spec["device"]
+    ckpt_dir, dev, device = spec.output, engine.device, spec.device
     after, samples = evaluate(engine, tok, heldout, held_ids, spec, stage == 3)
     ids, logits = probe_logits(engine.module, engine.module.config.vocab_size, dev)
     final_tag = complete_tags(ckpt_dir)[-1][1]
     if rank == 0:
         probe.save_reference(ckpt_dir, ids, logits, source=f"deepspeed ZeRO-{stage} engine, {final_tag}")
-        if spec["lora"]["enabled"]:  # how the converter merges the adapters (r, lora_alpha, ...)
+        if spec.lora["enabled"]:  # how the converter merges the adapters (r, lora_alpha, ...)
             engine.module.peft_config["default"].save_pretrained(str(ckpt_dir))
         events.result(events.FinetuneResult(
-            **opening, after=after, samples=samples, tag=final_tag, steps=spec["steps"], timings=timings,
+            **opening, after=after, samples=samples, tag=final_tag, steps=spec.steps, timings=timings,
             peak_mem_mib=peak_memory_mib(device), peak_reserved_mib=peak_reserved_mib(device)))
     dist.barrier()
 
@@ -407,14 +407,14 @@ def heldout_loss(model, examples: list, pad_id: int, batch: int, device) -> floa
     return total / max(count, 1)
 
 
-def evaluate(engine, tok, heldout: list[dict], held_ids: list, spec: dict, zero3: bool) -> tuple[dict, list]:
+def evaluate(engine, tok, heldout: list[dict], held_ids: list, spec: events.FinetuneSpec, zero3: bool) -> tuple[dict, list]:
     """The gate's metric (and held-out loss, always: it is cheap) of the model as it is now."""
     dev = engine.device
     facts = {"heldout_loss": heldout_loss(engine.module, held_ids, tok.pad_token_id,
-                                          spec["eval_batch_size"], dev)}
+                                          spec.eval_batch_size, dev)}
     samples: list = []
-    if spec["gate_metric"] == "exact_match":
-        facts["exact_match"], samples = heldout_exact_match(engine.module, tok, heldout, spec["eval_max_new_tokens"],
+    if spec.gate_metric == "exact_match":
+        facts["exact_match"], samples = heldout_exact_match(engine.module, tok, heldout, spec.eval_max_new_tokens,
                                                             zero3, dev)
     return facts, samples
 
