@@ -19,7 +19,7 @@ from tasks.data.config import DataConfig
 from tasks.finetune.config import FinetuneConfig
 from tasks.pretrain.config import PretrainConfig
 from tasks.problems import ConfigProblem
-from tasks.registry import DEFAULT_CHAIN, STAGES
+from tasks.registry import CONVERT_STAGE, DEFAULT_CHAIN, STAGES
 from tasks.rlhf.config import RlhfConfig
 from tasks.serve.config import ServeConfig
 from tasks.stage import StrictModel, error_key
@@ -180,7 +180,7 @@ class PipelineConfig(StrictModel):
     @model_validator(mode="after")
     def _stage_order(self):
         order = DEFAULT_CHAIN
-        named = [s for s in self.stages if s != "convert"]
+        named = [s for s in self.stages if s != CONVERT_STAGE]
         if len(set(named)) != len(named):
             raise ValueError(f"stages {self.stages}: a stage is listed twice")
         idx = [order.index(s) for s in named]

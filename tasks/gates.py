@@ -84,10 +84,11 @@ def check(metric: str, before, after, min_improvement: float, name: str | None =
 
 # ---- lm_eval: config checks (before launch; cheap: no lm-eval import) -----------------------------------------------
 def default_lm_eval_task(stage: str) -> str | None:
-    """finetune: baton's held-out SFT task; rlhf: none (preference pairs have no generation target)."""
-    from tasks.data.lm_eval_task import TASK_NAME
+    """What the stage declares (StageSpec.default_eval_task): finetune baton's held-out SFT task; rlhf none (preference
+    pairs have no generation target)."""
+    from tasks.registry import STAGES  # (the stages' config models import this module)
 
-    return TASK_NAME if stage == "finetune" else None
+    return STAGES[stage].default_eval_task()
 
 
 def is_baton_task(gate: GateConfig, stage: str) -> bool:

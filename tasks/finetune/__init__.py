@@ -1,6 +1,17 @@
 from conversions.manifest import Format
+from tasks.finetune.advice import advice, ports
 from tasks.finetune.config import FinetuneConfig, validate
+from tasks.gates import lm_eval_path_errors
 from tasks.stage import StageSpec
+
+
+
+def default_eval_task() -> str:
+    """The data stage's held-out SFT task, which fine-tuning should improve."""
+    from tasks.data.lm_eval_task import TASK_NAME
+
+    return TASK_NAME
+
 
 STAGE = StageSpec(
     name="finetune",
@@ -10,5 +21,10 @@ STAGE = StageSpec(
     consumes=lambda cfg: Format.HF_SAFETENSORS,
     produces=lambda cfg: Format.DEEPSPEED_ZERO,
     validate=validate,
+    validate_host=lambda cfg, pipeline: lm_eval_path_errors(cfg.gate, "finetune"),
+    chat=True,
+    default_eval_task=default_eval_task,
+    advice=advice,
+    ports=ports,
     description="DeepSpeed ZeRO supervised fine-tuning",
 )

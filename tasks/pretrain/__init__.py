@@ -12,5 +12,9 @@ STAGE = StageSpec(
     input_required=False,
     validate=validate,
     validate_host=host_errors,
+    smoke=lambda cfg: {"tensor_parallel": 1, "pipeline_parallel": 1, "sequence_parallel": False,
+                       "distributed_optimizer": False, "overlap_param_gather": False, "overlap_grad_reduce": False,
+                       "eval_interval": cfg.steps, "eval_iters": 1},
+    runtime_needs=(("psutil", "which Megatron-Core needs to save checkpoints (it raises, then the other ranks hang)"),),
     description="Megatron-Core GPT pretraining (TP/PP/DP), distributed checkpoints, resume",
 )

@@ -1,6 +1,8 @@
 from conversions.manifest import Format
+from tasks.rlhf.advice import advice
 from tasks.rlhf.checks import host_errors, validate
 from tasks.rlhf.config import RlhfConfig
+from tasks.gates import lm_eval_path_errors
 from tasks.stage import StageSpec
 
 STAGE = StageSpec(
@@ -11,6 +13,8 @@ STAGE = StageSpec(
     consumes=lambda cfg: Format.HF_SAFETENSORS,
     produces=lambda cfg: Format.HF_SAFETENSORS,
     validate=validate,
-    validate_host=host_errors,
+    validate_host=lambda cfg, pipeline: host_errors(cfg, pipeline) + lm_eval_path_errors(cfg.gate, "rlhf"),
+    chat=True,
+    advice=advice,
     description="preference optimisation: NeMo-RL on GPU clusters, TRL on CPU",
 )
