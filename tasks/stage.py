@@ -163,7 +163,12 @@ class StageSpec:
     default_eval_task: Callable[[], str | None] = lambda: None  # its lm-eval gate's task when none is configured
 
     def load_task(self):
-        mod, fn = self.task.split(":")
+        return self.load(self.task)
+
+    @staticmethod
+    def load(ref: str):
+        """A "module:function" reference's function (imported when the stage needs it, not when it registers)."""
+        mod, fn = ref.split(":")
         return getattr(importlib.import_module(mod), fn)
 
 

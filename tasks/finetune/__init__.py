@@ -23,6 +23,7 @@ STAGE = StageSpec(
     validate=validate,
     validate_host=lambda cfg, pipeline: lm_eval_path_errors(cfg.gate, "finetune"),
     chat=True,
+    batch_probe="tasks.finetune.batch_probe:probe",
     default_eval_task=default_eval_task,
     advice=advice,
     ports=ports,
