@@ -1,10 +1,19 @@
 from conversions.manifest import Format
 from tasks.pretrain.config import PretrainConfig, host_errors, validate
+from tasks.memory_plan import MemoryModel, Parallelism
 from tasks.stage import StageSpec
+
+
+def layout_keys(layout) -> dict:
+    """A planned layout as this stage's config keys."""
+    return {"tensor_parallel": layout.tp, "pipeline_parallel": layout.pp, "sequence_parallel": layout.sequence_parallel,
+            "distributed_optimizer": layout.distributed_optimizer, "recompute_granularity": layout.recompute}
+
 
 STAGE = StageSpec(
     name="pretrain",
     trains=True,
+    memory=MemoryModel("megatron", Parallelism.MEGATRON, config_keys=layout_keys),
     config_model=PretrainConfig,
     task="tasks.pretrain.task:run_pretrain",
     consumes=lambda cfg: Format.MEGATRON_DIST,

@@ -3,11 +3,14 @@ from tasks.rlhf.advice import advice
 from tasks.rlhf.checks import host_errors, validate
 from tasks.rlhf.config import RlhfConfig
 from tasks.gates import lm_eval_path_errors
+from tasks.memory_plan import MemoryModel, Parallelism
 from tasks.stage import StageSpec
 
 STAGE = StageSpec(
     name="rlhf",
     trains=True,
+    # TRL: no recompute key yet; DPO's frozen reference copy; the Trainer saves the model as trained (fp32)
+    memory=MemoryModel("trl", Parallelism.ZERO, reference_copy=True, checkpoint_in_precision=False),
     config_model=RlhfConfig,
     task="tasks.rlhf.task:run_rlhf",
     consumes=lambda cfg: Format.HF_SAFETENSORS,
