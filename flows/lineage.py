@@ -109,8 +109,8 @@ def _served_node(summary: dict | None, head: Path) -> Node | None:
             if served and Path(served).resolve() != head.resolve():
                 continue
             champion = e.get("champion") or {}
-            node = Node(label=e.get("label") or e["name"], engine=e.get("engine"), gate=_gate(e), run_id=summary.get("run_id"),
-                        mlflow_run_id=e.get("mlflow_run_id"), prefect_flow_run_id=e.get("prefect_flow_run_id"))
+            node = Node(label=e.get("label") or e["name"], engine=e.get("engine"), gate=_gate(e),
+                        run_id=summary.get("run_id"), mlflow_run_id=e.get("mlflow_run_id"), prefect_flow_run_id=e.get("prefect_flow_run_id"))
             if champion.get("version"):
                 node.registered = f"{champion.get('name')}/{champion['version']}"
                 node.notes.append("champion")

@@ -3,9 +3,9 @@
 Doubles the micro-batch from 1 until a probe fails (GPU: out of memory; CPU: peak RSS above the budget less the margin),
 then bisects between the last size that fit and the first that did not. Each probe is the stage's own engine run —
 the worker spec and launch command the stage task builds (its StageSpec.batch_probe: DeepSpeed for finetune,
-Megatron-Core under torchrun for pretrain), on the configured ranks, for a few training steps at the candidate micro-batch — and its measurement is
-every rank's peak as the worker itself reports it (ru_maxrss, or CUDA's max allocated), the numbers memory monitoring
-puts beside the plan.
+Megatron-Core under torchrun for pretrain), on the configured ranks, for a few training steps at the candidate
+micro-batch — and its measurement is every rank's peak as the worker itself reports it (ru_maxrss, or CUDA's max
+allocated), the numbers memory monitoring puts beside the plan.
 """
 from __future__ import annotations
 

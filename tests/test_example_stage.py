@@ -1,6 +1,6 @@
 """docs/architecture.md's "How to add a stage", proven: the example stage of tests/example_stage/ (a package outside
 baton, registered only by naming it in BATON_STAGES) runs inside `baton run` between two real stages (data, pretrain),
-shows in `baton config`, the summary and MLflow, and is reused or re-run by the cache rules (its own code is in its key).
+shows in `baton config`, the summary and MLflow, and is reused or re-run by the cache rules (its code is in its key).
 """
 from __future__ import annotations
 
@@ -34,14 +34,20 @@ def _run(home: Path, env: dict) -> dict:
     return {e["label"]: e for e in summary["stages"]}
 
 
+def _planned(home: Path, env: dict) -> dict[str, str]:
+    """`baton config`'s planned steps: label -> what would happen (`to run: new`, `cached`, ...)."""
+    shown = baton("config", str(TINY), *(a for s in SETTINGS for a in ("--set", s)), home=home, env=env)
+    assert shown.returncode == 0, shown.stderr
+    rows = [line[1:].split(maxsplit=4) for line in shown.stdout.splitlines() if line.startswith("#   ")]
+    return {"config": shown.stdout, **{r[0]: r[-1] for r in rows}}
+
+
 @pytest.mark.timeout(900)
 def test_a_plugin_stage_runs_between_two_real_stages_and_follows_the_cache_rules(baton_home, plugin):
     folder, env = plugin
-    shown = baton("config", str(TINY), *(a for s in SETTINGS for a in ("--set", s)), home=baton_home, env=env)
-    assert shown.returncode == 0, shown.stderr
-    assert "\nexample:\n  min_rows: 10\n" in shown.stdout
-    planned = [line.split()[1] for line in shown.stdout.splitlines() if line.startswith("#   ")]
-    assert planned[:3] == ["data", "example", "pretrain"], shown.stdout[-1500:]
+    planned = _planned(baton_home, env)
+    assert "\nexample:\n  min_rows: 10\n" in planned.pop("config")
+    assert list(planned)[:3] == ["data", "example", "pretrain"] and planned["example"].endswith("to run: new")
 
     first = _run(baton_home, env)
     assert list(first)[:3] == ["data", "example", "pretrain"]
@@ -58,17 +64,15 @@ def test_a_plugin_stage_runs_between_two_real_stages_and_follows_the_cache_rules
     assert logged.metrics["summary/pretrain_train_rows"] == rows, logged.metrics
     assert logged.params["stage.min_rows"] == "10", logged.params
 
-    again = _run(baton_home, env)
-    assert {k: again[k]["status"] for k in ("data", "example", "pretrain")} == dict.fromkeys(
-        ("data", "example", "pretrain"), "cached")
+    again = _planned(baton_home, env)
+    assert [again[k].split()[-1] for k in ("data", "example", "pretrain")] == ["cached"] * 3, again["config"][-800:]
 
     task = folder / "task.py"
     task.write_text(task.read_text() + "\n# an edit to the stage's own code\n")
     edited = _run(baton_home, env)
     assert edited["example"]["status"] == "completed"
     assert edited["example"]["reason"] == [{"why": "code changed", "detail": ["example_stage/task.py"]}]
-    assert edited["pretrain"]["status"] == "cached"  # the example writes no checkpoint: pretrain's input is the same
-
+    assert edited["data"]["status"] == edited["pretrain"]["status"] == "cached"  # the example writes no checkpoint
 
 @pytest.mark.fast
 @pytest.mark.parametrize("modules, says", [

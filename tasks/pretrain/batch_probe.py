@@ -1,4 +1,4 @@
-"""`baton batch` probes of pretraining: the stage's own worker spec and torchrun command, with the worker's probe flag."""
+"""`baton batch` probes of pretraining: the stage's own worker spec and torchrun command, with the probe flag."""
 from __future__ import annotations
 
 import json
