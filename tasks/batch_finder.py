@@ -17,10 +17,8 @@ from pathlib import Path
 from typing import Callable
 
 from tasks import launch
-from tasks.registry import STAGES
 from tasks.stage import StageContext
 
-PROBE_STAGES = tuple(name for name, spec in STAGES.items() if spec.batch_probe)  # pretrain, finetune
 OOM = re.compile(r"out of memory|OutOfMemoryError|MemoryError|Killed|exitcode\s*:\s*-9|signal 9|SIGKILL", re.I)
 
 
@@ -75,13 +73,12 @@ class EngineProber:
     stage: str
     ctx: StageContext
     cfg: object                         # the stage's config model (resolved)
+    probe: Callable                     # the stage's StageSpec.batch_probe: (ctx, cfg, micro, steps) -> command
     steps: int = 2
     timeout: float = 1800
     measured: dict = field(default_factory=dict)      # micro-batch -> probe result
 
     def __post_init__(self):
-        if self.stage not in PROBE_STAGES:
-            raise ValueError(f"batch probes run the {' or '.join(PROBE_STAGES)} engine, not {self.stage}")
         self.device = self.cfg.resolved_device()
 
     def run(self, micro: int) -> dict:
@@ -94,7 +91,7 @@ class EngineProber:
 
         work = Path(self.ctx.work_dir) / f"micro-{micro}"
         ctx = replace(self.ctx, work_dir=work, run_dir=work)
-        cmd, env, port = STAGES[self.stage].load(STAGES[self.stage].batch_probe)(ctx, self.cfg, micro, self.steps)
+        cmd, env, port = self.probe(ctx, self.cfg, micro, self.steps)
         log = Path(self.ctx.work_dir) / f"micro-{micro}.log"
         t0 = time.time()
         try:

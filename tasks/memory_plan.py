@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, replace
-from enum import StrEnum
-from typing import Callable
+
+from tasks.memory_model import MemoryModel, Parallelism
 
 GiB = 2**30
 # What the size guide says (field practice, issue 15): by parameter count, the strategy to start from.
@@ -140,23 +140,6 @@ class Hardware:
     def per_rank_bytes(self) -> float:
         per = self.memory_gb * GiB
         return per / self.gpus_per_node if self.device == "cpu" else per
-
-
-class Parallelism(StrEnum):
-    MEGATRON = "megatron"   # TP × PP × DP; fp32 main grads; the distributed optimizer shards the optimizer only
-    ZERO = "zero"           # every rank holds the whole model; DeepSpeed ZeRO's stages shard its states
-
-
-@dataclass(frozen=True)
-class MemoryModel:
-    """How a training stage's engine holds memory and disk: what its StageSpec declares (StageSpec.memory), so the
-    plan asks the stage instead of naming it."""
-    engine: str                                    # its CPU_FIT row
-    parallelism: Parallelism
-    recomputes: tuple[str, ...] = ("none",)        # the activation recompute settings its config offers
-    reference_copy: bool = False                   # a frozen reference model beside the trained one (DPO)
-    checkpoint_in_precision: bool = True           # False: checkpoints hold the model as trained, fp32 (the Trainer)
-    config_keys: Callable[["Layout"], dict] = lambda layout: {}  # its config keys that set a chosen layout
 
 
 def memory_model(stage: str) -> MemoryModel:

@@ -160,9 +160,8 @@ class StageSpec:
     advice: Callable[[Any], list] = lambda cfg: []  # its `baton doctor` findings (tasks.problems.Finding)
     smoke: Callable[[Any], dict] = lambda cfg: {}  # its keys at smoke size, beyond the training stages' shared ones
     batch_probe: str = ""                       # "module:function" (ctx, cfg, micro) -> (cmd, env, port): `baton batch`
-    default_eval_task: Callable[[], str | None] = lambda: None  # its lm-eval gate's task when none is configured
     after: str | None = None                    # a plug-in stage: the stage it follows in the chain order
-    memory: Any = None                          # a training stage's tasks.memory_plan.MemoryModel: plans, disk
+    memory: Any = None                          # a training stage's tasks.memory_model.MemoryModel: plans, disk
 
     def load_task(self):
         return self.load(self.task)

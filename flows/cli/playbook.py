@@ -242,7 +242,10 @@ def batch_prober(cfg, stage: str, data_dir: Path, input_path: Path | None, scrat
                        model=chat_template.resolved(cfg.model.model_dump()), seed=cfg.seed,
                        data_dir=Path(data_dir).resolve(), input=Path(input_path).resolve() if input_path else None,
                        input_format=fmt, runtimes=cfg.engine_runtimes())
-    return EngineProber(stage, ctx, cfg.stage_config(stage), steps=steps)
+    spec = STAGES[stage]
+    if not spec.batch_probe:
+        raise ValueError(f"stage {stage} declares no batch probe (StageSpec.batch_probe)")
+    return EngineProber(stage, ctx, cfg.stage_config(stage), spec.load(spec.batch_probe), steps=steps)
 
 
 def cmd_batch(a) -> int:

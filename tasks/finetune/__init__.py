@@ -2,7 +2,7 @@ from conversions.manifest import Format
 from tasks.finetune.advice import advice, ports
 from tasks.finetune.config import FinetuneConfig, validate
 from tasks.gates import lm_eval_path_errors
-from tasks.memory_plan import MemoryModel, Parallelism
+from tasks.memory_model import MemoryModel, Parallelism
 from tasks.stage import StageSpec
 
 
@@ -11,13 +11,6 @@ def layout_keys(layout) -> dict:
     return {"activation_checkpointing": layout.recompute == "full",
             "zero": {"stage": layout.zero_stage, "offload_optimizer": "cpu" if layout.offload_optimizer else "none",
                      "offload_params": "cpu" if layout.offload_params else "none"}}
-
-
-def default_eval_task() -> str:
-    """The data stage's held-out SFT task, which fine-tuning should improve."""
-    from tasks.data.lm_eval_task import TASK_NAME
-
-    return TASK_NAME
 
 
 STAGE = StageSpec(
@@ -32,7 +25,6 @@ STAGE = StageSpec(
     validate_host=lambda cfg, pipeline: lm_eval_path_errors(cfg.gate, "finetune"),
     chat=True,
     batch_probe="tasks.finetune.batch_probe:probe",
-    default_eval_task=default_eval_task,
     advice=advice,
     ports=ports,
     description="DeepSpeed ZeRO supervised fine-tuning",

@@ -1,6 +1,6 @@
 from conversions.manifest import Format
 from tasks.pretrain.config import PretrainConfig, host_errors, validate
-from tasks.memory_plan import MemoryModel, Parallelism
+from tasks.memory_model import MemoryModel, Parallelism
 from tasks.stage import StageSpec
 
 

@@ -3,7 +3,7 @@ from tasks.rlhf.advice import advice
 from tasks.rlhf.checks import host_errors, validate
 from tasks.rlhf.config import RlhfConfig
 from tasks.gates import lm_eval_path_errors
-from tasks.memory_plan import MemoryModel, Parallelism
+from tasks.memory_model import MemoryModel, Parallelism
 from tasks.stage import StageSpec
 
 STAGE = StageSpec(
