@@ -56,6 +56,8 @@ class LoraConfig(StrictModel):
 
 
 class FinetuneGateConfig(GateConfig):
+    """The stage's quality gate: the held-out metric its output must improve over the input checkpoint's."""
+
     default_task: ClassVar[str | None] = TASK_NAME  # the data stage's held-out SFT task, which fine-tuning should improve
 
 
