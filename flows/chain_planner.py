@@ -19,7 +19,7 @@ from conversions.manifest import Format
 from flows import step_code
 from flows.config import ConfigError, PipelineConfig
 from tasks import chat_template
-from tasks.registry import CONVERT_STAGE, DATA_STAGE, DEFAULT_CHAIN, STAGES
+from tasks.registry import CHAIN_ORDER, CONVERT_STAGE, DATA_STAGE, STAGES
 from tasks.stage import REPO_ROOT, Reason, StageRole, Status, Why
 
 @dataclass
@@ -201,7 +201,7 @@ def predecessor(cfg: PipelineConfig) -> Step | None:
     listed = [s for s in cfg.stages if _role(s) != StageRole.DATA]
     if not listed:
         return None
-    full = build_steps(cfg, DEFAULT_CHAIN, None)
+    full = build_steps(cfg, CHAIN_ORDER, None)
     fingerprint_steps(cfg, full, None)
     # an explicit convert starts from the raw output of the stage before the next one
     if _role(listed[0]) == StageRole.CONVERT:

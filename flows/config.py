@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BeforeValidator, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import BeforeValidator, Field, create_model, SecretStr, ValidationError, field_validator, model_validator
 
 from conversions.refusal import Refused
 from tasks import chat_template, paths, secrets
@@ -19,7 +19,7 @@ from tasks.data.config import DataConfig
 from tasks.finetune.config import FinetuneConfig
 from tasks.pretrain.config import PretrainConfig
 from tasks.problems import ConfigProblem
-from tasks.registry import DEFAULT_CHAIN, STAGES
+from tasks.registry import CHAIN_ORDER, CONVERT_STAGE, DEFAULT_CHAIN, PLUGINS, STAGES
 from tasks.rlhf.config import RlhfConfig
 from tasks.serve.config import ServeConfig
 from tasks.stage import StrictModel, error_key
@@ -151,7 +151,7 @@ class RuntimeConfig(StrictModel):
         return self
 
 
-StageName = Literal["data", "pretrain", "rlhf", "finetune", "serve", "convert"]
+StageName = Literal[tuple(STAGES)]  # the registered stages (plug-ins included)
 
 
 class PipelineConfig(StrictModel):
@@ -179,8 +179,8 @@ class PipelineConfig(StrictModel):
 
     @model_validator(mode="after")
     def _stage_order(self):
-        order = DEFAULT_CHAIN
-        named = [s for s in self.stages if s != "convert"]
+        order = CHAIN_ORDER
+        named = [s for s in self.stages if s != CONVERT_STAGE]
         if len(set(named)) != len(named):
             raise ValueError(f"stages {self.stages}: a stage is listed twice")
         idx = [order.index(s) for s in named]
@@ -204,6 +204,11 @@ class PipelineConfig(StrictModel):
             if host:
                 errors += STAGES[name].validate_host(self.stage_config(name), self)
         return errors
+
+
+if PLUGINS:  # a plug-in stage's section beside the built-in ones (`example: {...}` in a run config)
+    PipelineConfig = create_model("PipelineConfig", __base__=PipelineConfig, __module__=__name__,  # noqa: F811
+                                  **{s.name: (s.config_model, s.config_model()) for s in PLUGINS})
 
 
 # Keys that decide what program a run launches or what code it imports, beyond the engines baton picks: a runtime's

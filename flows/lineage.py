@@ -15,6 +15,7 @@ from conversions import manifest as mf
 from conversions.manifest import Format
 from conversions.refusal import Refused
 from flows import runs
+from tasks.registry import DATA_STAGE
 from tasks.stage import Status
 
 
@@ -92,23 +93,24 @@ def _data_node(summary: dict | None) -> Node | None:
     from flows.step_runner import data_digest
 
     for e in (summary or {}).get("stages", []):
-        if e.get("name") == "data" and e.get("output") and Path(e["output"]).exists():
-            return Node(label="data", format=Format.DATASET, digest=data_digest(e["output"]), path=e["output"],
+        if e.get("name") == DATA_STAGE and e.get("output") and Path(e["output"]).exists():
+            return Node(label=DATA_STAGE, format=Format.DATASET, digest=data_digest(e["output"]), path=e["output"],
                         engine=e.get("engine"), gate=_gate(e), run_id=summary.get("run_id"),
                         mlflow_run_id=e.get("mlflow_run_id"), prefect_flow_run_id=e.get("prefect_flow_run_id"))
     return None
 
 
 def _served_node(summary: dict | None, head: Path) -> Node | None:
-    """A serve step of the same run that served head (it promoted `champion` when every check passed)."""
+    """A serving step of the same run (its entry names the checkpoint it served) that served head (it promoted
+    `champion` when every check passed)."""
     for e in (summary or {}).get("stages", []):
-        if e.get("name") == "serve" and e.get("status") in (Status.COMPLETED, Status.CACHED):
+        if "served_checkpoint" in e and e.get("status") in (Status.COMPLETED, Status.CACHED):
             served = e.get("served_checkpoint")
             if served and Path(served).resolve() != head.resolve():
                 continue
             champion = e.get("champion") or {}
-            node = Node(label="serve", engine=e.get("engine"), gate=_gate(e), run_id=summary.get("run_id"),
-                        mlflow_run_id=e.get("mlflow_run_id"), prefect_flow_run_id=e.get("prefect_flow_run_id"))
+            node = Node(label=e.get("label") or e["name"], engine=e.get("engine"), gate=_gate(e),
+                        run_id=summary.get("run_id"), mlflow_run_id=e.get("mlflow_run_id"), prefect_flow_run_id=e.get("prefect_flow_run_id"))
             if champion.get("version"):
                 node.registered = f"{champion.get('name')}/{champion['version']}"
                 node.notes.append("champion")
@@ -162,7 +164,7 @@ def resolve(ref: str) -> tuple[Path, str]:
     run_summary = runs.runs_root() / ref / "summary.json"
     if "/" not in ref and run_summary.exists():
         summary = json.loads(run_summary.read_text())
-        outputs = [e for e in summary["stages"] if e.get("output") and e.get("name") != "data"
+        outputs = [e for e in summary["stages"] if e.get("output") and e.get("name") != DATA_STAGE
                    and e.get("status") in (Status.COMPLETED, Status.CACHED)]
         if not outputs:
             raise LineageError(f"run {ref} produced no checkpoint")
@@ -227,7 +229,7 @@ def markdown(nodes: list[Node]) -> str:
 
 def run_head(summary: dict) -> Path | None:
     """The last checkpoint a run produced (or reused)."""
-    outputs = [e for e in summary.get("stages", []) if e.get("output") and e.get("name") != "data"
+    outputs = [e for e in summary.get("stages", []) if e.get("output") and e.get("name") != DATA_STAGE
                and e.get("status") in (Status.COMPLETED, Status.CACHED)]
     return Path(outputs[-1]["output"]) if outputs else None
 
@@ -240,7 +242,7 @@ def version_description(entry: dict, nodes: list[Node]) -> str:
     gate = entry.get("gate") or {}
     lines = [f"**{entry.get('label')}** of baton run `{nodes[-1].run_id if nodes else ''}` · gate "
              f"**{'passed' if gate.get('passed') else 'FAILED'}**", ""]
-    data = next((n for n in nodes if n.label == "data"), None)
+    data = next((n for n in nodes if n.label == DATA_STAGE), None)
     if data is not None:
         lines += [f"Data digest: `{data.digest}`", ""]
     ev = entry.get("eval") or {}

@@ -16,6 +16,7 @@ from flows.config import ConfigError, PipelineConfig, launch_parameter_error
 from flows.step_runner import STAGE_FLOWS, RunInfo, StageFailed, describe_stop, stopped_from_outside
 from tasks import tracking
 from tasks.paths import check_run_id
+from tasks.registry import CONVERT_STAGE, DATA_STAGE, STAGES
 from tasks.secrets import redact
 from tasks.stage import Status
 
@@ -37,19 +38,16 @@ def resolve_input(cfg: PipelineConfig, from_ref: str | None) -> tuple[Path | Non
     rec = runs.Index().get(prev.fingerprint)
     if rec and rec.get("status") == Status.COMPLETED and rec.get("output") and Path(rec["output"]).exists():
         return Path(rec["output"]), prev.produces, prev.fingerprint
-    first = next(s for s in cfg.stages if s != "data")
+    first = next(s for s in cfg.stages if s != DATA_STAGE)
     raise ConfigError(f"stage '{first}' needs an input checkpoint: pass --from PATH or name@alias, or run the "
                       f"earlier stages first (no completed '{prev.label}' with this config in {tracking.baton_home()})")
-
-
-CHAT_STAGES = ("rlhf", "finetune")
 
 
 def check_chat_template(cfg: PipelineConfig, steps: list, input_path: Path | None, input_format: str | None) -> None:
     """A chat stage straight on an HF input without a chat template (and no `model.chat_template`) is refused now,
     with the fix."""
-    first = next((s for s in steps if s.name != "data"), None)
-    if first is None or first.name not in CHAT_STAGES or input_format != Format.HF_SAFETENSORS or input_path is None:
+    first = next((s for s in steps if s.name != DATA_STAGE), None)
+    if first is None or not STAGES[first.name].chat or input_format != Format.HF_SAFETENSORS or input_path is None:
         return
     if not mf.chat_template_present(input_path) and not cfg.model.chat_template:
         raise ConfigError(f"--from {input_path}: the model has no chat template, and stage '{first.name}' renders "
@@ -57,22 +55,6 @@ def check_chat_template(cfg: PipelineConfig, steps: list, input_path: Path | Non
                           "path to a .jinja file; e.g. --set model.chat_template=template.jinja), or put the template "
                           "into the checkpoint (chat_template.jinja beside tokenizer_config.json) and run `baton "
                           f"manifest {input_path}` again")
-
-
-def check_serve_engine(cfg: PipelineConfig, input_path: Path | None, input_format: str | None) -> None:
-    """A serve stage whose engine cannot run the input model's attention here is refused now, not after the stages
-    before it (rlhf and finetune keep the architecture)."""
-    if "serve" not in cfg.stages or input_format != Format.HF_SAFETENSORS or input_path is None:
-        return
-    from tasks.serve.engines import vllm_cpu_head_dim_problem
-
-    try:
-        config = json.loads((input_path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return  # the stages' own checks name the unreadable config
-    problem = vllm_cpu_head_dim_problem(cfg.serve, config) if isinstance(config, dict) else None
-    if problem:
-        raise ConfigError(f"--from {input_path}: serve.engine {cfg.serve.engine} on serve.device cpu: {problem}")
 
 
 def _hf_config(input_path: Path) -> dict | None:
@@ -89,54 +71,20 @@ def _architectures(config: dict) -> list:
 
 
 def check_architectures(cfg: PipelineConfig, steps: list, input_path: Path | None, input_format: str | None) -> None:
-    """The input model's architecture against each stage that has a limit, now instead of after the stages before it
-    (rlhf and finetune keep the architecture, so every later stage meets the input's): rlhf and finetune load it with
-    transformers, HF → Megatron maps only the Llama family and Qwen2, and the serve engines load what their registries
-    list."""
+    """The input model's architecture against each step, now instead of after the steps before it (rlhf and finetune
+    keep the architecture, so every later step meets the input's): chat stages load it with transformers, and each
+    stage checks what it has a limit on (StageSpec.check_input: e.g. what a conversion maps, what an engine serves)."""
     if input_format != Format.HF_SAFETENSORS or input_path is None or (config := _hf_config(input_path)) is None:
         return
     from conversions import verify
 
     archs = _architectures(config)
     for st in steps:
-        if st.name in CHAT_STAGES and not verify.transformers_classes(archs):
+        if STAGES[st.name].chat and not verify.transformers_classes(archs):
             raise ConfigError(f"--from {input_path}: stage '{st.label}': architecture {archs} has no model class in "
                               "transformers, which the stage trains with")
-        if st.name == "convert" and st.produces == Format.MEGATRON_DIST:
-            check_megatron_architecture(cfg, config, archs, input_path, st.label)
-        if st.name == "serve":
-            check_served_architecture(cfg, archs, input_path)
-
-
-def check_megatron_architecture(cfg: PipelineConfig, config: dict, archs: list, input_path: Path, label: str) -> None:
-    """HF → Megatron maps the Llama family and Qwen2, each as the family the config's model section must name (the
-    pretrain stage builds Megatron's GPT from it)."""
-    from conversions import megatron
-
-    where = f"--from {input_path}: stage '{label}': architecture {archs}"
-    if not megatron.mapped_architectures(config):
-        raise ConfigError(f"{where} does not convert to Megatron (baton maps "
-                          f"{', '.join(megatron.FROM_HF_ARCHITECTURES)} only)")
-    if problem := megatron.from_hf_problem(config):
-        raise ConfigError(f"--from {input_path}: stage '{label}': {problem}")
-    family = megatron.hf_family(config)
-    if family != cfg.model.arch:
-        raise ConfigError(f"{where} is the {family} family, the config's model.arch is {cfg.model.arch} (set "
-                          f"model.arch: {family})")
-
-
-def check_served_architecture(cfg: PipelineConfig, archs: list, input_path: Path) -> None:
-    from tasks.runtimes import RuntimeMissing
-    from tasks.serve.architectures import RegistryUnreadable, unservable
-
-    try:
-        problem = unservable(cfg.serve.engines(), archs, cfg.engine_runtimes())
-    except RuntimeMissing:
-        return  # the serve stage's runtime check says so (and `baton doctor` before it)
-    except RegistryUnreadable as e:
-        problem = str(e)
-    if problem:
-        raise ConfigError(f"--from {input_path}: stage 'serve' (serve.engine {cfg.serve.engine}): {problem}")
+        if problem := STAGES[st.name].check_input(cfg, st, config, input_path):
+            raise ConfigError(f"--from {input_path}: {problem}")
 
 
 def refuse_launch_parameters(cfg: PipelineConfig) -> None:
@@ -154,15 +102,12 @@ def prepare(cfg: PipelineConfig, from_ref: str | None):
     from conversions.registry import supported
 
     for st in steps:
-        if st.name == "convert" and not supported(st.consumes, st.produces):
+        if st.name == CONVERT_STAGE and not supported(st.consumes, st.produces):
             raise ConfigError(f"step {st.label}: no converter from {st.consumes} to {st.produces}")
     check_chat_template(cfg, steps, input_path, input_format)
-    check_serve_engine(cfg, input_path, input_format)
     check_architectures(cfg, steps, input_path, input_format)
-    first_real = next((s for s in steps if s.name != "data"), None)
+    first_real = next((s for s in steps if s.name != DATA_STAGE), None)
     if first_real is not None and input_path is None and first_real.consumes is not None:
-        from tasks.registry import STAGES
-
         if STAGES[first_real.name].input_required:
             raise ConfigError(f"stage '{first_real.label}' needs an input checkpoint ({first_real.consumes}): "
                               "pass --from PATH or name@alias")
@@ -218,7 +163,7 @@ def _run_steps(cfg: PipelineConfig, steps: list, run: RunInfo, summary: dict, in
         summary["stages"].append(entry)
         runs.write_summary(run.run_dir, summary)
         if entry["status"] in (Status.COMPLETED, Status.CACHED):
-            if step.name == "data":
+            if step.name == DATA_STAGE:
                 data_dir = entry.get("output")
             elif entry.get("output") and step.produces is not None:
                 current, current_fmt = entry["output"], step.produces

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from conversions import durable
 from conversions.home import home_path
-from tasks.registry import TRAINING_STAGES
+from tasks.registry import STAGES
 from tasks.stage import Status
 
 SMOKE_STEPS = 4
@@ -26,25 +26,18 @@ def fingerprint(cfg) -> str:
 
 
 def smoke_config(cfg):
-    """The same pipeline at smoke size: few steps, one rank, one node, no model parallelism, one serving engine."""
-    updates = {"smoke": True, "data": cfg.data.model_copy(update={
-        "pretrain_docs": min(cfg.data.pretrain_docs, 400), "preference_pairs": min(cfg.data.preference_pairs, 80),
-        "sft_examples": min(cfg.data.sft_examples, 120)})}
-    for name in TRAINING_STAGES:
+    """The same pipeline at smoke size: every training stage few steps on one rank of one node, and what each stage
+    declares its own smoke size (StageSpec.smoke: e.g. no model parallelism, less data, one serving engine)."""
+    updates = {"smoke": True}
+    for name, spec in STAGES.items():
         sc = cfg.stage_config(name)
-        steps = min(sc.steps, SMOKE_STEPS)
-        change = {"steps": steps, "nproc_per_node": 1, "nnodes": 1, "warmup_steps": 0, "checkpoint_every": steps,
-                  "global_batch_size": None, "gradient_accumulation_steps": None}
-        if name == "pretrain":
-            change.update(tensor_parallel=1, pipeline_parallel=1, sequence_parallel=False,
-                          distributed_optimizer=False, overlap_param_gather=False, overlap_grad_reduce=False,
-                          eval_interval=steps, eval_iters=1)
-        updates[name] = sc.model_copy(update=change)
-    s = cfg.serve
-    updates["serve"] = s.model_copy(update={
-        "engine": s.engines()[0], "tensor_parallel": 1, "promote": False, "keep_alive": False,
-        "smoke": s.smoke.model_copy(update={"json_requests": 2, "parity_prompts": 1, "parity_tokens": 4}),
-        "lm_eval": s.lm_eval.model_copy(update={"limit": 4})})
+        if spec.trains:
+            steps = min(sc.steps, SMOKE_STEPS)
+            sc = sc.model_copy(update={"steps": steps, "nproc_per_node": 1, "nnodes": 1, "warmup_steps": 0,
+                                       "checkpoint_every": steps, "global_batch_size": None,
+                                       "gradient_accumulation_steps": None})
+        if (change := spec.smoke(sc)) or spec.trains:
+            updates[name] = sc.model_copy(update=change)
     # exclude_unset: stages check some keys only when given (e.g. rlhf.num_generations outside grpo)
     raw = cfg.model_dump(exclude_unset=True)
     raw.update({k: v.model_dump(exclude_unset=True) if hasattr(v, "model_dump") else v for k, v in updates.items()})

@@ -14,6 +14,7 @@ from tasks.convert.config import ConvertConfig
 from tasks.data.config import DataConfig
 from tasks.finetune.config import FinetuneConfig
 from tasks.pretrain.config import PretrainConfig
+from tasks.registry import DATA_STAGE
 from tasks.rlhf.config import RlhfConfig
 from tasks.serve.config import ServeConfig
 
@@ -21,7 +22,7 @@ from tasks.serve.config import ServeConfig
 def run_stage(stage: str, stage_config, *, model: ModelConfig, data: DataConfig, tracking: TrackingConfig, seed: int,
               from_ref: str | None, use_cache: bool) -> dict:
     sections = {"model": model, "data": data, "tracking": tracking, "seed": seed}
-    if stage != "data":
+    if stage != DATA_STAGE:
         sections[stage] = stage_config
     cfg = PipelineConfig(name=f"{stage}-flow", stages=[stage], **sections)
     errors = cfg.validate_stages()

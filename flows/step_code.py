@@ -8,6 +8,7 @@ A file reaches another through
 - a string naming a project module (`"tasks.rlhf.task:run_rlhf"`, `python -m tasks.distributed.node`);
 - a string naming a `.py` file beside it or under the project root (a program it launches: `worker.py`,
   `tasks/serve/lm_eval_worker.py`, `sandbox_child.py`).
+A plug-in stage's own package (BATON_STAGES) counts as project code, from the folder it is imported from.
 Reaching too far costs a re-run; missing a file serves a stale step, so a reference that might run counts.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import ast
 import functools
 import hashlib
+import importlib.util
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -26,12 +28,39 @@ from tasks.paths import CONTENTS_KEY, Contents
 PACKAGES = ("flows", "tasks", "conversions")  # the project's own code; everything else is an installed library
 
 
-def module_file(root: Path, dotted: str) -> Path | None:
-    """The file of project module `dotted` under root (a module or a package's __init__.py), None if not a project
-    module."""
-    parts = dotted.split(".")
-    if parts[0] not in PACKAGES or not all(p.isidentifier() for p in parts):
+@functools.lru_cache(maxsize=None)
+def plugin_base(top: str) -> Path | None:
+    """The folder a plug-in stage's top-level package is imported from (None: not a plug-in's)."""
+    from tasks.registry import PLUGIN_PACKAGES
+
+    spec = importlib.util.find_spec(top) if top in PLUGIN_PACKAGES else None
+    if spec is None or spec.origin is None:
         return None
+    origin = Path(spec.origin).resolve()
+    return origin.parent.parent if spec.submodule_search_locations else origin.parent
+
+
+def _anchor(root: Path, path: Path) -> Path:
+    """What `path` is named relative to: the folder of the plug-in package it belongs to, or the project root."""
+    from tasks.registry import PLUGIN_PACKAGES
+
+    for top in PLUGIN_PACKAGES:
+        base = plugin_base(top)
+        if base is not None and (path.is_relative_to(base / top) or path == base / f"{top}.py"):
+            return base
+    return root
+
+
+def module_file(root: Path, dotted: str) -> Path | None:
+    """The file of project module `dotted` under root (a module or a package's __init__.py), or of a plug-in stage's
+    package; None if neither."""
+    parts = dotted.split(".")
+    if not all(p.isidentifier() for p in parts):
+        return None
+    if parts[0] not in PACKAGES:
+        root = plugin_base(parts[0])
+        if root is None:
+            return None
     base = root.joinpath(*parts)
     for candidate in (base.with_suffix(".py"), base / "__init__.py"):
         if candidate.is_file():
@@ -68,7 +97,7 @@ def _string_references(root: Path, here: Path, text: str) -> list[Path]:
 
 
 def _package_of(root: Path, path: Path) -> str:
-    parts = path.relative_to(root).with_suffix("").parts
+    parts = path.relative_to(_anchor(root, path)).with_suffix("").parts
     return ".".join(parts[:-1])
 
 
@@ -99,7 +128,7 @@ def closure(root: Path, modules: Iterable[str]) -> dict[str, str]:
             continue
         seen.add(path)
         pending += _references(root, path, path.stat().st_mtime_ns)
-    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(seen)}
+    return {p.relative_to(_anchor(root, p)).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(seen)}
 
 
 # ---- the user's files a step runs or reads: the config keys marked with tasks.paths.contents(...) -----------------

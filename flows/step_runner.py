@@ -23,7 +23,7 @@ from flows import report
 from tasks import chat_template, events, streaming, tracking
 from tasks.launch import LaunchError
 from tasks import memory_plan as mp
-from tasks.registry import STAGES, TRAINING_STAGES
+from tasks.registry import CONVERT_STAGE, STAGES, TRAINING_STAGES
 from tasks.events import EngineCause
 from tasks.stage import Failure, Reason, StageContext, StageOutput, Status, Why, reasons_text
 
@@ -220,7 +220,7 @@ def disk_needed(cfg: PipelineConfig, step: Step) -> int:
     weights once more."""
     if step.name in TRAINING_STAGES:
         return mp.stage_disk_bytes(cfg, step.name)
-    if step.name == "convert":
+    if step.name == CONVERT_STAGE:
         return mp.shape_of_model(cfg.model).params() * mp.HF_BYTES_PER_PARAM
     return 0
 
@@ -236,7 +236,7 @@ def check_free_space(cfg: PipelineConfig, step: Step, work: Path) -> None:
 def _new_entry(step: Step) -> dict:
     entry = {"name": step.name, "label": step.label, "status": Status.RUNNING, "fingerprint": step.fingerprint,
              "implicit": step.implicit, "prefect_flow_run_id": prefect_flow_run.get_id()}
-    if step.name == "convert":
+    if step.name == CONVERT_STAGE:
         entry.update(step.extra)
     return entry
 
@@ -272,7 +272,7 @@ def _start_stage_run(c, cfg: PipelineConfig, step: Step, run: RunInfo, entry: di
               **report.prefect_link_tags(entry["prefect_flow_run_id"])},
         parent_run_id=run.mlflow_parent)
     tracking.log_params(c, mlflow_run, {"stage": cfg.stage_config(step.name).model_dump(), "model": cfg.model.model_dump(),
-                                        **({"convert": step.extra} if step.name == "convert" else {})})
+                                        **({"convert": step.extra} if step.name == CONVERT_STAGE else {})})
     report.link_mlflow_run(mlflow_run, f"{step.label}: MLflow run")
     return mlflow_run
 

@@ -2,10 +2,10 @@
 
 Doubles the micro-batch from 1 until a probe fails (GPU: out of memory; CPU: peak RSS above the budget less the margin),
 then bisects between the last size that fit and the first that did not. Each probe is the stage's own engine run —
-the worker spec and launch command the stage task builds (DeepSpeed for finetune, Megatron-Core under torchrun for
-pretrain), on the configured ranks, for a few training steps at the candidate micro-batch — and its measurement is
-every rank's peak as the worker itself reports it (ru_maxrss, or CUDA's max allocated), the numbers memory monitoring
-puts beside the plan.
+the worker spec and launch command the stage task builds (its StageSpec.batch_probe: DeepSpeed for finetune,
+Megatron-Core under torchrun for pretrain), on the configured ranks, for a few training steps at the candidate
+micro-batch — and its measurement is every rank's peak as the worker itself reports it (ru_maxrss, or CUDA's max
+allocated), the numbers memory monitoring puts beside the plan.
 """
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from typing import Callable
 from tasks import launch
 from tasks.stage import StageContext
 
-PROBE_STAGES = ("pretrain", "finetune")
 OOM = re.compile(r"out of memory|OutOfMemoryError|MemoryError|Killed|exitcode\s*:\s*-9|signal 9|SIGKILL", re.I)
 
 
@@ -43,35 +42,12 @@ def largest_fitting(fits: Callable[[int], bool], limit: int = 4096) -> int:
     return good
 
 
-def probe_config(stage: str, cfg, micro: int, steps: int):
-    """The stage config of one probe: `micro` per rank, `steps` steps, the lr schedule without warm-up. Pretrain keeps
-    PP micro-batches per step (1F1B's first stage holds up to PP of them); finetune one (accumulation does not add to
-    the peak)."""
-    per_step = micro * cfg.data_parallel() * (cfg.pipeline_parallel if stage == "pretrain" else 1)
-    update = {"micro_batch_size": micro, "global_batch_size": per_step, "gradient_accumulation_steps": None,
-              "steps": steps, "warmup_steps": 0}
-    if stage == "finetune":
-        update["log_every"] = 1
+def probe_config(cfg, micro: int, steps: int, per_step: int = 1, **more):
+    """The stage config of one probe: `micro` per rank, `per_step` micro-batches of them per rank in a step, `steps`
+    steps, the lr schedule without warm-up, and what else the stage's probe sets (`more`)."""
+    update = {"micro_batch_size": micro, "global_batch_size": micro * cfg.data_parallel() * per_step,
+              "gradient_accumulation_steps": None, "steps": steps, "warmup_steps": 0, **more}
     return type(cfg).model_validate({**cfg.model_dump(), **update})
-
-
-def probe_command(stage: str, ctx: StageContext, cfg) -> tuple[list[str], dict, int]:
-    """(command, environment, DeepSpeed's rendezvous port or 0) of a probe run, built by the stage task itself with
-    the worker's probe flag."""
-    import json
-
-    ctx.work_dir.mkdir(parents=True, exist_ok=True)
-    if stage == "finetune":
-        from tasks.finetune.task import prepare
-
-        cmd, env, _, port = prepare(ctx, cfg, probe=True)
-        return cmd, ctx.worker_env(**env), port or 0
-    from tasks.pretrain.task import build_spec, command, engine_env
-
-    spec = {**build_spec(ctx, cfg), "probe": True}
-    path = ctx.work_dir / "worker_spec.json"
-    path.write_text(json.dumps(spec, indent=2))
-    return command(ctx, cfg, path), ctx.worker_env(**engine_env(spec["device"])), 0
 
 
 def peaks_of(res: launch.LaunchResult, device: str) -> dict:
@@ -97,13 +73,12 @@ class EngineProber:
     stage: str
     ctx: StageContext
     cfg: object                         # the stage's config model (resolved)
+    probe: Callable                     # the stage's StageSpec.batch_probe: (ctx, cfg, micro, steps) -> command
     steps: int = 2
     timeout: float = 1800
     measured: dict = field(default_factory=dict)      # micro-batch -> probe result
 
     def __post_init__(self):
-        if self.stage not in PROBE_STAGES:
-            raise ValueError(f"batch probes run the {' or '.join(PROBE_STAGES)} engine, not {self.stage}")
         self.device = self.cfg.resolved_device()
 
     def run(self, micro: int) -> dict:
@@ -116,7 +91,7 @@ class EngineProber:
 
         work = Path(self.ctx.work_dir) / f"micro-{micro}"
         ctx = replace(self.ctx, work_dir=work, run_dir=work)
-        cmd, env, port = probe_command(self.stage, ctx, probe_config(self.stage, self.cfg, micro, self.steps))
+        cmd, env, port = self.probe(ctx, self.cfg, micro, self.steps)
         log = Path(self.ctx.work_dir) / f"micro-{micro}.log"
         t0 = time.time()
         try:

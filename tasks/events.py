@@ -29,6 +29,7 @@ from typing import TypeVar
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from conversions import durable
+from conversions.refusal import Refused
 
 PREFIX = "@@baton "
 SpecT = TypeVar("SpecT", bound=BaseModel)
@@ -414,9 +415,14 @@ def disk_full_exits(partial: Path, rank: int):
 @contextlib.contextmanager
 def causes_announced():
     """Around a worker's main: Python's MemoryError and baton's DiskFullError (a durable write that ran out of space
-    outside a checkpoint save) are announced as their cause before they propagate as they would anyway."""
+    outside a checkpoint save) are announced as their cause before they propagate as they would anyway. A refusal
+    (conversions.refusal.Refused: a crafted or broken input, an expected failure) prints its one line and exits 1,
+    without a traceback of baton's own frames."""
     try:
         yield
+    except Refused as e:
+        os.write(2, (str(e).replace("\n", " ") + "\n").encode())
+        raise SystemExit(1) from None
     except MemoryError as e:
         failure(EngineCause.OUT_OF_MEMORY, f"rank {os.environ.get('RANK', 0)}: MemoryError {e}".rstrip())
         raise

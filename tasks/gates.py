@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
@@ -32,6 +32,8 @@ SCORE_KEY = re.compile(r"^[^,\s]+,[^,\s]+$")  # lm-eval's "<metric>,<filter>" re
 
 class GateConfig(StrictModel):
     """The stage's quality gate: the held-out metric its output must improve over the input checkpoint's."""
+
+    default_task: ClassVar[str | None] = None  # the lm-eval task scored when `task` is unset (a stage's gate sets it)
 
     metric: GateMetric = Field("auto", description="auto: heldout_loss for files/hub data, the stage's synthetic "
                                                    "metric (finetune exact_match, rlhf preference_accuracy) otherwise; "
@@ -84,16 +86,15 @@ def check(metric: str, before, after, min_improvement: float, name: str | None =
 
 
 # ---- lm_eval: config checks (before launch; cheap: no lm-eval import) -----------------------------------------------
-def default_lm_eval_task(stage: str) -> str | None:
-    """finetune: baton's held-out SFT task; rlhf: none (preference pairs have no generation target)."""
-    from tasks.data.lm_eval_task import TASK_NAME
-
-    return TASK_NAME if stage == "finetune" else None
+def default_lm_eval_task(gate: GateConfig) -> str | None:
+    """What the stage's gate model declares (`default_task`): finetune baton's held-out SFT task; rlhf none
+    (preference pairs have no generation target)."""
+    return type(gate).default_task
 
 
 def is_baton_task(gate: GateConfig, stage: str) -> bool:
     """The data stage's own held-out task (written by baton, scored by exact_match,strip)."""
-    default = default_lm_eval_task(stage)
+    default = default_lm_eval_task(gate)
     return default is not None and gate.include_path is None and gate.task in (None, default)
 
 
@@ -103,7 +104,7 @@ def lm_eval_errors(gate: GateConfig, stage: str) -> list[ConfigProblem]:
     if gate.metric != "lm_eval":
         return [ConfigProblem(f"{key}.{k}", f"{key}.{k}: only used by metric lm_eval (metric is {gate.metric})")
                 for k in LM_EVAL_KEYS if getattr(gate, k) is not None]
-    if gate.task is None and default_lm_eval_task(stage) is None:
+    if gate.task is None and default_lm_eval_task(gate) is None:
         return [ConfigProblem(f"{key}.task", f"{key}.task: metric lm_eval on {stage} needs an lm-eval task (and "
                               "gate.score): preference pairs have no generation target, so there is no default "
                               "task; e.g. gate: "
@@ -113,7 +114,7 @@ def lm_eval_errors(gate: GateConfig, stage: str) -> list[ConfigProblem]:
                               "result key (e.g. 'exact_match,strip'; 'acc,none' for a task without filters)")]
     if gate.score is None and not is_baton_task(gate, stage):
         return [ConfigProblem(f"{key}.score", f"{key}.score: required with task "
-                              f"{gate.task or default_lm_eval_task(stage)!r} from include_path or lm-eval: the "
+                              f"{gate.task or default_lm_eval_task(gate)!r} from include_path or lm-eval: the "
                               "'<metric>,<filter>' result key to compare (e.g. 'exact_match,strict-match' or "
                               "'acc,none')")]
     return []
@@ -131,7 +132,7 @@ def lm_eval_path_errors(gate: GateConfig, stage: str) -> list[ConfigProblem]:
     names, problems = defined_task_names(folder)
     if problems:
         return [ConfigProblem(key, f"{key}: {problems[0]}")]
-    task = gate.task or default_lm_eval_task(stage)
+    task = gate.task or default_lm_eval_task(gate)
     if task is not None and task not in names:  # (no task at all: lm_eval_errors says so)
         return [ConfigProblem(f"{stage}.gate.task", f"{stage}.gate.task: {task!r} is not defined in include_path "
                               f"{folder} (its YAML files define: {', '.join(sorted(names)[:10]) or 'no task'})")]

@@ -32,6 +32,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 
+from tasks.memory_model import MemoryModel, Parallelism
+
 GiB = 2**30
 # What the size guide says (field practice, issue 15): by parameter count, the strategy to start from.
 SIZE_GUIDE = [
@@ -140,9 +142,15 @@ class Hardware:
         return per / self.gpus_per_node if self.device == "cpu" else per
 
 
+def memory_model(stage: str) -> MemoryModel:
+    from tasks.registry import STAGES  # (the stages declare their models with this module's types)
+
+    return STAGES[stage].memory
+
+
 @dataclass(frozen=True)
 class Layout:
-    stage: str                          # pretrain (Megatron) | finetune | rlhf (DeepSpeed ZeRO)
+    stage: str                          # a training stage: its memory_model says how its engine holds memory
     tp: int = 1
     pp: int = 1
     dp: int = 1
@@ -156,7 +164,7 @@ class Layout:
     offload_params: bool = False
 
     def describe(self) -> str:
-        if self.stage == "pretrain":
+        if memory_model(self.stage).parallelism == Parallelism.MEGATRON:
             extra = [f"recompute {self.recompute}"]
             extra += ["distributed optimizer"] if self.distributed_optimizer else []
             extra += ["sequence parallel"] if self.sequence_parallel else []
@@ -193,7 +201,7 @@ def state_bytes_per_param(layout: Layout, precision: str) -> tuple[float, float,
     """(weights, gradients, optimizer) bytes per parameter on one rank, after the layout's sharding."""
     w = BYTES_OF_PRECISION[precision]
     o = 2 * FP32_BYTES + (FP32_BYTES if w < FP32_BYTES else 0)  # Adam's two moments, plus an fp32 master copy if 16-bit
-    if layout.stage == "pretrain":  # Megatron: fp32 main grads; the distributed optimizer shards the optimizer only
+    if memory_model(layout.stage).parallelism == Parallelism.MEGATRON:  # fp32 main grads; sharded optimizer only
         return w, FP32_BYTES, o / layout.dp if layout.distributed_optimizer else o
     g = w                                            # ZeRO paper: 2Ψ + 2Ψ + KΨ
     n = layout.dp
@@ -206,7 +214,7 @@ def state_bytes_per_param(layout: Layout, precision: str) -> tuple[float, float,
 def params_per_rank(shape: Shape, layout: Layout) -> float:
     """Parameters held by the busiest rank: Megatron splits layers over PP and matrices over TP (the first stage also
     holds the embedding, the last the output layer); DeepSpeed ranks hold the whole model (ZeRO shards it later)."""
-    if layout.stage != "pretrain":
+    if memory_model(layout.stage).parallelism != Parallelism.MEGATRON:
         return float(shape.params())
     per_layer = shape.layer_params() / layout.tp
     emb = shape.embedding_params() / layout.tp
@@ -256,7 +264,7 @@ def activation_bytes(shape: Shape, seq: int, layout: Layout, flash: bool, bytes_
 
 # ---- per-rank breakdown ----------------------------------------------------------------------------------------------
 def engine_of(layout: Layout) -> str:
-    return "megatron" if layout.stage == "pretrain" else ("trl" if layout.stage == "rlhf" else "deepspeed")
+    return memory_model(layout.stage).engine
 
 
 def breakdown(shape: Shape, layout: Layout, seq: int, precision: str, device: str,
@@ -268,7 +276,7 @@ def breakdown(shape: Shape, layout: Layout, seq: int, precision: str, device: st
     n = params_per_rank(shape, layout)
     w, g, o = state_bytes_per_param(layout, precision)
     weights = n * w
-    if layout.stage == "rlhf":  # DPO's frozen reference copy (16-bit on GPU), sharded like the weights under ZeRO-3
+    if memory_model(layout.stage).reference_copy:  # DPO's frozen reference copy (16-bit on GPU), sharded like the weights under ZeRO-3
         ref = n * (4 if on_cpu else 2) / (layout.dp if layout.zero_stage >= 3 else 1)
         weights += ref
     act_bytes = 4 if on_cpu else 2
@@ -279,7 +287,8 @@ def breakdown(shape: Shape, layout: Layout, seq: int, precision: str, device: st
     if on_cpu:
         buffers = fit["base_mb"] * 2**20 + fit["staging_bytes_per_param"] * n
     else:
-        buckets = 0 if layout.stage == "pretrain" else 2 * bucket_elements * 2
+        megatron = memory_model(layout.stage).parallelism == Parallelism.MEGATRON
+        buckets = 0 if megatron else 2 * bucket_elements * 2
         buffers = GPU_CONTEXT_BYTES + buckets
     if layout.zero_stage == 3:  # gathered working set: the all-gather's flat buffer and the unflattened parameters
         buffers += 2 * min(n, ZERO3_MAX_LIVE_PARAMETERS) * BYTES_OF_PRECISION[precision]  # (fp32 on CPU: above)
@@ -348,7 +357,8 @@ def candidate_layouts(shape: Shape, hw: Hardware, stage: str, micro: int, global
                       rejected: list[str]) -> list[Layout]:
     gpu = hw.device == "cuda"
     out = []
-    if stage == "pretrain":
+    model = memory_model(stage)
+    if model.parallelism == Parallelism.MEGATRON:
         for tp, pp in megatron_parallel_sizes(shape, hw, rejected):
             dp = hw.world() // (tp * pp)
             gb = _batches(micro, dp, pp, global_batch)
@@ -357,7 +367,7 @@ def candidate_layouts(shape: Shape, hw: Hardware, stage: str, micro: int, global
                                 f"micro-batch {micro} × DP {dp}")
                 continue
             for rc in RECOMPUTE:
-                out.append(Layout("pretrain", tp, pp, dp, micro, gb, distributed_optimizer=dp > 1,
+                out.append(Layout(stage, tp, pp, dp, micro, gb, distributed_optimizer=dp > 1,
                                   sequence_parallel=gpu and tp > 1, recompute=rc))
         return out
     dp = hw.world()
@@ -365,9 +375,8 @@ def candidate_layouts(shape: Shape, hw: Hardware, stage: str, micro: int, global
     if gb is None:
         rejected.append(f"DP{dp}: global batch {global_batch} is not divisible by micro-batch {micro} × DP {dp}")
         return []
-    recomputes = ("none", "full") if stage == "finetune" else ("none",)  # rlhf has no recompute key yet
     for offload in ((False, False), (True, False), (True, True)):
-        for rc in recomputes:
+        for rc in model.recomputes:
             for zs in (2, 3):
                 if offload[1] and zs != 3:
                     continue
@@ -424,7 +433,7 @@ def checkpoint_bytes_per_param(stage: str, precision: str) -> int:
     distributed optimizer and ZeRO's flat partition) and Adam's two fp32 moments. TRL (the Trainer): the model as
     trained, fp32 under autocast, and the two moments."""
     moments = 2 * FP32_BYTES
-    if stage == "rlhf":
+    if not memory_model(stage).checkpoint_in_precision:
         return FP32_BYTES + moments
     return BYTES_OF_PRECISION[precision] + FP32_BYTES + moments
 
@@ -463,8 +472,8 @@ def shape_of_model(model) -> Shape:
 def layout_of_stage(stage: str, cfg, device: str) -> Layout:
     """The layout a stage section configures."""
     dp, gb, mb = cfg.data_parallel(), cfg.global_batch(), cfg.micro_batch_size
-    if stage == "pretrain":
-        return Layout("pretrain", cfg.tensor_parallel, cfg.pipeline_parallel, dp, mb, gb,
+    if memory_model(stage).parallelism == Parallelism.MEGATRON:
+        return Layout(stage, cfg.tensor_parallel, cfg.pipeline_parallel, dp, mb, gb,
                       distributed_optimizer=cfg.distributed_optimizer, sequence_parallel=cfg.sequence_parallel,
                       recompute=cfg.recompute_granularity)
     zero = getattr(cfg, "zero", None)
@@ -490,14 +499,7 @@ def stage_block(p: Plan) -> dict:
     block = {"device": hw.device, "nproc_per_node": hw.gpus_per_node, "nnodes": hw.nodes,
              "micro_batch_size": lay.micro_batch, "global_batch_size": lay.global_batch, "max_seq_length": p.seq,
              "precision": p.precision if hw.device == "cuda" else "fp32"}
-    if lay.stage == "pretrain":
-        block.update({"tensor_parallel": lay.tp, "pipeline_parallel": lay.pp,
-                      "sequence_parallel": lay.sequence_parallel, "distributed_optimizer": lay.distributed_optimizer,
-                      "recompute_granularity": lay.recompute})
-    elif lay.stage == "finetune":
-        block["activation_checkpointing"] = lay.recompute == "full"
-        block["zero"] = {"stage": lay.zero_stage, "offload_optimizer": "cpu" if lay.offload_optimizer else "none",
-                         "offload_params": "cpu" if lay.offload_params else "none"}
+    block.update(memory_model(lay.stage).config_keys(lay))
     return {lay.stage: block}
 
 

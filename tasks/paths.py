@@ -126,13 +126,4 @@ def config_errors(cfg, host: bool = True) -> list[ConfigProblem]:
     errors += wandering_errors("finetune.zero.nvme_path", cfg.finetune.zero.nvme_path)
     if not host:
         return errors
-    if "data" in cfg.stages:
-        errors += data_source_errors(cfg.data)
-    if "serve" in cfg.stages:  # (serve.api_key_file and rlhf.reference_model: their stages' own checks)
-        errors += read_errors("serve.lm_eval.include_path", cfg.serve.lm_eval.include_path, "dir")
-    for stage in ("rlhf", "finetune"):
-        if stage in cfg.stages:
-            from tasks.gates import lm_eval_path_errors
-
-            errors += lm_eval_path_errors(cfg.stage_config(stage).gate, stage)
     return errors + runtime_errors(cfg.runtimes)

@@ -3,6 +3,8 @@ key (with any other keys the problem is about) as data, so a tool such as `baton
 sentence."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 
 class ConfigProblem(str):
     """The message itself (a str: callers print, join and compare messages as before), plus `key`, the setting to
@@ -20,3 +22,17 @@ class ConfigProblem(str):
 
     def __getnewargs__(self) -> tuple:  # pickling and copying rebuild it from all three
         return self.key, str(self), self.involves
+
+
+@dataclass
+class Finding:
+    """One `baton doctor` finding: error (the run would fail or is refused) or warning (it may), its cause in one
+    sentence and the fix (a config key or a command). Stages declare their own (StageSpec.advice)."""
+
+    severity: str              # error | warning
+    check: str
+    cause: str
+    fix: str
+
+    def line(self) -> str:
+        return f"{self.severity.upper():<7} {self.check}: {self.cause}\n        fix: {self.fix}"

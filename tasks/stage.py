@@ -150,9 +150,26 @@ class StageSpec:
     trains: bool = False                        # a training stage: optimizer states in its checkpoints, memory and disk plans
     role: StageRole = StageRole.MODEL
     description: str = ""
+    # What the pipeline and `baton doctor` ask a stage instead of naming it (defaults: nothing to say):
+    chat: bool = False                          # renders conversations with the model's chat template (transformers)
+    check_input: Callable[[Any, Any, dict, Path], str | None] = lambda pipeline, step, hf_config, path: None
+    # ^ the input HF model's config.json against this step, before anything launches: a problem or None
+    runtimes: Callable[[Any], set[str]] = lambda cfg: {"main"}  # the runtimes its processes run on
+    runtime_needs: tuple[tuple[str, str], ...] = ()  # (module its runtime must have, why): checked by `baton doctor`
+    ports: Callable[[Any], list[tuple[str, str, int]]] = lambda cfg: []  # (key, host, port) it binds on this host
+    advice: Callable[[Any], list] = lambda cfg: []  # its `baton doctor` findings (tasks.problems.Finding)
+    smoke: Callable[[Any], dict] = lambda cfg: {}  # its keys at smoke size, beyond the training stages' shared ones
+    batch_probe: str = ""                       # "module:function" (ctx, cfg, micro) -> (cmd, env, port): `baton batch`
+    after: str | None = None                    # a plug-in stage: the stage it follows in the chain order
+    memory: Any = None                          # a training stage's tasks.memory_model.MemoryModel: plans, disk
 
     def load_task(self):
-        mod, fn = self.task.split(":")
+        return self.load(self.task)
+
+    @staticmethod
+    def load(ref: str):
+        """A "module:function" reference's function (imported when the stage needs it, not when it registers)."""
+        mod, fn = ref.split(":")
         return getattr(importlib.import_module(mod), fn)
 
 

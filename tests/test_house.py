@@ -237,14 +237,14 @@ def test_the_training_stages_and_their_disk_bytes_have_one_home():
     """The training-stage set is an attribute of each stage's spec (tasks.registry.TRAINING_STAGES); the bytes a
     checkpoint holds per parameter are one function (tasks.memory_plan), used by doctor and the stages' own check."""
     from flows.cli import doctor
-    from flows import smoke, step_runner
+    from flows import step_runner
     from tasks import memory_plan
     from tasks.registry import STAGES, TRAINING_STAGES
 
     assert set(TRAINING_STAGES) == {name for name, spec in STAGES.items() if spec.trains} == {"pretrain", "rlhf",
                                                                                               "finetune"}
     assert _spelled_stage_sets() == []
-    assert doctor.TRAINING_STAGES is step_runner.TRAINING_STAGES is smoke.TRAINING_STAGES is TRAINING_STAGES
+    assert doctor.TRAINING_STAGES is step_runner.TRAINING_STAGES is TRAINING_STAGES
     assert doctor.mp is step_runner.mp is memory_plan
     for path, tree in _modules():  # no other table of bytes per parameter
         for node in ast.walk(tree):

@@ -130,3 +130,19 @@ def test_zip_with_compressed_pickle_is_not_a_bypass(tmp_path, record_property):
     with pytest.raises(torch_lazy.UnsafeCheckpointError):
         torch_lazy.load(f)
     assert not (tmp_path / "pwned").exists()
+
+
+def test_baton_convert_of_a_crafted_checkpoint_prints_the_refusal_in_one_line(tmp_path, baton_home, record_property):
+    """An expected failure (a refused checkpoint) prints its one line, not a traceback of baton's own frames."""
+    from conftest import baton
+
+    record_property("fault", "crafted DCP .metadata handed to `baton convert`")
+    target = tmp_path / "pwned"
+    root = _dist_checkpoint(tmp_path / "ckpt")
+    (root / ".metadata").write_bytes(pickle.dumps(_payloads(target)["os.system"]))
+    r = baton("convert", str(root), str(tmp_path / "out"), "--from-format", "megatron-dist", home=baton_home,
+              timeout=300)
+    assert r.returncode != 0 and not target.exists() and not (tmp_path / "out").exists()
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 2 and ".metadata: refers to" in lines[0] and lines[1].startswith("baton convert:"), r.stderr

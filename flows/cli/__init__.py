@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from conversions.home import ENV as HOME_ENV, home_path
+from conversions.refusal import Refused
 
 
 # Offline, no telemetry, and time enough for Prefect's ephemeral server to migrate its database on 2 cores.
@@ -49,5 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     _env_defaults()
     os.umask(0o077)  # everything baton writes (BATON_HOME, runs, keys, logs) is the user's alone: dirs 0700, files 0600
-    args = build_parser().parse_args(argv)
-    return args.fn(args)
+    try:
+        args = build_parser().parse_args(argv)  # (the parser's modules load the stages, plug-ins included)
+        return args.fn(args)
+    except Refused as e:  # an expected failure no command caught: its one line, not a traceback of baton's frames
+        print(f"baton: {e}", file=sys.stderr)
+        return 2

@@ -18,22 +18,11 @@ from pathlib import Path
 
 from conversions.home import home_path
 from tasks import memory_plan as mp
-from tasks.registry import TRAINING_STAGES
+from tasks.problems import Finding
+from tasks.finetune.advice import deepspeed_without_num_gpus
+from tasks.registry import STAGES, TRAINING_STAGES
 
 SHM_PER_RANK_MB = 66          # DeepSpeed's CPU shm all-reduce buffer per rank (measured; tasks/finetune/engine_env.py)
-MAX_DATALOADER_WORKERS = 8
-GPU_MEMORY_UTILIZATION = (0.5, 0.9)
-
-
-@dataclass
-class Finding:
-    severity: str              # error | warning
-    check: str
-    cause: str
-    fix: str
-
-    def line(self) -> str:
-        return f"{self.severity.upper():<7} {self.check}: {self.cause}\n        fix: {self.fix}"
 
 
 @dataclass
@@ -78,9 +67,7 @@ def runtimes_in_use(cfg) -> dict[str, str]:
     """Runtime name -> python for the configured stages (runtimes that are not built are the stages' own error)."""
     from tasks.runtimes import RuntimeMissing
 
-    names = {"main"} if any(s in cfg.stages for s in ("data", *TRAINING_STAGES, "convert")) else set()
-    if "serve" in cfg.stages:
-        names |= set(cfg.serve.engines())
+    names = set().union(*(STAGES[s].runtimes(cfg.stage_config(s)) for s in cfg.stages))
     rt = {k: v.model_dump(mode="json") for k, v in cfg.runtimes.items()}  # env stays masked: not needed here
     out = {}
     for name in sorted(names):
@@ -108,12 +95,17 @@ def check_runtimes(cfg, probe: Probe) -> list[Finding]:
             found.append(Finding("error", "runtime", f"runtime '{name}' ({python}) does not start",
                                  f"make runtimes, or set runtimes.{name}.python to a working interpreter"))
             continue
-        if name == "main" and "pretrain" in cfg.stages and not facts["psutil"]:
-            found.append(Finding("error", "psutil_missing", f"runtime '{name}' has no psutil, which Megatron-Core "
-                                 "needs to save checkpoints (it raises, then the other ranks hang)",
-                                 f"{python} -m pip install psutil"))
+        found += missing_modules(cfg, name, python, facts)
         found += torchvision_mismatch(name, python, facts) + sgl_kernel_arch(name, python, facts)
     return found
+
+
+def missing_modules(cfg, name: str, python: str, facts: dict) -> list[Finding]:
+    """What a stage declares its runtime must have (StageSpec.runtime_needs), missing from this runtime."""
+    return [Finding("error", f"{module}_missing", f"runtime '{name}' has no {module}, {why}",
+                    f"{python} -m pip install {module}")
+            for s in cfg.stages if name in STAGES[s].runtimes(cfg.stage_config(s))
+            for module, why in STAGES[s].runtime_needs if not facts.get(module)]
 
 
 def torchvision_mismatch(name: str, python: str, facts: dict) -> list[Finding]:
@@ -149,16 +141,6 @@ def sgl_kernel_arch(name: str, python: str, facts: dict) -> list[Finding]:
 
 
 # ---- launchers and ports ---------------------------------------------------------------------------------------------
-def deepspeed_without_num_gpus(argv: list[str], device: str) -> list[Finding]:
-    """The `deepspeed` launcher on a machine without GPUs starts ONE process unless --num_gpus says how many."""
-    is_ds = argv and (Path(argv[0]).name == "deepspeed" or "deepspeed.launcher.runner" in argv)
-    if not is_ds or device != "cpu" or any(a.startswith(("--num_gpus", "--include", "--hostfile")) for a in argv):
-        return []
-    return [Finding("error", "deepspeed_num_gpus", "the deepspeed launcher without --num_gpus starts a single process "
-                    "on a CPU machine (it sees no GPUs), whatever the script expects",
-                    "add --num_gpus N to the launch line (baton passes finetune.nproc_per_node as --num_gpus)")]
-
-
 def bind_cores_without_numactl(argv: list[str]) -> list[Finding]:
     """deepspeed --bind_cores_to_rank shells out to numactl (FileNotFoundError without it; shared notes)."""
     import shutil
@@ -175,12 +157,6 @@ def check_launchers(cfg, probe: Probe) -> list[Finding]:
         device = "cuda" if _gpus() else "cpu"
         argv = shlex.split(probe.launch_command)
         found += deepspeed_without_num_gpus(argv, device) + bind_cores_without_numactl(argv)
-    if cfg is not None and "finetune" in cfg.stages and cfg.finetune.launcher == "deepspeed":
-        from tasks.distributed import Launch, local_command
-
-        argv = local_command(Launch(python="python", script="worker.py", nproc_per_node=cfg.finetune.nproc_per_node,
-                                    launcher="deepspeed", master_port=29500))
-        found += deepspeed_without_num_gpus(argv, cfg.finetune.resolved_device())
     return found
 
 
@@ -200,11 +176,7 @@ def port_taken(host: str, port: int) -> bool:
 
 
 def check_ports(cfg) -> list[Finding]:
-    wanted = []
-    if "serve" in cfg.stages and cfg.serve.port:
-        wanted.append(("serve.port", cfg.serve.host, cfg.serve.port))
-    if "finetune" in cfg.stages and cfg.finetune.master_port:
-        wanted.append(("finetune.master_port", "127.0.0.1", cfg.finetune.master_port))
+    wanted = [port for s in cfg.stages for port in STAGES[s].ports(cfg.stage_config(s))]
     if os.environ.get("MASTER_PORT", "").isdigit() and os.environ.get("MASTER_ADDR", "127.0.0.1") in (
             "127.0.0.1", "localhost", socket.gethostname()) and int(os.environ.get("NODE_RANK", "0")) == 0:
         wanted.append(("MASTER_PORT", "127.0.0.1", int(os.environ["MASTER_PORT"])))
@@ -277,37 +249,8 @@ def check_tensor_parallel(cfg) -> list[Finding]:
 
 
 def check_stage_keys(cfg) -> list[Finding]:
-    found = []
-    if "finetune" in cfg.stages and cfg.finetune.zero.stage == 3 and not cfg.finetune.zero.init:
-        found.append(Finding("warning", "zero3_without_init", "ZeRO-3 without deepspeed.zero.Init() builds the whole "
-                             "model on every rank before partitioning it, so large models run out of memory at load",
-                             "finetune.zero.init: true"))
-    if "rlhf" in cfg.stages and cfg.rlhf.dataloader_workers > MAX_DATALOADER_WORKERS:
-        found.append(Finding("warning", "dataloader_workers", f"rlhf.dataloader_workers {cfg.rlhf.dataloader_workers}: "
-                             f"each worker process copies the dataset and the parent's memory; above "
-                             f"{MAX_DATALOADER_WORKERS} CPU RAM blows up", "rlhf.dataloader_workers: 4"))
-    if "serve" in cfg.stages:
-        found += check_serve(cfg.serve)
-    return found
-
-
-def check_serve(s) -> list[Finding]:
-    found = []
-    lo, hi = GPU_MEMORY_UTILIZATION
-    u = s.gpu_memory_utilization
-    if u is not None and not lo <= u <= hi:
-        found.append(Finding("warning", "gpu_memory_utilization", f"serve.gpu_memory_utilization {u} is outside "
-                             f"{lo}-{hi}: above, the CUDA graphs, activations and other processes have no room (OOM at "
-                             "start); below, the KV cache starves", "serve.gpu_memory_utilization: 0.85"))
-    if s.prompt_logprobs:
-        found.append(Finding("warning", "prompt_logprobs", f"serve.prompt_logprobs {s.prompt_logprobs}: every request "
-                             "then materialises vocabulary × prompt-token log-probs, a common vLLM OOM",
-                             "serve.prompt_logprobs: 0"))
-    if s.device == "cuda" and "expandable_segments:True" not in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
-        found.append(Finding("warning", "cuda_alloc_conf", "PYTORCH_CUDA_ALLOC_CONF lacks expandable_segments:True; "
-                             "fragmentation makes vLLM OOM with memory free", "export "
-                             "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"))
-    return found
+    """What each configured stage advises about its own keys (StageSpec.advice)."""
+    return [f for s in cfg.stages for f in STAGES[s].advice(cfg.stage_config(s))]
 
 
 HEAD_COUNTS = {"model.num_attention_heads", "model.num_query_groups"}

@@ -14,7 +14,7 @@ import yaml
 from conversions import durable
 from conversions.refusal import Refused
 from tasks import memory_plan as mp
-from tasks.registry import TRAINING_STAGES
+from tasks.registry import STAGES, TRAINING_STAGES
 
 
 
@@ -219,7 +219,7 @@ def add_batch_parser(sub) -> None:
     b = sub.add_parser("batch",
                        help="find the largest micro-batch that fits (real engine probes, doubling then bisection)")
     b.add_argument("config")
-    b.add_argument("--stage", choices=("pretrain", "finetune"), default="finetune")
+    b.add_argument("--stage", choices=[n for n, s in STAGES.items() if s.batch_probe], default="finetune")
     b.add_argument("--data-dir", required=True, help="the data stage's output (a run's data folder)")
     b.add_argument("--input", help="the stage's input checkpoint (finetune: an HF checkpoint; pretrain: optional)")
     b.add_argument("--budget-mb", type=float, help="CPU: peak RSS per rank allowed (GPU: default the device memory)")
@@ -233,17 +233,19 @@ def add_batch_parser(sub) -> None:
 
 def batch_prober(cfg, stage: str, data_dir: Path, input_path: Path | None, scratch: Path, steps: int = 2):
     """The stage's engine prober: its context as the pipeline builds it (model, runtimes, inputs), in `scratch`."""
-    from conversions.manifest import Format
     from tasks import chat_template
     from tasks.batch_finder import EngineProber
     from tasks.stage import StageContext
 
-    fmt = None if input_path is None else (Format.HF_SAFETENSORS if stage == "finetune" else Format.MEGATRON_DIST)
+    fmt = None if input_path is None else STAGES[stage].consumes(cfg.stage_config(stage))
     ctx = StageContext(stage=stage, run_id="batch-finder", run_dir=scratch, work_dir=scratch,
                        model=chat_template.resolved(cfg.model.model_dump()), seed=cfg.seed,
                        data_dir=Path(data_dir).resolve(), input=Path(input_path).resolve() if input_path else None,
                        input_format=fmt, runtimes=cfg.engine_runtimes())
-    return EngineProber(stage, ctx, cfg.stage_config(stage), steps=steps)
+    spec = STAGES[stage]
+    if not spec.batch_probe:
+        raise ValueError(f"stage {stage} declares no batch probe (StageSpec.batch_probe)")
+    return EngineProber(stage, ctx, cfg.stage_config(stage), spec.load(spec.batch_probe), steps=steps)
 
 
 def cmd_batch(a) -> int:
@@ -264,17 +266,17 @@ def cmd_batch(a) -> int:
     if device == "cpu" and not budget:
         print("baton batch: on CPU give --budget-mb (peak RSS per rank)", file=sys.stderr)
         return 2
-    if a.stage == "finetune" and not a.input:
-        print("baton batch: finetune probes need --input (the HF checkpoint the stage starts from)", file=sys.stderr)
+    spec = STAGES[a.stage]
+    if spec.input_required and not a.input:
+        print(f"baton batch: {a.stage} probes need --input (the {spec.consumes(cfg.stage_config(a.stage))} checkpoint "
+              "the stage starts from)", file=sys.stderr)
         return 2
-    from tasks.finetune.task import FinetuneInputError
-    from tasks.pretrain.task import PretrainInputError
 
     scratch = Path(tempfile.mkdtemp(prefix=f"baton-batch-{a.stage}-"))
     try:
         prober = batch_prober(cfg, a.stage, Path(a.data_dir), Path(a.input) if a.input else None, scratch, a.steps)
         chosen = find(prober, budget, a.margin, a.limit)
-    except (FinetuneInputError, PretrainInputError) as e:  # found by the stage's own checks, before any launch
+    except Refused as e:  # the stage's own checks refused an input, before any launch
         shutil.rmtree(scratch, ignore_errors=True)
         print(f"baton batch: {e}", file=sys.stderr)
         return 2

@@ -1,4 +1,5 @@
 from tasks.convert.config import ConvertConfig
+from tasks.convert.preflight import check_input
 from tasks.stage import StageRole, StageSpec
 
 STAGE = StageSpec(
@@ -8,5 +9,6 @@ STAGE = StageSpec(
     task="tasks.convert.task:run_convert",
     consumes=lambda cfg: None,  # whatever its neighbour left; the pipeline sets from/to formats
     produces=lambda cfg: cfg.to_format,
+    check_input=check_input,
     description="checkpoint format conversion with its own verification gate",
 )

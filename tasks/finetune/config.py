@@ -5,6 +5,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
+from tasks.data.lm_eval_task import TASK_NAME
 from tasks.gates import GateConfig, lm_eval_errors
 from tasks.problems import ConfigProblem
 from tasks.stage import StrictModel
@@ -54,6 +55,12 @@ class LoraConfig(StrictModel):
                                       description="names of the modules that get adapters")
 
 
+class FinetuneGateConfig(GateConfig):
+    """The stage's quality gate: the held-out metric its output must improve over the input checkpoint's."""
+
+    default_task: ClassVar[str | None] = TASK_NAME  # the data stage's held-out SFT task, which fine-tuning should improve
+
+
 class FinetuneConfig(TrainingConfig):
     """Supervised fine-tuning with DeepSpeed ZeRO on the data stage's instruction set (loss on answer tokens)."""
 
@@ -81,7 +88,7 @@ class FinetuneConfig(TrainingConfig):
     checkpoint_every: int = Field(100, ge=1, description="steps between checkpoints (the last step always saves)")
     eval_max_new_tokens: int = Field(16, ge=1, description="greedy tokens generated per held-out prompt "
                                                            "(exact match)")
-    gate: GateConfig = GateConfig()
+    gate: FinetuneGateConfig = FinetuneGateConfig()
     overlong: Literal["drop", "truncate"] = Field("drop", description="examples longer than max_seq_length")
     packing: bool = Field(False, description="pack examples into max_seq_length windows (no attention across "
                                              "examples; position ids restart per example): each micro batch row is "

@@ -1,7 +1,10 @@
 from conversions.manifest import Format
 from tasks.problems import ConfigProblem
+from tasks.serve.advice import advice, ports
 from tasks.serve.config import ServeConfig
+from tasks.serve.preflight import check_input
 from tasks.serve.engines import vllm_cpu_head_dim_problem
+from tasks.paths import read_errors
 from tasks.stage import StageSpec
 
 
@@ -40,6 +43,14 @@ STAGE = StageSpec(
     consumes=lambda cfg: Format.HF_SAFETENSORS,
     produces=lambda cfg: None,
     validate=validate,
+    validate_host=lambda cfg, pipeline: read_errors("serve.lm_eval.include_path", cfg.lm_eval.include_path, "dir"),
     cacheable=False,
+    smoke=lambda s: {"engine": s.engines()[0], "tensor_parallel": 1, "promote": False, "keep_alive": False,
+                     "smoke": s.smoke.model_copy(update={"json_requests": 2, "parity_prompts": 1, "parity_tokens": 4}),
+                     "lm_eval": s.lm_eval.model_copy(update={"limit": 4})},
+    check_input=check_input,
+    runtimes=lambda cfg: set(cfg.engines()),
+    advice=advice,
+    ports=ports,
     description="vLLM / SGLang OpenAI-compatible serving, smoke checks, promotion",
 )
