@@ -78,6 +78,29 @@ def layer_keys(arch: dict) -> dict[str, str]:
     return {**LAYER, "qkv_bias": QKV_BIAS} if has_qkv_bias(arch) else dict(LAYER)
 
 
+def moe(arch: dict) -> dict | None:
+    """The architecture dict's mixture of experts (model.moe's keys), or None for a dense MLP."""
+    value = arch.get("moe")
+    return value if isinstance(value, dict) and value.get("num_experts") else None
+
+
+def expert_ffn(arch: dict) -> int:
+    """One expert's SwiGLU width: model.moe.expert_ffn_hidden_size, else the dense model.ffn_hidden_size."""
+    return int(moe(arch).get("expert_ffn_hidden_size") or arch["ffn_hidden_size"])
+
+
+def moe_transformer_fields(arch: dict) -> dict:
+    """model.moe in Megatron-Core's TransformerConfig names (hf.MOE_NAMES, the one table of both vocabularies)."""
+    m = moe(arch)
+    if m is None:
+        return {}
+    values = {**m, "expert_ffn_hidden_size": expert_ffn(arch)}
+    fields = {hf.MOE_NAMES[key][0]: values[key] for key in hf.MOE_NAMES if values.get(key) is not None}
+    if not fields.get("moe_shared_expert_intermediate_size"):
+        fields.pop("moe_shared_expert_intermediate_size", None)  # Megatron reads 0 as a shared expert of width 0
+    return fields
+
+
 def is_dist_checkpoint(root: Path) -> bool:
     root = Path(root)
     return (root / ".metadata").exists() and (root / METADATA_FILE).exists()

@@ -157,7 +157,8 @@ def gate(out: Path, r: events.PretrainResult, dtype: str = "float32") -> dict:
 def backend(cfg: PretrainConfig, device: str) -> str:
     vp = f"(VP{cfg.virtual_pipeline_parallel} interleaved)" if cfg.virtual_pipeline_parallel else ""
     fp8 = f" fp8 {cfg.fp8}" if cfg.fp8 != "none" else ""
-    return f"TP{cfg.tensor_parallel}×PP{cfg.pipeline_parallel}{vp}×DP{cfg.data_parallel()} {device}{fp8}"
+    ep = f"×EP{cfg.expert_parallel}" if cfg.expert_parallel > 1 else ""
+    return f"TP{cfg.tensor_parallel}×PP{cfg.pipeline_parallel}{vp}×DP{cfg.data_parallel()}{ep} {device}{fp8}"
 
 
 def engine_env(device: str) -> dict:

@@ -11,6 +11,7 @@ Only rank 0 prints events. The spec (JSON) is written by tasks/pretrain/task.py.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import os
 import shutil
@@ -89,15 +90,17 @@ class Run:
 
         cfg, spec = self.cfg, self.spec
         tp, pp, vp = cfg["tensor_parallel"], cfg["pipeline_parallel"], cfg.get("virtual_pipeline_parallel")
+        ep = cfg.get("expert_parallel", 1)
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                     virtual_pipeline_model_parallel_size=vp)
+                                     virtual_pipeline_model_parallel_size=vp, expert_model_parallel_size=ep)
         self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         self.is_last = ps.is_pipeline_last_stage()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         torch.manual_seed(spec["seed"])
         model_parallel_cuda_manual_seed(spec["seed"])
+        experts = f" EP={ep} ({cfg.get('moe_token_dispatcher')} dispatcher)" if self.arch.get("moe") else ""
         self.log(f"world {dist.get_world_size()}: TP={tp} PP={pp}{f' (VP={vp}, interleaved)' if vp else ''} "
-                 f"DP={self.dp}, device {self.device.type}, {cfg['precision']}, fp8 {cfg.get('fp8', 'none')}, seq "
+                 f"DP={self.dp}{experts}, device {self.device.type}, {cfg['precision']}, fp8 {cfg.get('fp8', 'none')}, seq "
                  f"{spec['seq_length']}, micro {cfg['micro_batch_size']}, global {cfg['global_batch_size']}, "
                  f"{cfg['steps']} steps")
 
@@ -120,18 +123,33 @@ class Run:
         import mcore_model as mm
 
         cfg, arch = self.cfg, self.arch
-        self.spec_layers, impl = mm.layer_spec(cfg["transformer_impl"], self.on_gpu, cfg["attention"])
+        experts = (arch.get("moe") or {}).get("num_experts")
+        self.spec_layers, impl = mm.layer_spec(cfg["transformer_impl"], self.on_gpu, cfg["attention"], experts)
         self.tconfig = mm.transformer_config(arch, cfg, self.on_gpu)
         self.padded_vocab = self.spec["padded_vocab_size"]
-        self.chunks = self.new_model()
+        # the config as built: the optimizer then hangs its own functions (and through them process groups) on
+        # tconfig, which a later model build cannot copy (an MoE layer deep-copies its config for the experts' width)
+        self.build_config = copy.deepcopy(self.tconfig)
+        self.chunks = self.new_model(self.tconfig)
         self.ddps = mm.wrap_ddp(mm.in_precision(self.chunks, self.tconfig), self.tconfig, cfg)
         self.optimizer, self.scheduler = mm.optimizer_and_scheduler(self.ddps, self.tconfig, cfg)
         self.fb = get_forward_backward_func()
-        local = sum(p.numel() for chunk in self.chunks for p in chunk.parameters())
-        n_params = self.to_rank0([float(local)], owner=self.dp_rank == 0)[0]
-        self.log(f"GPTModel ({impl} layer spec): {int(n_params):,} parameters over TP×PP, "
+        n_params = self.parameter_count()
+        self.log(f"GPTModel ({impl} layer spec): {int(n_params):,} parameters over TP×PP×EP, "
                  f"{len(self.chunks)} chunk(s) per rank, vocab {arch['vocab_size']} padded to {self.padded_vocab}")
         return n_params, impl
+
+    def parameter_count(self) -> float:
+        """Every parameter once: the replicated ones from data-parallel rank 0, the experts (split over the expert
+        parallel ranks, which Megatron marks `allreduce=False`) from expert-data-parallel rank 0 of each EP group."""
+        from megatron.core import parallel_state as ps
+
+        params = [p for chunk in self.chunks for p in chunk.parameters()]
+        dense = sum(p.numel() for p in params if getattr(p, "allreduce", True))
+        experts = sum(p.numel() for p in params if not getattr(p, "allreduce", True))
+        dense, = self.to_rank0([float(dense)], owner=self.dp_rank == 0)
+        experts, = self.to_rank0([float(experts)], owner=ps.get_expert_data_parallel_rank() == 0)
+        return dense + experts
 
     def starting_point(self, n_params: float, impl: str) -> tuple[int, dict]:
         """Our own newest checkpoint, else the input's weights, else the random init."""
@@ -218,10 +236,10 @@ class Run:
         durable.write_bytes(path, (table + "\n").encode())
         self.log(f"step {step} profiled: {path}")
 
-    def new_model(self) -> list:
+    def new_model(self, config) -> list:
         import mcore_model as mm
 
-        chunks = mm.gpt_chunks(self.tconfig, self.spec_layers, self.arch, self.padded_vocab, self.spec["seq_length"])
+        chunks = mm.gpt_chunks(config, self.spec_layers, self.arch, self.padded_vocab, self.spec["seq_length"])
         return [chunk.to(self.device) for chunk in chunks]
 
     def schedule(self, step_func, batches, num_micro: int, seq_length: int, micro_batch_size: int,
@@ -401,8 +419,8 @@ class Run:
             probe.save_reference(out, ids.cpu(), logits, source=f"megatron-core GPTModel, iteration {steps}")
 
         # L1: a fresh model loaded from the checkpoint must equal the trained one, weights and logits
-        fresh = self.new_model()
-        fresh_models = mm.in_precision(fresh, self.tconfig)  # cast before loading: the checkpoint holds that dtype
+        fresh = self.new_model(self.build_config)
+        fresh_models = mm.in_precision(fresh, self.build_config)  # cast before loading: the checkpoint holds that dtype
         ckpt.load_weights(final, fresh)
         param_diff = 0.0
         for chunk, trained_chunk in zip(fresh, self.chunks):
