@@ -108,6 +108,18 @@ def gpt_chunks(config: TransformerConfig, spec, arch: dict, padded_vocab: int, s
     ) for i in stages]
 
 
+def experts_apart(chunks: list[GPTModel]) -> None:
+    """Keep the experts' parameters in their own gradient buffers and optimizer at every expert-parallel size.
+    Megatron does so only under EP > 1 (it marks them `allreduce=False`; get_megatron_optimizer then chains a
+    second optimizer whose state is saved under `chained_1.`); at EP 1 one optimizer would hold them, and a checkpoint
+    could not resume under another EP. At EP 1 the experts' data-parallel group is the data-parallel group, so their
+    gradients are reduced and scaled exactly as before."""
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            if ".mlp.experts." in name:
+                param.allreduce = False
+
+
 def in_precision(chunks: list[GPTModel], config: TransformerConfig) -> list:
     """What Megatron-LM runs in bf16/fp16: Float16Module casts every parameter to the training dtype (norms too,
     which the local spec builds in fp32), takes inputs in that dtype on the first stage and returns fp32 logits on

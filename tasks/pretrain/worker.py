@@ -240,6 +240,7 @@ class Run:
         import mcore_model as mm
 
         chunks = mm.gpt_chunks(config, self.spec_layers, self.arch, self.padded_vocab, self.spec["seq_length"])
+        mm.experts_apart(chunks)
         return [chunk.to(self.device) for chunk in chunks]
 
     def schedule(self, step_func, batches, num_micro: int, seq_length: int, micro_batch_size: int,
