@@ -3,7 +3,9 @@ expert parallel 2 with the all-gather and the all-to-all token dispatchers, a re
 size, and the conversion to HF Mixtral with its gate (logits parity against Megatron's own)."""
 from __future__ import annotations
 
+import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -67,3 +69,96 @@ def test_ep2_alltoall_dispatcher_trains_as_the_allgather_one(tmp_path, data_dir,
     assert sorted(alltoall) == sorted(allgather) == list(range(1, 13))
     for step in alltoall:
         assert alltoall[step] == pytest.approx(allgather[step], rel=1e-5), step
+
+
+def convert_stage(src: Path, work: Path):
+    """The pipeline's convert step from the pretrain stage's checkpoint to HF, its gate included."""
+    from flows.config import load
+    from tasks.convert.config import ConvertConfig
+    from tasks.convert.task import run_convert
+    from tasks.stage import StageContext
+    from conftest import TINY
+
+    cfg = load(TINY, MOE, stages=["data", "pretrain"])
+    ctx = StageContext(stage="convert", run_id="test", run_dir=work, work_dir=work, model=cfg.model.model_dump(),
+                       seed=0, input=src, input_format="megatron-dist",
+                       extra={"from_format": "megatron-dist", "to_format": "hf-safetensors", "source_stage": "pretrain"})
+    return run_convert.fn(ctx, ConvertConfig())
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory, ep2):
+    work = tmp_path_factory.mktemp("moe-convert")
+    return work, convert_stage(ep2[1].output, work)
+
+
+def test_the_ep2_checkpoint_converts_to_mixtral_and_its_gate_passes_with_megatrons_logits(mixtral):
+    from transformers import AutoConfig
+
+    from conversions import hf
+
+    work, out = mixtral
+    assert out.gate["passed"], json.dumps(out.gate, indent=1)
+    checks = {c["name"]: c for c in out.gate["checks"]}
+    assert checks["L2.logits_parity"]["passed"], checks["L2.logits_parity"]["detail"]
+    config = AutoConfig.from_pretrained(str(out.output))
+    assert config.architectures == ["MixtralForCausalLM"]
+    assert (config.num_local_experts, config.num_experts_per_tok, config.intermediate_size) == (4, 2, 96)
+    shapes = hf.tensor_shapes(out.output)
+    assert shapes["model.layers.3.block_sparse_moe.gate.weight"][1] == [4, 128]
+    assert shapes["model.layers.3.block_sparse_moe.experts.3.w1.weight"][1] == [96, 128]
+    assert shapes["model.layers.3.block_sparse_moe.experts.3.w2.weight"][1] == [128, 96]
+    assert not any(".mlp." in name for name in shapes)
+    source = checks["L1.source_tensors"]
+    assert source["passed"] and source["detail"].startswith(f"{len(shapes)} tensors equal the source's"), source
+
+
+def swap_experts_0_and_1(t: dict) -> None:
+    for w in ("w1", "w2", "w3"):
+        a, b = (f"model.layers.0.block_sparse_moe.experts.{e}.{w}.weight" for e in (0, 1))
+        t[a], t[b] = t[b], t[a]
+
+
+def transpose_an_expert(t: dict) -> None:
+    name = "model.layers.1.block_sparse_moe.experts.2.w2.weight"
+    t[name] = t[name].T.contiguous()
+
+
+@pytest.mark.parametrize("fault, named", [
+    (swap_experts_0_and_1, "model.layers.0.block_sparse_moe.experts.0.w1.weight: differs from the source (holds the "
+                           "source's model.layers.0.block_sparse_moe.experts.1.w1.weight: tensors in the wrong order)"),
+    (transpose_an_expert, "model.layers.1.block_sparse_moe.experts.2.w2.weight: transposed (shape (96, 128), the "
+                          "source's (128, 96))"),
+])
+def test_a_faulty_export_fails_the_gate_naming_the_expert(tmp_path, ep2, mixtral, fault, named):
+    """The export as a faulty converter would write it (experts swapped, an expert transposed): the gate fails, the
+    tensor named, and the swap also breaks logits parity with Megatron's own."""
+    from tasks.convert.task import gate
+    from test_moe import faulty_copy
+
+    bad = faulty_copy(mixtral[1].output, tmp_path / "faulty", fault)
+    g = gate(bad, ep2[1].output, "hf-safetensors")
+    checks = {c["name"]: c for c in g["checks"]}
+    assert not g["passed"] and not checks["L1.source_tensors"]["passed"]
+    assert named in checks["L1.source_tensors"]["detail"], checks["L1.source_tensors"]["detail"]
+    if fault is swap_experts_0_and_1:
+        assert not checks["L2.logits_parity"]["passed"], checks["L2.logits_parity"]["detail"]
+
+
+def test_mixtral_back_to_megatron_is_exact(tmp_path, ep2, mixtral):
+    """Megatron → Mixtral → Megatron: every weight of the trained checkpoint comes back bit for bit (the embedding's
+    padding rows past the tokenizer's vocabulary are dropped on export and zero on import)."""
+    from conversions import megatron
+
+    back = tmp_path / "megatron"
+    info = megatron.from_hf(mixtral[1].output, back, max_shard_bytes=1 << 20)
+    assert info["architecture"]["moe"] == {"num_experts": 4, "top_k": 2, "expert_ffn_hidden_size": 96,
+                                           "aux_loss_coef": 0.01}
+    original, returned = dist_tensors(ep2[1].output), dist_tensors(back)
+    weights = {k: v for k, v in original.items() if not k.startswith("chained_")}
+    assert set(returned) == set(weights)
+    vocab = info["vocab_size"]
+    for key, t in weights.items():
+        if key in (megatron.EMBEDDING, megatron.OUTPUT):
+            t, returned[key] = t[:vocab], returned[key][:vocab]
+        assert returned[key].equal(t), key
