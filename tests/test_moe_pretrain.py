@@ -22,6 +22,17 @@ def ep2(tmp_path_factory, data_dir):
     return work, run_stage(work, data_dir, *EP2)
 
 
+def router_aux_losses(work: Path) -> dict[int, float]:
+    from tasks import events
+
+    out = {}
+    for line in (work / "engine.log").read_text().splitlines():
+        if line.startswith("@@baton ") and events.TRAIN_ROUTER_AUX_LOSS in line:
+            e = json.loads(line[len("@@baton "):])
+            out[e["step"]] = e[events.TRAIN_ROUTER_AUX_LOSS]
+    return out
+
+
 def test_ep2_allgather_trains_checkpoints_and_holds_every_expert(ep2):
     work, out = ep2
     assert_trained(out)
@@ -34,6 +45,9 @@ def test_ep2_allgather_trains_checkpoints_and_holds_every_expert(ep2):
     assert shapes["decoder.layers.mlp.experts.experts.linear_fc2.weight"] == (4, 4, 128, 96)
     assert shapes["decoder.layers.mlp.router.weight"] == (4, 4, 128)
     assert "decoder.layers.mlp.linear_fc2.weight" not in shapes  # no dense MLP beside the experts
+    aux = router_aux_losses(work)
+    # every step logs the routers' load-balancing loss; 1.0 is a perfectly balanced router, E (4) one expert for all
+    assert sorted(aux) == list(range(1, 13)) and all(0.9 < a < 4.0 for a in aux.values()), aux
 
 
 def test_resume_under_expert_parallel_1_continues_the_ep2_run(tmp_path, data_dir, ep2):
@@ -162,3 +176,29 @@ def test_mixtral_back_to_megatron_is_exact(tmp_path, ep2, mixtral):
         if key in (megatron.EMBEDDING, megatron.OUTPUT):
             t, returned[key] = t[:vocab], returned[key][:vocab]
         assert returned[key].equal(t), key
+
+
+def test_an_input_with_other_experts_is_refused_before_launch(tmp_path, data_dir, mixtral):
+    """The Mixtral export, brought back to Megatron, starts a pretrain run of the same mixture; a dense model, or
+    one with other experts, is refused naming the experts before a rank starts."""
+    from conversions import megatron
+    from flows.config import load
+    from conftest import TINY
+    from tasks.pretrain.task import PretrainInputError, build_spec
+    from tasks.stage import StageContext
+
+    megatron.from_hf(mixtral[1].output, tmp_path / "megatron")
+
+    def spec(*overrides: str) -> dict:
+        cfg = load(TINY, list(overrides), stages=["data", "pretrain"])
+        ctx = StageContext(stage="pretrain", run_id="t", run_dir=tmp_path, work_dir=tmp_path / "w", seed=0,
+                           model=cfg.model.model_dump(), data_dir=data_dir, input=tmp_path / "megatron",
+                           input_format="megatron-dist")
+        return build_spec(ctx, cfg.pretrain)
+
+    assert spec(*MOE)["architecture"]["moe"]["num_experts"] == 4
+    with pytest.raises(PretrainInputError, match=r"moe \(experts, top-k, expert ffn\) \(4, 2, 96\) \(input\) vs "
+                                                 r"None \(model\)"):
+        spec()
+    with pytest.raises(PretrainInputError, match=r"\(4, 2, 96\) \(input\) vs \(8, 2, 96\) \(model\)"):
+        spec(*MOE, "model.moe.num_experts=8")

@@ -39,6 +39,12 @@ def tokenizer_vocab(tok_dir: Path) -> int:
     return Tokenizer.from_file(str(tok_dir / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
 
 
+def experts(arch: dict) -> tuple[int, int, int] | None:
+    """A mixture of experts' shape as an input must match it: experts, top-k, one expert's FFN width (None: dense)."""
+    moe = megatron.moe(arch)
+    return None if moe is None else (moe["num_experts"], moe["top_k"], megatron.expert_ffn(arch))
+
+
 def check_data(ctx: StageContext) -> int:
     """The data stage's output is complete; returns its tokenizer's vocabulary size."""
     if ctx.data_dir is None or not (ctx.data_dir / "tokenizer").exists():
@@ -62,6 +68,8 @@ def build_spec(ctx: StageContext, cfg: PretrainConfig, vocab: int | None = None)
         diff = {k: (src.get(k), arch.get(k)) for k in SHAPE_KEYS if k in src and src.get(k) != arch.get(k)}
         if megatron.family(src) != megatron.family(arch):  # Qwen2's q/k/v biases have no place in a Llama, nor back
             diff["arch"] = (megatron.family(src), megatron.family(arch))
+        if experts(src) != experts(arch):  # a dense MLP, or other experts, have no place in the model's layers
+            diff["moe (experts, top-k, expert ffn)"] = (experts(src), experts(arch))
         if diff:
             raise PretrainInputError(f"input {ctx.input}: architecture differs from model: "
                                      + ", ".join(f"{k} {a} (input) vs {b} (model)" for k, (a, b) in diff.items()))

@@ -194,7 +194,7 @@ class Run:
         for it in range(start, steps):  # a re-run after the last step skips straight to finish()
             t0 = time.time()
             with self.profiling(it + 1 in profiled, it + 1):
-                loss, grad_norm = self.train_step(it)
+                loss, grad_norm, aux_loss = self.train_step(it)
             step_time = time.time() - t0
             state["train_time_s"] += step_time
             step = it + 1
@@ -205,7 +205,8 @@ class Run:
                 ev = self.events()
                 ev.metric(step, {ev.TRAIN_LOSS: loss, ev.TRAIN_LR: self.optimizer.param_groups[0]["lr"],
                                  ev.TRAIN_GRAD_NORM: grad_norm, ev.TOKENS_PER_S: tps, ev.STEP_TIME_S: step_time,
-                                 ev.MFU: fpt * tps / (peak * 1e12 * world)})
+                                 ev.MFU: fpt * tps / (peak * 1e12 * world),
+                                 **({ev.TRAIN_ROUTER_AUX_LOSS: aux_loss} if aux_loss is not None else {})})
                 self.events().progress(step, steps)
             if step % cfg["eval_interval"] == 0 or step == steps:
                 self.evaluate(step, state)
@@ -287,7 +288,8 @@ class Run:
         total, tokens = self.to_rank0([total, tokens], owner)
         return total / max(tokens, 1.0)
 
-    def train_step(self, it: int) -> tuple[float, float]:
+    def train_step(self, it: int) -> tuple[float, float, float | None]:
+        """One optimizer step: (language-model loss, gradient norm, the routers' load-balancing loss or None)."""
         import mcore_model as mm
 
         for ddp in self.ddps:
@@ -307,7 +309,21 @@ class Run:
             raise RuntimeError(why)
         else:
             self.scheduler.step(increment=1)
-        return self.reduce_loss(reduced), float(grad_norm or 0.0)
+        return self.reduce_loss(reduced), float(grad_norm or 0.0), self.router_aux_loss()
+
+    def router_aux_loss(self) -> float | None:
+        """The load-balancing loss Megatron's routers recorded in this step's forward passes (before its coefficient;
+        the mean over MoE layers and micro batches, averaged over data-parallel ranks as Megatron-LM logs it), then
+        forgotten. None for a dense model or a zero coefficient (nothing recorded). A collective: every rank calls."""
+        from megatron.core.transformer.moe import moe_utils
+
+        tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+        if "load_balancing_loss" not in tracker:
+            return None
+        moe_utils.reduce_aux_losses_tracker_across_ranks(["load_balancing_loss"])
+        per_layer = tracker["load_balancing_loss"]["values"] / self.num_micro
+        moe_utils.clear_aux_losses_tracker()
+        return float(per_layer.sum()) / self.arch["num_layers"]
 
     def evaluate(self, step: int, state: dict) -> None:
         import torch
@@ -454,7 +470,7 @@ class Run:
         import torch.distributed as dist
 
         for it in range(self.cfg["steps"]):
-            loss, _ = self.train_step(it)
+            loss, _, _ = self.train_step(it)
             self.log(f"probe step {it + 1}: loss {loss:.4f}")
         memory = self.memory_peaks()
         if self.rank == 0:
