@@ -65,7 +65,9 @@ def build_spec(ctx: StageContext, cfg: PretrainConfig, vocab: int | None = None)
         if ctx.input_format not in (None, Format.MEGATRON_DIST):
             raise PretrainInputError(f"pretrain reads {Format.MEGATRON_DIST} checkpoints, not {ctx.input_format}")
         src = checkpoint_architecture(ctx.input)
-        diff = {k: (src.get(k), arch.get(k)) for k in SHAPE_KEYS if k in src and src.get(k) != arch.get(k)}
+        # a mixture of experts has no dense MLP: its width is the experts' (an HF Mixtral states only that one)
+        keys = [k for k in SHAPE_KEYS if not (k == "ffn_hidden_size" and experts(src) and experts(arch))]
+        diff = {k: (src.get(k), arch.get(k)) for k in keys if k in src and src.get(k) != arch.get(k)}
         if megatron.family(src) != megatron.family(arch):  # Qwen2's q/k/v biases have no place in a Llama, nor back
             diff["arch"] = (megatron.family(src), megatron.family(arch))
         if experts(src) != experts(arch):  # a dense MLP, or other experts, have no place in the model's layers
