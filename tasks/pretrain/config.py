@@ -138,6 +138,10 @@ def expert_errors(cfg: PretrainConfig, model) -> list[ConfigProblem]:
         e.append(ConfigProblem("pretrain.expert_parallel", f"pretrain.expert_parallel {ep}: data parallel "
                                f"{cfg.data_parallel()} (= {world} ranks / (tensor_parallel {tp} × pipeline_parallel "
                                f"{pp})) is not divisible by it; expert parallel ranks are data parallel ranks"))
+    if tp > 1 and not cfg.sequence_parallel:
+        e.append(ConfigProblem("pretrain.sequence_parallel", f"pretrain.sequence_parallel must be true with "
+                               f"model.moe and tensor_parallel {tp} (Megatron's MoE layer refuses to train under "
+                               "tensor parallel without it)", involves=("pretrain.tensor_parallel",)))
     if moe.expert_ffn(model) % tp:
         e.append(ConfigProblem("pretrain.tensor_parallel", f"pretrain.tensor_parallel {tp}: the experts' FFN width "
                                f"{moe.expert_ffn(model)} is not divisible by it",
@@ -163,6 +167,11 @@ def host_errors(cfg: PretrainConfig, pipeline=None) -> list[ConfigProblem]:
         if cfg.transformer_impl == "transformer_engine":
             e.append(ConfigProblem("pretrain.transformer_impl", "pretrain.transformer_impl transformer_engine needs "
                                    "a GPU"))
+        if pipeline is not None and getattr(pipeline.model, "moe", None) and cfg.tensor_parallel > 1:
+            e.append(ConfigProblem("pretrain.tensor_parallel", f"pretrain.tensor_parallel {cfg.tensor_parallel} "
+                                   "with model.moe on CPU: Megatron trains an MoE under TP only with sequence "
+                                   "parallel, which the local layer spec's torch RMSNorm refuses; split the experts "
+                                   "with expert_parallel instead (TP × EP runs on a GPU with Transformer Engine)"))
     return e + fp8_errors(cfg, device)
 
 
