@@ -1,7 +1,7 @@
 """`baton run configs/tiny-moe.yaml` as a user runs it: the tiny world as a mixture of experts (4 experts, top-2)
 through data → pretrain (Megatron-Core, expert parallel 2) → convert (HF Mixtral) → rlhf (TRL DPO) → finetune
-(DeepSpeed ZeRO-3) → convert → serve (vLLM on CPU), every gate passed. 3m20s on 2 quiet cores: `make test-long`;
-`make test` covers the EP2 pretrain and the Mixtral conversion alone (test_moe_pretrain.py)."""
+(DeepSpeed ZeRO-3) → convert → serve (vLLM and SGLang on CPU), every gate passed. ~4m20s on 2 quiet cores:
+`make test-long`; `make test` covers the EP2 pretrain and the Mixtral conversion alone (test_moe_pretrain.py)."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,7 @@ from conftest import REPO, baton
 
 @pytest.mark.long
 @pytest.mark.timeout(1500)
-def test_tiny_moe_runs_every_stage_and_vllm_serves_the_mixtral(tmp_path):
+def test_tiny_moe_runs_every_stage_and_both_engines_serve_the_mixtral(tmp_path):
     res = baton("run", str(REPO / "configs" / "tiny-moe.yaml"), home=tmp_path, timeout=1400)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     run_dir = next((tmp_path / "runs").iterdir())
@@ -27,4 +27,6 @@ def test_tiny_moe_runs_every_stage_and_vllm_serves_the_mixtral(tmp_path):
     assert stages["finetune"]["backend"].startswith("ZeRO-3")
     serve = {c["name"]: c for c in stages["serve"]["gate"]["checks"]}
     assert serve["preflight.architectures"]["detail"] == "config.json architectures=['MixtralForCausalLM']"
-    assert serve["vllm.smoke.greedy_parity"]["passed"], serve["vllm.smoke.greedy_parity"]["detail"]
+    for engine in ("vllm", "sglang"):
+        parity = serve[f"{engine}.smoke.greedy_parity"]
+        assert parity["passed"] and parity["detail"].startswith("4 prompts x 16 tokens identical to HF"), parity
