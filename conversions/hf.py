@@ -48,12 +48,33 @@ def qwen2_config(arch: dict, vocab_size: int | None = None, **special_tokens):
                        architectures=["Qwen2ForCausalLM"], **special_tokens)
 
 
+def mixtral_config(arch: dict, vocab_size: int | None = None, **special_tokens):
+    """transformers.MixtralConfig: a Llama whose every MLP is a mixture of experts (the architecture dict's `moe`)."""
+    from transformers import MixtralConfig
+
+    moe = arch["moe"]
+    fields = {**_decoder_fields(arch, vocab_size),
+              "intermediate_size": moe.get("expert_ffn_hidden_size") or arch["ffn_hidden_size"]}
+    return MixtralConfig(**fields, head_dim=arch["hidden_size"] // arch["num_attention_heads"],
+                         num_local_experts=moe["num_experts"], num_experts_per_tok=moe["top_k"],
+                         router_aux_loss_coef=moe.get("aux_loss_coef") or 0.0, router_jitter_noise=0.0,
+                         sliding_window=None, architectures=["MixtralForCausalLM"], **special_tokens)
+
+
 DECODER_CONFIGS = {"llama": llama_config, "qwen2": qwen2_config}  # the architecture dict's `arch` (model.arch)
+MOE_DECODER_CONFIGS = {"llama": mixtral_config}  # the same families with model.moe: the MLPs are experts
 
 
 def decoder_config(arch: dict, vocab_size: int | None = None, **special_tokens):
-    """The transformers config of the architecture dict's family (`arch`; a dict without one is a Llama)."""
-    return DECODER_CONFIGS[arch.get("arch") or "llama"](arch, vocab_size, **special_tokens)
+    """The transformers config of the architecture dict's family (`arch`; a dict without one is a Llama), its MoE
+    form when the dict has `moe`."""
+    family = arch.get("arch") or "llama"
+    if arch.get("moe"):
+        if family not in MOE_DECODER_CONFIGS:
+            raise Refused(f"model.arch {family} with model.moe: no HF mixture-of-experts layout for it (mapped: "
+                          f"{', '.join(MOE_DECODER_CONFIGS)} → Mixtral)")
+        return MOE_DECODER_CONFIGS[family](arch, vocab_size, **special_tokens)
+    return DECODER_CONFIGS[family](arch, vocab_size, **special_tokens)
 
 
 # model.moe's keys → (Megatron-Core's TransformerConfig field, the HF config keys that hold it: the first present wins;

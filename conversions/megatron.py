@@ -16,7 +16,13 @@ Megatron layouts that differ from HF:
 - embedding and output rows are padded (to a multiple of make_vocab_size_divisible_by × TP): rows past the
   tokenizer's vocabulary are dropped on export and zero-filled on import;
 - layer norms live under the TE names (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`) for both the
-  local and the Transformer Engine layer specs.
+  local and the Transformer Engine layer specs, a mixture of experts' pre-MLP norm too.
+
+A mixture of experts (the architecture's `moe`, a Llama family model) is HF's Mixtral: the router
+`decoder.layers.mlp.router.weight` [layers, experts, hidden] is `block_sparse_moe.gate.weight`, and the experts are
+stacked on a second axis, `decoder.layers.mlp.experts.experts.linear_fc1.weight` [layers, experts, 2·ffn, hidden]
+([gate; up] as the dense fc1: Mixtral's w1 and w3) and `linear_fc2` [layers, experts, hidden, ffn] (w2), whatever EP
+layout wrote them.
 """
 from __future__ import annotations
 
@@ -45,10 +51,19 @@ METADATA_FILE = "metadata.json"
 TORCH_DIST_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                        "common_backend": "torch", "common_backend_version": 1}
 QKV_BIAS = "decoder.layers.self_attention.linear_qkv.bias"  # only in families with q/k/v biases
+MOE_LAYER = {  # a mixture of experts' MLP: the router and the experts, in place of LAYER's fc1 and fc2
+    "router": "decoder.layers.mlp.router.weight",
+    "experts_fc1": "decoder.layers.mlp.experts.experts.linear_fc1.weight",
+    "experts_fc2": "decoder.layers.mlp.experts.experts.linear_fc2.weight",
+}
+# Mixtral's names for one layer's mixture of experts, under model.layers.<i>.
+MIXTRAL_ROUTER = "block_sparse_moe.gate.weight"
+MIXTRAL_EXPERT = "block_sparse_moe.experts.{e}.{w}.weight"  # w1 gate, w3 up, w2 down
 ARCH_KEY = "baton_architecture"   # common.pt entry: the checkpoint describes its own architecture
 # The HF architectures from_hf maps onto Megatron's GPT, and the family each is recorded as (the architecture dict's
 # `arch`, the pipeline's model.arch); the export writes the family's HF class back (a Mistral comes back a Llama).
-FAMILY_OF_HF = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+FAMILY_OF_HF = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                "MixtralForCausalLM": "llama"}
 FROM_HF_ARCHITECTURES = tuple(FAMILY_OF_HF)
 QKV_BIAS_FAMILIES = ("qwen2",)
 PROBE_MAX_PARAMS = 2_000_000_000  # from_hf computes the HF model's probe logits up to this size (one fp32 copy)
@@ -74,8 +89,36 @@ def has_qkv_bias(arch: dict) -> bool:
 
 
 def layer_keys(arch: dict) -> dict[str, str]:
-    """The stacked per-layer tensors of this family: LAYER, plus the fused q/k/v bias where it has one."""
-    return {**LAYER, "qkv_bias": QKV_BIAS} if has_qkv_bias(arch) else dict(LAYER)
+    """The stacked per-layer tensors of this family: LAYER, plus the fused q/k/v bias where it has one; a mixture
+    of experts' router and experts in place of the dense fc1 and fc2."""
+    keys = {**LAYER, "qkv_bias": QKV_BIAS} if has_qkv_bias(arch) else dict(LAYER)
+    if moe(arch):
+        del keys["fc1"], keys["fc2"]
+        keys.update(MOE_LAYER)
+    return keys
+
+
+def moe(arch: dict) -> dict | None:
+    """The architecture dict's mixture of experts (model.moe's keys), or None for a dense MLP."""
+    value = arch.get("moe")
+    return value if isinstance(value, dict) and value.get("num_experts") else None
+
+
+def expert_ffn(arch: dict) -> int:
+    """One expert's SwiGLU width: model.moe.expert_ffn_hidden_size, else the dense model.ffn_hidden_size."""
+    return int(moe(arch).get("expert_ffn_hidden_size") or arch["ffn_hidden_size"])
+
+
+def moe_transformer_fields(arch: dict) -> dict:
+    """model.moe in Megatron-Core's TransformerConfig names (hf.MOE_NAMES, the one table of both vocabularies)."""
+    m = moe(arch)
+    if m is None:
+        return {}
+    values = {**m, "expert_ffn_hidden_size": expert_ffn(arch)}
+    fields = {hf.MOE_NAMES[key][0]: values[key] for key in hf.MOE_NAMES if values.get(key) is not None}
+    if not fields.get("moe_shared_expert_intermediate_size"):
+        fields.pop("moe_shared_expert_intermediate_size", None)  # Megatron reads 0 as a shared expert of width 0
+    return fields
 
 
 def is_dist_checkpoint(root: Path) -> bool:
@@ -230,7 +273,8 @@ def hf_plan(r: DistReader, arch: dict) -> list[safetensors_stream.PlannedTensor]
     heads, groups, hidden = arch["num_attention_heads"], arch["num_query_groups"], arch["hidden_size"]
     head_dim = arch.get("kv_channels") or hidden // heads
     vocab, layers = int(arch["vocab_size"]), r.shape(LAYER["qkv"])[0]
-    ffn = r.shape(LAYER["fc1"])[1] // 2
+    experts = moe(arch)
+    ffn = (r.shape(MOE_LAYER["experts_fc1"])[2] if experts else r.shape(LAYER["fc1"])[1]) // 2
     qkv = _QkvSlice(r)
     plan = []
 
@@ -252,6 +296,30 @@ def hf_plan(r: DistReader, arch: dict) -> list[safetensors_stream.PlannedTensor]
     def half(lo, i):  # gate (rows [0, ffn)) or up (rows [ffn, 2·ffn)) of linear_fc1
         return lambda: _layer_box(r, LAYER["fc1"], i, (lo, lo + ffn))
 
+    def expert(role, i, e, rows=None):  # expert e of layer i: its fc2, or rows [lo, hi) of its fc1
+        key = MOE_LAYER[role]
+        shape = r.shape(key)
+        lo, hi = rows or (0, shape[2])
+        return lambda: r.read({key: ((i, e, lo, 0), (1, 1, hi - lo, shape[3]))})[key][0, 0]
+
+    def mlp(p, i):
+        if not experts:
+            add(p + "mlp.gate_proj.weight", LAYER["fc1"], (ffn, hidden), half(0, i))
+            add(p + "mlp.up_proj.weight", LAYER["fc1"], (ffn, hidden), half(ffn, i))
+            add(p + "mlp.down_proj.weight", LAYER["fc2"], r.shape(LAYER["fc2"])[1:], whole("fc2", i))
+            return
+        add(p + MIXTRAL_ROUTER, MOE_LAYER["router"], r.shape(MOE_LAYER["router"])[1:], whole_moe("router", i))
+        for e in range(r.shape(MOE_LAYER["router"])[1]):
+            name = p + MIXTRAL_EXPERT
+            add(name.format(e=e, w="w1"), MOE_LAYER["experts_fc1"], (ffn, hidden), expert("experts_fc1", i, e, (0, ffn)))
+            add(name.format(e=e, w="w2"), MOE_LAYER["experts_fc2"], r.shape(MOE_LAYER["experts_fc2"])[2:],
+                expert("experts_fc2", i, e))
+            add(name.format(e=e, w="w3"), MOE_LAYER["experts_fc1"], (ffn, hidden),
+                expert("experts_fc1", i, e, (ffn, 2 * ffn)))
+
+    def whole_moe(role, i):
+        return lambda: _layer_box(r, MOE_LAYER[role], i)
+
     add("model.embed_tokens.weight", EMBEDDING, (vocab, hidden), rows(EMBEDDING))
     if not arch.get("tie_word_embeddings", False):
         add("lm_head.weight", OUTPUT, (vocab, hidden), rows(OUTPUT))
@@ -268,9 +336,7 @@ def hf_plan(r: DistReader, arch: dict) -> list[safetensors_stream.PlannedTensor]
             add(p + "self_attn.v_proj.bias", QKV_BIAS, (groups * head_dim,), bias_part(2, i))
         add(p + "self_attn.o_proj.weight", LAYER["proj"], r.shape(LAYER["proj"])[1:], whole("proj", i))
         add(p + "post_attention_layernorm.weight", LAYER["mlp_norm"], (hidden,), whole("mlp_norm", i))
-        add(p + "mlp.gate_proj.weight", LAYER["fc1"], (ffn, hidden), half(0, i))
-        add(p + "mlp.up_proj.weight", LAYER["fc1"], (ffn, hidden), half(ffn, i))
-        add(p + "mlp.down_proj.weight", LAYER["fc2"], r.shape(LAYER["fc2"])[1:], whole("fc2", i))
+        mlp(p, i)
     return plan
 
 
@@ -294,6 +360,13 @@ def to_hf(src: Path, dst: Path, *, max_shard_bytes: int = 2 << 30) -> dict:
         raise MegatronCheckpointError(f"{src}: untied embeddings but no {OUTPUT} in the checkpoint")
     if has_qkv_bias(arch) and r.shape(QKV_BIAS) is None:
         raise MegatronCheckpointError(f"{src}: a {family(arch)} model without {QKV_BIAS} in the checkpoint")
+    missing = [k for k in layer_keys(arch).values() if r.shape(k) is None]
+    if missing:
+        raise MegatronCheckpointError(f"{src}: no {missing[0]} in the checkpoint (its architecture "
+                                      f"{'has' if moe(arch) else 'has no'} mixture of experts)")
+    if moe(arch) and r.shape(MOE_LAYER["router"])[1] != moe(arch)["num_experts"]:
+        raise MegatronCheckpointError(f"{src}: {r.shape(MOE_LAYER['router'])[1]} experts in the weights, "
+                                      f"{moe(arch)['num_experts']} in the architecture")
 
     safetensors_stream.write(dst, hf_plan(r, arch), max_shard_bytes)
     tok_src = src / "tokenizer"
@@ -330,6 +403,7 @@ def hf_architecture(config: dict) -> dict:
         "rope_theta": float(config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
         "norm_eps": config.get("rms_norm_eps", 1e-5), "init_std": config.get("initializer_range", 0.02),
         "kv_channels": config.get("head_dim") or config["hidden_size"] // heads,
+        **({"moe": experts} if (experts := hf.moe_of_hf_config(config)) else {}),
     }
 
 
@@ -404,8 +478,9 @@ def from_hf(src: Path, dst: Path, *, max_shard_bytes: int = 2 << 30, divisible_b
                              get(p + "self_attn.v_proj.weight"), heads, groups, head_dim),
             "proj": get(p + "self_attn.o_proj.weight"),
             "mlp_norm": get(p + "post_attention_layernorm.weight"),
-            "fc1": torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")], dim=0),
-            "fc2": get(p + "mlp.down_proj.weight"),
+            **(_hf_experts(get, p, arch) if moe(arch) else {
+                "fc1": torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")], dim=0),
+                "fc2": get(p + "mlp.down_proj.weight")}),
         }
         if "qkv_bias" in keys:
             per["qkv_bias"] = merge_qkv(get(p + "self_attn.q_proj.bias"), get(p + "self_attn.k_proj.bias"),
@@ -423,6 +498,17 @@ def from_hf(src: Path, dst: Path, *, max_shard_bytes: int = 2 << 30, divisible_b
             "padded_vocab_size": padded, "architecture": arch, "tokenizer_files": copied, "weights_only": True}
 
 
+def _hf_experts(get, p: str, arch: dict) -> dict:
+    """One Mixtral layer's router and experts (files under model.layers.<i>.) as Megatron stacks them per layer."""
+    import torch
+
+    n = moe(arch)["num_experts"]
+    names = [{w: p + MIXTRAL_EXPERT.format(e=e, w=w) for w in ("w1", "w2", "w3")} for e in range(n)]
+    return {"router": get(p + MIXTRAL_ROUTER),
+            "experts_fc1": torch.stack([torch.cat([get(e["w1"]), get(e["w3"])], dim=0) for e in names]),
+            "experts_fc2": torch.stack([get(e["w2"]) for e in names])}
+
+
 def _write_weights_only(state: dict, arch: dict, dst: Path) -> None:
     """The folder a Megatron run starts from: the weights (torch's own torch_dist writer), common.pt with the
     architecture, metadata.json."""
@@ -436,6 +522,13 @@ def _write_weights_only(state: dict, arch: dict, dst: Path) -> None:
     (dst / METADATA_FILE).write_text(json.dumps(TORCH_DIST_METADATA))
 
 
+def _plain(value) -> bool:
+    """A value the rewritten common.pt may carry: a scalar, or a flat dict of them (the architecture's `moe`)."""
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and (v is None or type(v) in (bool, int, float, str)) for k, v in value.items())
+    return type(value) in (bool, int, float, str)
+
+
 def rewrite(src: Path, dst: Path) -> dict:
     """A torch_dist checkpoint baton did not write → a fresh weights-only one it did, from the tensors its own reader
     parsed (the weights from_hf writes, bit for bit) and the source's probe logits: what a Megatron run may start from.
@@ -443,7 +536,7 @@ def rewrite(src: Path, dst: Path) -> dict:
     that baton's restricted reader only ever sees as inert records."""
     src, dst = Path(src), Path(dst)
     reader = DistReader(src)
-    arch = {k: v for k, v in architecture(src).items() if type(v) in (bool, int, float, str)}
+    arch = {k: v for k, v in architecture(src).items() if _plain(v)}
     keys = [EMBEDDING, FINAL_NORM, *layer_keys(arch).values(),
             *([] if arch.get("tie_word_embeddings") else [OUTPUT])]
     missing = [k for k in keys if reader.shape(k) is None]

@@ -222,10 +222,37 @@ def roundtrip(root: Path) -> list[dict]:
 # ---- L1 against the source -----------------------------------------------------------------------------------------
 def source_parity(root: Path, src: Path) -> list[dict]:
     """The checks of an HF folder against the checkpoint it was converted from, where that format has a reader in
-    the engine's own parameter names (DeepSpeed ZeRO); none for other sources."""
-    if _format_of(Path(src)) != Format.DEEPSPEED_ZERO:
-        return []
-    return _guarded("L1.source_tensors", lambda: source_tensors(Path(root), Path(src)))
+    the engine's own parameter names (DeepSpeed ZeRO), and for a Megatron mixture of experts (whose experts can be
+    written in the wrong order or transposed without a shape telling); none for other sources."""
+    fmt = _format_of(Path(src))
+    if fmt == Format.DEEPSPEED_ZERO:
+        return _guarded("L1.source_tensors", lambda: source_tensors(Path(root), Path(src)))
+    if fmt == Format.MEGATRON_DIST and _megatron_moe(Path(src)):
+        return _guarded("L1.source_tensors", lambda: megatron_source_tensors(Path(root), Path(src)))
+    return []
+
+
+def _megatron_moe(src: Path) -> bool:
+    from . import megatron
+
+    try:
+        return megatron.moe(megatron.architecture(src)) is not None
+    except megatron.MegatronCheckpointError:
+        return False
+
+
+def megatron_source_tensors(root: Path, src: Path) -> list[dict]:
+    """An HF folder converted from a Megatron mixture of experts: every file tensor equals the box of the dist
+    checkpoint it comes from (read again from the source, one layer's expert at a time), differences named."""
+    from . import megatron
+
+    plan = megatron.hf_plan(megatron.DistReader(src), megatron.architecture(src))
+    want = {t.name: t.produce() for t in plan}
+    problems = _differences(root, want) + [f"{n}: not in the source" for n in sorted(set(hf.tensor_shapes(root))
+                                                                                     - set(want))]
+    detail = "; ".join(problems[:5]) + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "") \
+        if problems else f"{len(want)} tensors equal the source's ({Path(src).name})"
+    return [check("L1.source_tensors", not problems, detail)]
 
 
 def source_tensors(root: Path, src: Path) -> list[dict]:
@@ -271,6 +298,12 @@ def _named_differences(root: Path, params: dict) -> list[str]:
 
     readers = {n: (torch.Size(t.shape), t.dtype, t.produce) for n, t in params.items()}
     want = {name: read() for name, (_, _, read) in hf_layout.file_layout(hf_layout.meta_model(root), readers).items()}
+    return _differences(root, want)
+
+
+def _differences(root: Path, want: dict) -> list[str]:
+    """The files' tensors against `want` ({file tensor name: the source's tensor}), each difference named: missing,
+    transposed, another shape, or holding another of the source's tensors (the wrong order)."""
     present = hf.tensor_shapes(root)
     problems = []
     with hf.TensorReader(root) as read:

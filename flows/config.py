@@ -69,9 +69,9 @@ class ModelConfig(StrictModel):
     norm_eps: float = Field(1e-5, description="RMSNorm epsilon")
     init_std: float = Field(0.02, description="standard deviation of the random weight initialisation")
     moe: MoeConfig | None = Field(
-        None, description="a mixture of experts (unset: a dense MLP). `baton plan` counts its total and active "
-                          "parameters; Megatron MoE pretraining is not wired yet, an HF MoE runs --from through "
-                          "rlhf and finetune (docs/moe.md)")
+        None, description="a mixture of experts (unset: a dense MLP): Megatron pretrains it (pretrain.expert_parallel) "
+                          "and exports it as an HF Mixtral; an HF MoE runs --from through rlhf and finetune; `baton "
+                          "plan` counts its total and active parameters (docs/moe.md)")
     chat_template: str | None = Field(
         None, description="a Jinja chat template, or a path to a template file, used when the input HF checkpoint has "
                           "none: written into the tokenizer the data, rlhf and finetune stages use and their outputs")

@@ -58,8 +58,9 @@ METRICS = {
     TRAIN_LOSS: ("", "training loss of the step (mean over ranks; TRL's own loss in rlhf)"),
     TRAIN_LR: ("", "learning rate of the step"),
     TRAIN_GRAD_NORM: ("", "gradient norm (pretrain, rlhf)"),
-    TRAIN_ROUTER_AUX_LOSS: ("", "finetune of a mixture of experts: the router's load-balancing loss (train/loss "
-                                "includes it times router_aux_loss_coef)"),
+    TRAIN_ROUTER_AUX_LOSS: ("", "a mixture of experts' router load-balancing loss, before its coefficient: "
+                                "finetune (train/loss includes it times router_aux_loss_coef), pretrain (Megatron's, "
+                                "mean over MoE layers; train/loss is the language-model loss alone)"),
     "train/<trl_log>": ("", "rlhf: TRL's other logs, '/' → '_' (train/rewards_margins, train/logps_chosen, ...)"),
     STEP_TIME_S: ("s", "wall time of the optimizer step"),
     TOKENS_PER_S: ("tokens/s", "training tokens per second, all ranks together"),

@@ -116,7 +116,7 @@ def test_mixtral_8x7b_total_and_active_parameters_match_the_published_counts(cap
     assert mp.breakdown(moe, lay, 4096, "bf16", "cuda").weights == 2 * moe.params()
 
 
-def test_the_model_moe_section_is_planned_and_pretraining_it_is_refused(tmp_path, capsys):
+def test_the_model_moe_section_is_planned_and_pretraining_its_shared_expert_is_refused(tmp_path, capsys):
     from flows.config import ConfigError, load
 
     cfg = tmp_path / "moe.yaml"
@@ -127,7 +127,8 @@ def test_the_model_moe_section_is_planned_and_pretraining_it_is_refused(tmp_path
     assert "active per token (top-2 of 4 experts of ffn 96 and a shared expert of ffn 64)" in out, out
     shape = mp.shape_of_model(load(cfg).model)
     assert (shape.experts, shape.top_k, shape.expert_ffn, shape.shared_ffn) == (4, 2, 96, 64)
-    with pytest.raises(ConfigError, match="model.moe: Megatron MoE pretraining is not wired yet"):
+    with pytest.raises(ConfigError, match="shared_expert_ffn_hidden_size 64: Megatron pretraining here exports to "
+                                          "Mixtral, which has no shared expert"):
         load(cfg, stages=["data", "pretrain"])
     with pytest.raises(ConfigError, match="top_k 5 is more than num_experts 4"):
         load(cfg, ["model.moe.top_k=5"])

@@ -48,6 +48,21 @@ def test_tiny_pretrain_config_is_valid():
     (["pretrain.warmup_steps=100", "pretrain.steps=50"], "warmup_steps 100 must be below steps 50"),
     (["pretrain.micro_batch_size=0"], "pretrain.micro_batch_size"),
     (["pretrain.unknown_knob=1"], "pretrain.unknown_knob: unknown key"),
+    (["pretrain.expert_parallel=2", "pretrain.nproc_per_node=2"],
+     "pretrain.expert_parallel 2 needs model.moe (a dense model has no experts to split)"),
+    (["model.moe.num_experts=3", "pretrain.expert_parallel=2", "pretrain.nproc_per_node=2"],
+     "pretrain.expert_parallel 2: model.moe.num_experts 3 is not divisible by it"),
+    (["model.moe.num_experts=4", "pretrain.expert_parallel=2"],
+     "pretrain.expert_parallel 2: data parallel 1 (= 1 ranks / (tensor_parallel 1 × pipeline_parallel 1)) is not "
+     "divisible by it"),
+    (["model.moe.num_experts=4", "model.moe.expert_ffn_hidden_size=45", "pretrain.tensor_parallel=2",
+      "pretrain.nproc_per_node=2"], "the experts' FFN width 45 is not divisible by it"),
+    (["model.moe.num_experts=4", "pretrain.tensor_parallel=2", "pretrain.nproc_per_node=2"],
+     "pretrain.sequence_parallel must be true with model.moe and tensor_parallel 2"),
+    (["model.moe.num_experts=4", "pretrain.tensor_parallel=2", "pretrain.nproc_per_node=2",
+      "pretrain.sequence_parallel=true"], "pretrain.tensor_parallel 2 with model.moe on CPU: Megatron trains an MoE "
+                                          "under TP only with sequence parallel, which the local layer spec's torch "
+                                          "RMSNorm refuses"),
 ])
 def test_bad_layouts_are_named_before_launch(overrides, message):
     assert message in _errors(*overrides)

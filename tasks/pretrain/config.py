@@ -24,6 +24,11 @@ class PretrainConfig(TrainingConfig):
     virtual_pipeline_parallel: int | None = Field(
         None, ge=1, description="--virtual-pipeline-model-parallel-size: model chunks per pipeline rank (interleaved "
                                 "1F1B, a smaller bubble); needs pipeline_parallel > 1")
+    expert_parallel: int = Field(
+        1, ge=1, description="--expert-model-parallel-size: ranks each MoE layer's experts are split over (model.moe); "
+                             "divides data parallel and model.moe.num_experts")
+    moe_token_dispatcher: Literal["allgather", "alltoall"] = Field(
+        "allgather", description="--moe-token-dispatcher-type: how tokens reach their experts' ranks (model.moe)")
     micro_batch_size: int = Field(8, ge=1, description="sequences per rank per forward/backward pass")
     global_batch_size: int | None = Field(16, ge=1, description="sequences per optimizer step, over all DP ranks")
     lr: float = Field(3e-3, gt=0, description="peak learning rate")
@@ -103,14 +108,44 @@ def validate(cfg: PretrainConfig, pipeline) -> list[ConfigProblem]:
     if cfg.overlap_param_gather and not cfg.distributed_optimizer:
         e.append(ConfigProblem("pretrain.overlap_param_gather", "pretrain.overlap_param_gather needs "
                                "distributed_optimizer: true"))
-    if getattr(m, "moe", None) is not None:
-        e.append(ConfigProblem("model.moe", "model.moe: Megatron MoE pretraining is not wired yet (issue 41); an HF "
-                               "mixture of experts runs --from through rlhf and finetune (docs/moe.md)"))
+    e += expert_errors(cfg, m)
     if cfg.warmup_steps >= cfg.steps:
         e.append(ConfigProblem("pretrain.warmup_steps", f"pretrain.warmup_steps {cfg.warmup_steps} must be below "
                                f"steps {cfg.steps}"))
     if cfg.min_lr > cfg.lr:
         e.append(ConfigProblem("pretrain.min_lr", f"pretrain.min_lr {cfg.min_lr} is above lr {cfg.lr}"))
+    return e
+
+
+def expert_errors(cfg: PretrainConfig, model) -> list[ConfigProblem]:
+    """Expert parallel: each MoE layer's experts are split evenly over EP ranks, which Megatron carves out of the data
+    parallel ranks (the expert tensor parallel size is TP's)."""
+    ep, moe = cfg.expert_parallel, getattr(model, "moe", None)
+    if moe is None:
+        return [] if ep == 1 else [ConfigProblem("pretrain.expert_parallel", f"pretrain.expert_parallel {ep} needs "
+                                                 "model.moe (a dense model has no experts to split)")]
+    e = []
+    if moe.shared_expert_ffn_hidden_size:
+        e.append(ConfigProblem("model.moe.shared_expert_ffn_hidden_size", "model.moe.shared_expert_ffn_hidden_size "
+                               f"{moe.shared_expert_ffn_hidden_size}: Megatron pretraining here exports to Mixtral, "
+                               "which has no shared expert; set it to 0 (a shared expert runs --from an HF Qwen2-MoE "
+                               "through finetune)"))
+    if moe.num_experts % ep:
+        e.append(ConfigProblem("pretrain.expert_parallel", f"pretrain.expert_parallel {ep}: model.moe.num_experts "
+                               f"{moe.num_experts} is not divisible by it", involves=("model.moe.num_experts",)))
+    world, tp, pp = cfg.world_size(), cfg.tensor_parallel, cfg.pipeline_parallel
+    if world % (tp * pp) == 0 and cfg.data_parallel() % ep:
+        e.append(ConfigProblem("pretrain.expert_parallel", f"pretrain.expert_parallel {ep}: data parallel "
+                               f"{cfg.data_parallel()} (= {world} ranks / (tensor_parallel {tp} × pipeline_parallel "
+                               f"{pp})) is not divisible by it; expert parallel ranks are data parallel ranks"))
+    if tp > 1 and not cfg.sequence_parallel:
+        e.append(ConfigProblem("pretrain.sequence_parallel", f"pretrain.sequence_parallel must be true with "
+                               f"model.moe and tensor_parallel {tp} (Megatron's MoE layer refuses to train under "
+                               "tensor parallel without it)", involves=("pretrain.tensor_parallel",)))
+    if moe.expert_ffn(model) % tp:
+        e.append(ConfigProblem("pretrain.tensor_parallel", f"pretrain.tensor_parallel {tp}: the experts' FFN width "
+                               f"{moe.expert_ffn(model)} is not divisible by it",
+                               involves=("model.moe.expert_ffn_hidden_size",)))
     return e
 
 
@@ -132,6 +167,11 @@ def host_errors(cfg: PretrainConfig, pipeline=None) -> list[ConfigProblem]:
         if cfg.transformer_impl == "transformer_engine":
             e.append(ConfigProblem("pretrain.transformer_impl", "pretrain.transformer_impl transformer_engine needs "
                                    "a GPU"))
+        if pipeline is not None and getattr(pipeline.model, "moe", None) and cfg.tensor_parallel > 1:
+            e.append(ConfigProblem("pretrain.tensor_parallel", f"pretrain.tensor_parallel {cfg.tensor_parallel} "
+                                   "with model.moe on CPU: Megatron trains an MoE under TP only with sequence "
+                                   "parallel, which the local layer spec's torch RMSNorm refuses; split the experts "
+                                   "with expert_parallel instead (TP × EP runs on a GPU with Transformer Engine)"))
     return e + fp8_errors(cfg, device)
 
 

@@ -34,6 +34,9 @@ def layout() -> dict:
     vp = ps.get_virtual_pipeline_model_parallel_world_size()
     if vp is not None:
         out["virtual_pipeline_parallel"] = vp
+    ep = ps.get_expert_model_parallel_world_size()
+    if ep > 1:
+        out["expert_parallel"] = ep
     return out
 
 

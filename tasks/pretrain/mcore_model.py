@@ -14,7 +14,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 
-from conversions.megatron import has_qkv_bias
+from conversions.megatron import expert_ffn, has_qkv_bias, moe, moe_transformer_fields
 from sdpa_attention import SdpaAttention
 
 # Peak dense TFLOP/s of one rank, for MFU when the config does not state it. GPU numbers are the vendor's dense
@@ -34,19 +34,20 @@ INITIAL_LOSS_SCALE = 2.0**16
 MIN_LOSS_SCALE = 1.0
 
 
-def layer_spec(impl: str, on_gpu: bool, attention: str):
+def layer_spec(impl: str, on_gpu: bool, attention: str, num_experts: int | None = None):
     """Transformer Engine's spec where asked for (or `auto` on a GPU that has it), else the local spec, whose core
-    attention is torch SDPA or Megatron's unfused DotProductAttention (`pretrain.attention`)."""
+    attention is torch SDPA or Megatron's unfused DotProductAttention (`pretrain.attention`). With `num_experts` the
+    MLP is Megatron's MoE layer (router, token dispatcher, experts: a SequentialMLP of linear layers locally)."""
     if impl != "local" and on_gpu:
         try:
             from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
             import transformer_engine  # noqa: F401
 
-            return get_gpt_layer_with_transformer_engine_spec(), "transformer_engine"
+            return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts), "transformer_engine"
         except ImportError:
             if impl == "transformer_engine":
                 raise
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, normalization="RMSNorm")
     if attention == "sdpa":
         spec.submodules.self_attention.submodules.core_attention = SdpaAttention
         return spec, "local (sdpa attention)"
@@ -75,7 +76,21 @@ def transformer_config(arch: dict, cfg: dict, on_gpu: bool) -> TransformerConfig
         # fusions are CUDA kernels; Megatron falls back to plain torch with them off
         bias_activation_fusion=on_gpu, masked_softmax_fusion=False, persist_layer_norm=False,
         bias_dropout_fusion=on_gpu, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+        **moe_fields(arch, cfg),
     )
+
+
+def moe_fields(arch: dict, cfg: dict) -> dict:
+    """A mixture of experts in every layer: model.moe in Megatron's names, experts split over `expert_parallel` ranks,
+    tokens dispatched by all-gather or all-to-all. Routing as Mixtral's: the top-k logits, then a softmax over them
+    (Megatron's default, equal to HF's softmax → top-k → renormalise)."""
+    if moe(arch) is None:
+        return {}
+    fields = moe_transformer_fields(arch)
+    return {**fields, "expert_model_parallel_size": cfg["expert_parallel"],
+            "moe_token_dispatcher_type": cfg["moe_token_dispatcher"], "moe_router_pre_softmax": False,
+            "moe_router_load_balancing_type": "aux_loss" if fields.get("moe_aux_loss_coeff") else "none",
+            "moe_grouped_gemm": False}
 
 
 def gpt_chunks(config: TransformerConfig, spec, arch: dict, padded_vocab: int, seq_length: int) -> list[GPTModel]:
@@ -91,6 +106,18 @@ def gpt_chunks(config: TransformerConfig, spec, arch: dict, padded_vocab: int, s
         share_embeddings_and_output_weights=arch["tie_word_embeddings"], parallel_output=True,
         position_embedding_type="rope", rotary_base=int(arch["rope_theta"]), vp_stage=i,
     ) for i in stages]
+
+
+def experts_apart(chunks: list[GPTModel]) -> None:
+    """Keep the experts' parameters in their own gradient buffers and optimizer at every expert-parallel size.
+    Megatron does so only under EP > 1 (it marks them `allreduce=False`; get_megatron_optimizer then chains a
+    second optimizer whose state is saved under `chained_1.`); at EP 1 one optimizer would hold them, and a checkpoint
+    could not resume under another EP. At EP 1 the experts' data-parallel group is the data-parallel group, so their
+    gradients are reduced and scaled exactly as before."""
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            if ".mlp.experts." in name:
+                param.allreduce = False
 
 
 def in_precision(chunks: list[GPTModel], config: TransformerConfig) -> list:
@@ -149,12 +176,17 @@ def optimizer_and_scheduler(ddps: list[DistributedDataParallel], config: Transfo
 
 
 def flops_per_token(arch: dict, padded_vocab: int, seq_length: int) -> float:
-    """Training FLOPs per token (forward + backward = 3 × forward): every matmul weight twice per token, plus the
-    attention scores and values (causal masking not subtracted, as MFU is usually quoted)."""
+    """Training FLOPs per token (forward + backward = 3 × forward): every matmul weight a token meets twice (of a
+    mixture of experts, its top-k experts and the router), plus the attention scores and values (causal masking not
+    subtracted, as MFU is usually quoted)."""
     h, L = arch["hidden_size"], arch["num_layers"]
     heads, groups = arch["num_attention_heads"], arch["num_query_groups"]
     d = h // heads
-    per_layer = h * (heads + 2 * groups) * d + heads * d * h + 3 * h * arch["ffn_hidden_size"]
+    mlp = 3 * h * arch["ffn_hidden_size"]
+    if m := moe(arch):  # the experts a token goes through, and the router
+        mlp = m["top_k"] * 3 * h * expert_ffn(arch) + h * m["num_experts"]
+        mlp += 3 * h * (m.get("shared_expert_ffn_hidden_size") or 0)
+    per_layer = h * (heads + 2 * groups) * d + heads * d * h + mlp
     matmul_params = L * per_layer + h * padded_vocab
     attention = L * 2 * 2 * seq_length * heads * d
     return 3.0 * (2.0 * matmul_params + attention)

@@ -39,6 +39,12 @@ def tokenizer_vocab(tok_dir: Path) -> int:
     return Tokenizer.from_file(str(tok_dir / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
 
 
+def experts(arch: dict) -> tuple[int, int, int] | None:
+    """A mixture of experts' shape as an input must match it: experts, top-k, one expert's FFN width (None: dense)."""
+    moe = megatron.moe(arch)
+    return None if moe is None else (moe["num_experts"], moe["top_k"], megatron.expert_ffn(arch))
+
+
 def check_data(ctx: StageContext) -> int:
     """The data stage's output is complete; returns its tokenizer's vocabulary size."""
     if ctx.data_dir is None or not (ctx.data_dir / "tokenizer").exists():
@@ -59,9 +65,13 @@ def build_spec(ctx: StageContext, cfg: PretrainConfig, vocab: int | None = None)
         if ctx.input_format not in (None, Format.MEGATRON_DIST):
             raise PretrainInputError(f"pretrain reads {Format.MEGATRON_DIST} checkpoints, not {ctx.input_format}")
         src = checkpoint_architecture(ctx.input)
-        diff = {k: (src.get(k), arch.get(k)) for k in SHAPE_KEYS if k in src and src.get(k) != arch.get(k)}
+        # a mixture of experts has no dense MLP: its width is the experts' (an HF Mixtral states only that one)
+        keys = [k for k in SHAPE_KEYS if not (k == "ffn_hidden_size" and experts(src) and experts(arch))]
+        diff = {k: (src.get(k), arch.get(k)) for k in keys if k in src and src.get(k) != arch.get(k)}
         if megatron.family(src) != megatron.family(arch):  # Qwen2's q/k/v biases have no place in a Llama, nor back
             diff["arch"] = (megatron.family(src), megatron.family(arch))
+        if experts(src) != experts(arch):  # a dense MLP, or other experts, have no place in the model's layers
+            diff["moe (experts, top-k, expert ffn)"] = (experts(src), experts(arch))
         if diff:
             raise PretrainInputError(f"input {ctx.input}: architecture differs from model: "
                                      + ", ".join(f"{k} {a} (input) vs {b} (model)" for k, (a, b) in diff.items()))
@@ -157,7 +167,8 @@ def gate(out: Path, r: events.PretrainResult, dtype: str = "float32") -> dict:
 def backend(cfg: PretrainConfig, device: str) -> str:
     vp = f"(VP{cfg.virtual_pipeline_parallel} interleaved)" if cfg.virtual_pipeline_parallel else ""
     fp8 = f" fp8 {cfg.fp8}" if cfg.fp8 != "none" else ""
-    return f"TP{cfg.tensor_parallel}×PP{cfg.pipeline_parallel}{vp}×DP{cfg.data_parallel()} {device}{fp8}"
+    ep = f"×EP{cfg.expert_parallel}" if cfg.expert_parallel > 1 else ""
+    return f"TP{cfg.tensor_parallel}×PP{cfg.pipeline_parallel}{vp}×DP{cfg.data_parallel()}{ep} {device}{fp8}"
 
 
 def engine_env(device: str) -> dict:

@@ -11,6 +11,7 @@ Only rank 0 prints events. The spec (JSON) is written by tasks/pretrain/task.py.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import os
 import shutil
@@ -89,15 +90,17 @@ class Run:
 
         cfg, spec = self.cfg, self.spec
         tp, pp, vp = cfg["tensor_parallel"], cfg["pipeline_parallel"], cfg.get("virtual_pipeline_parallel")
+        ep = cfg.get("expert_parallel", 1)
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                     virtual_pipeline_model_parallel_size=vp)
+                                     virtual_pipeline_model_parallel_size=vp, expert_model_parallel_size=ep)
         self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         self.is_last = ps.is_pipeline_last_stage()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         torch.manual_seed(spec["seed"])
         model_parallel_cuda_manual_seed(spec["seed"])
+        experts = f" EP={ep} ({cfg.get('moe_token_dispatcher')} dispatcher)" if self.arch.get("moe") else ""
         self.log(f"world {dist.get_world_size()}: TP={tp} PP={pp}{f' (VP={vp}, interleaved)' if vp else ''} "
-                 f"DP={self.dp}, device {self.device.type}, {cfg['precision']}, fp8 {cfg.get('fp8', 'none')}, seq "
+                 f"DP={self.dp}{experts}, device {self.device.type}, {cfg['precision']}, fp8 {cfg.get('fp8', 'none')}, seq "
                  f"{spec['seq_length']}, micro {cfg['micro_batch_size']}, global {cfg['global_batch_size']}, "
                  f"{cfg['steps']} steps")
 
@@ -120,18 +123,33 @@ class Run:
         import mcore_model as mm
 
         cfg, arch = self.cfg, self.arch
-        self.spec_layers, impl = mm.layer_spec(cfg["transformer_impl"], self.on_gpu, cfg["attention"])
+        experts = (arch.get("moe") or {}).get("num_experts")
+        self.spec_layers, impl = mm.layer_spec(cfg["transformer_impl"], self.on_gpu, cfg["attention"], experts)
         self.tconfig = mm.transformer_config(arch, cfg, self.on_gpu)
         self.padded_vocab = self.spec["padded_vocab_size"]
-        self.chunks = self.new_model()
+        # the config as built: the optimizer then hangs its own functions (and through them process groups) on
+        # tconfig, which a later model build cannot copy (an MoE layer deep-copies its config for the experts' width)
+        self.build_config = copy.deepcopy(self.tconfig)
+        self.chunks = self.new_model(self.tconfig)
         self.ddps = mm.wrap_ddp(mm.in_precision(self.chunks, self.tconfig), self.tconfig, cfg)
         self.optimizer, self.scheduler = mm.optimizer_and_scheduler(self.ddps, self.tconfig, cfg)
         self.fb = get_forward_backward_func()
-        local = sum(p.numel() for chunk in self.chunks for p in chunk.parameters())
-        n_params = self.to_rank0([float(local)], owner=self.dp_rank == 0)[0]
-        self.log(f"GPTModel ({impl} layer spec): {int(n_params):,} parameters over TP×PP, "
+        n_params = self.parameter_count()
+        self.log(f"GPTModel ({impl} layer spec): {int(n_params):,} parameters over TP×PP×EP, "
                  f"{len(self.chunks)} chunk(s) per rank, vocab {arch['vocab_size']} padded to {self.padded_vocab}")
         return n_params, impl
+
+    def parameter_count(self) -> float:
+        """Every parameter once: the replicated ones from data-parallel rank 0, the experts (split over the expert
+        parallel ranks, which Megatron marks `allreduce=False`) from expert-data-parallel rank 0 of each EP group."""
+        from megatron.core import parallel_state as ps
+
+        params = [p for chunk in self.chunks for p in chunk.parameters()]
+        dense = sum(p.numel() for p in params if getattr(p, "allreduce", True))
+        experts = sum(p.numel() for p in params if not getattr(p, "allreduce", True))
+        dense, = self.to_rank0([float(dense)], owner=self.dp_rank == 0)
+        experts, = self.to_rank0([float(experts)], owner=ps.get_expert_data_parallel_rank() == 0)
+        return dense + experts
 
     def starting_point(self, n_params: float, impl: str) -> tuple[int, dict]:
         """Our own newest checkpoint, else the input's weights, else the random init."""
@@ -176,7 +194,7 @@ class Run:
         for it in range(start, steps):  # a re-run after the last step skips straight to finish()
             t0 = time.time()
             with self.profiling(it + 1 in profiled, it + 1):
-                loss, grad_norm = self.train_step(it)
+                loss, grad_norm, aux_loss = self.train_step(it)
             step_time = time.time() - t0
             state["train_time_s"] += step_time
             step = it + 1
@@ -187,7 +205,8 @@ class Run:
                 ev = self.events()
                 ev.metric(step, {ev.TRAIN_LOSS: loss, ev.TRAIN_LR: self.optimizer.param_groups[0]["lr"],
                                  ev.TRAIN_GRAD_NORM: grad_norm, ev.TOKENS_PER_S: tps, ev.STEP_TIME_S: step_time,
-                                 ev.MFU: fpt * tps / (peak * 1e12 * world)})
+                                 ev.MFU: fpt * tps / (peak * 1e12 * world),
+                                 **({ev.TRAIN_ROUTER_AUX_LOSS: aux_loss} if aux_loss is not None else {})})
                 self.events().progress(step, steps)
             if step % cfg["eval_interval"] == 0 or step == steps:
                 self.evaluate(step, state)
@@ -218,10 +237,11 @@ class Run:
         durable.write_bytes(path, (table + "\n").encode())
         self.log(f"step {step} profiled: {path}")
 
-    def new_model(self) -> list:
+    def new_model(self, config) -> list:
         import mcore_model as mm
 
-        chunks = mm.gpt_chunks(self.tconfig, self.spec_layers, self.arch, self.padded_vocab, self.spec["seq_length"])
+        chunks = mm.gpt_chunks(config, self.spec_layers, self.arch, self.padded_vocab, self.spec["seq_length"])
+        mm.experts_apart(chunks)
         return [chunk.to(self.device) for chunk in chunks]
 
     def schedule(self, step_func, batches, num_micro: int, seq_length: int, micro_batch_size: int,
@@ -268,7 +288,8 @@ class Run:
         total, tokens = self.to_rank0([total, tokens], owner)
         return total / max(tokens, 1.0)
 
-    def train_step(self, it: int) -> tuple[float, float]:
+    def train_step(self, it: int) -> tuple[float, float, float | None]:
+        """One optimizer step: (language-model loss, gradient norm, the routers' load-balancing loss or None)."""
         import mcore_model as mm
 
         for ddp in self.ddps:
@@ -288,7 +309,21 @@ class Run:
             raise RuntimeError(why)
         else:
             self.scheduler.step(increment=1)
-        return self.reduce_loss(reduced), float(grad_norm or 0.0)
+        return self.reduce_loss(reduced), float(grad_norm or 0.0), self.router_aux_loss()
+
+    def router_aux_loss(self) -> float | None:
+        """The load-balancing loss Megatron's routers recorded in this step's forward passes (before its coefficient;
+        the mean over MoE layers and micro batches, averaged over data-parallel ranks as Megatron-LM logs it), then
+        forgotten. None for a dense model or a zero coefficient (nothing recorded). A collective: every rank calls."""
+        from megatron.core.transformer.moe import moe_utils
+
+        tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+        if "load_balancing_loss" not in tracker:
+            return None
+        moe_utils.reduce_aux_losses_tracker_across_ranks(["load_balancing_loss"])
+        per_layer = tracker["load_balancing_loss"]["values"] / self.num_micro
+        moe_utils.clear_aux_losses_tracker()
+        return float(per_layer.sum()) / self.arch["num_layers"]
 
     def evaluate(self, step: int, state: dict) -> None:
         import torch
@@ -401,8 +436,8 @@ class Run:
             probe.save_reference(out, ids.cpu(), logits, source=f"megatron-core GPTModel, iteration {steps}")
 
         # L1: a fresh model loaded from the checkpoint must equal the trained one, weights and logits
-        fresh = self.new_model()
-        fresh_models = mm.in_precision(fresh, self.tconfig)  # cast before loading: the checkpoint holds that dtype
+        fresh = self.new_model(self.build_config)
+        fresh_models = mm.in_precision(fresh, self.build_config)  # cast before loading: the checkpoint holds that dtype
         ckpt.load_weights(final, fresh)
         param_diff = 0.0
         for chunk, trained_chunk in zip(fresh, self.chunks):
@@ -435,7 +470,7 @@ class Run:
         import torch.distributed as dist
 
         for it in range(self.cfg["steps"]):
-            loss, _ = self.train_step(it)
+            loss, _, _ = self.train_step(it)
             self.log(f"probe step {it + 1}: loss {loss:.4f}")
         memory = self.memory_peaks()
         if self.rank == 0:
