@@ -97,7 +97,7 @@ def rollout_summary(res) -> dict:
     if not rollout or not step:
         return {}
     tokens_per_s = _series(res, events.ROLLOUT_TOKENS_PER_S)
-    return {"rollout_time_s_mean": sum(rollout) / len(rollout), "step_time_s_mean": sum(step) / len(step),
+    return {"rollout_time_s": sum(rollout) / len(rollout), "step_time_s": sum(step) / len(step),
             "rollout_share": sum(rollout) / sum(step), "rollout_tokens_per_s": sum(tokens_per_s) / len(tokens_per_s)}
 
 
