@@ -49,6 +49,9 @@ TRAIN_ROUTER_AUX_LOSS = "train/router_aux_loss"
 STEP_TIME_S = "perf/step_time_s"
 TOKENS_PER_S = "perf/tokens_per_s"
 MFU = "perf/mfu"
+ROLLOUT_TIME_S = "perf/rollout_time_s"
+ROLLOUT_TOKENS_PER_S = "perf/rollout_tokens_per_s"
+ROLLOUT_SHARE = "perf/rollout_share"
 PEAK_MEM_MIB = "perf/peak_mem_mib"
 HELDOUT_LOSS = "eval/heldout_loss"
 HELDOUT_PPL = "eval/heldout_ppl"
@@ -65,6 +68,9 @@ METRICS = {
     STEP_TIME_S: ("s", "wall time of the optimizer step"),
     TOKENS_PER_S: ("tokens/s", "training tokens per second, all ranks together"),
     MFU: ("ratio", "model FLOPs utilisation (pretrain)"),
+    ROLLOUT_TIME_S: ("s", "rlhf GRPO: time of the step's rollouts (generation), part of perf/step_time_s"),
+    ROLLOUT_TOKENS_PER_S: ("tokens/s", "rlhf GRPO: completion tokens generated per second of rollout"),
+    ROLLOUT_SHARE: ("ratio", "rlhf GRPO: the share of step time spent generating rollouts"),
     PEAK_MEM_MIB: ("MiB", "peak memory of the busiest rank so far: GPU allocated, or RSS on CPU (finetune)"),
     "perf/rank<n>_peak_mem_mib": ("MiB", "the same, per rank (finetune)"),
     HELDOUT_LOSS: ("", "held-out loss (pretrain: every eval_interval; rlhf: before and after)"),

@@ -481,6 +481,6 @@ def test_a_grpo_output_is_measured_by_the_rewards_as_written(tmp_path, hf_checkp
     capsys.readouterr()
     worker.main(cmd[cmd.index("--spec"):])
     result = next(e for e in map(events.parse, capsys.readouterr().out.splitlines()) if e and e["kind"] == "result")
-    assert result["metric"] == "heldout_reward" and result["heldout_prompts"] == 8, result
+    assert result["metric"] == "heldout_reward" and result["heldout_prompts"] == 22, result
     assert result["before"] == result["after"] and result["solved_before"] == result["solved_after"], result
     assert not (hf_checkpoint.parent / f"{hf_checkpoint.name}.trl").exists()  # no trainer ran

@@ -102,7 +102,7 @@ def test_grpo_with_verifiable_rewards_raises_the_held_out_reward(tmp_path, tiny_
     (tmp_path / "run").mkdir()
     out = run_stage(tmp_path / "run", tiny_config, data, hf_checkpoint, cfg)
     ev = out.eval
-    assert ev["metric"] == "heldout_reward" and ev["heldout_prompts"] == 8, ev
+    assert ev["metric"] == "heldout_reward" and ev["heldout_prompts"] == 22, ev
     assert ev["after"] > ev["before"], ev
     assert 0.0 <= ev["solved_before"] <= 1.0 and 0.0 <= ev["solved_after"] <= 1.0, ev
     check = next(c for c in out.gate["checks"] if c["name"] == "eval.heldout_reward")
@@ -111,9 +111,15 @@ def test_grpo_with_verifiable_rewards_raises_the_held_out_reward(tmp_path, tiny_
     assert out.metrics["heldout_solved_after"] == ev["solved_after"]
     log = (tmp_path / "run" / "engine.log").read_text()
     logged = [json.loads(line[len("@@baton "):]) for line in log.splitlines() if line.startswith("@@baton ")]
-    assert any("train/rewards_1_has_a_number_mean" in e for e in logged if e["kind"] == "metric")
+    metrics = [e for e in logged if e["kind"] == "metric"]
+    assert any("train/rewards_1_has_a_number_mean" in e for e in metrics)
+    steps = [e for e in metrics if "perf/step_time_s" in e]  # where a step's time goes: rollouts against the rest
+    assert len(steps) == GRPO_STEPS and all(0 < e["perf/rollout_time_s"] < e["perf/step_time_s"] for e in steps)
+    assert all(e["perf/rollout_tokens_per_s"] > 0 and 0 < e["perf/rollout_share"] < 1 for e in steps)
+    assert 0 < out.metrics["rollout_share"] < 1 and out.metrics["rollout_tokens_per_s"] > 0, out.metrics
     print(f"heldout_reward {ev['before']:.3f} → {ev['after']:.3f}, solved {ev['solved_before']:.3f} → "
-          f"{ev['solved_after']:.3f}")
+          f"{ev['solved_after']:.3f}; rollouts {out.metrics['rollout_share']:.0%} of the step, "
+          f"{out.metrics['rollout_tokens_per_s']:.0f} tokens/s")
 
 
 GRPO_STEPS = 60

@@ -1,5 +1,6 @@
 """The synthetic world's generator (tasks/data/synthetic.py): the default world stays what every default run was built
-on, and the arithmetic world (data.prompts synthetic) states only its training sums in the pretraining text."""
+on, and the arithmetic world (data.prompts synthetic) states its whole table of sums in the pretraining text, while
+GRPO's held-out prompts are many sums it never trains on."""
 from __future__ import annotations
 
 import hashlib
@@ -9,7 +10,7 @@ import re
 import pytest
 
 from tasks.data.config import DataConfig
-from tasks.data.synthetic import SUM, SUMS_PER_DOC
+from tasks.data.synthetic import SUM, SUMS_PER_DOC, all_sums
 from tasks.data.task import _texts, build_datasets
 from tasks.data.tokenizer import train_tokenizer
 
@@ -29,11 +30,6 @@ def sha256(obj) -> str:
 def pretraining_text(sets: dict) -> list[str]:
     train, held = sets["pretrain"]
     return [d["text"] for d in train + held]
-
-
-def held_out_sums_in(docs: list[str], held: list[dict]) -> list[str]:
-    """Every held-out prompt ('a+b=') that some document contains."""
-    return sorted({r["prompt"][0]["content"] for r in held for d in docs if r["prompt"][0]["content"] in d})
 
 
 def test_the_default_world_is_the_one_every_default_run_was_built_on(tmp_path):
@@ -56,16 +52,17 @@ def test_the_arithmetic_world_is_the_default_one_plus_sentences_of_sums():
     assert words_only == pretraining_text(default)
 
 
-@pytest.mark.parametrize("seed, heldout_fraction", [(0, 0.15), (1, 0.15), (7, 0.3)])
-def test_no_held_out_sum_is_ever_in_the_pretraining_text(seed, heldout_fraction):
-    sets = build_datasets(DataConfig(seed=seed, heldout_fraction=heldout_fraction, **ARITHMETIC))[0]
+@pytest.mark.parametrize("seed", [0, 1, 7])
+def test_held_out_prompts_are_many_sums_grpo_never_trains_on_and_the_text_states_them_all(seed):
+    sets = build_datasets(DataConfig(seed=seed, **ARITHMETIC))[0]
     train_prompts, held = sets["prompts"]
+    trained = {r["prompt"][0]["content"] for r in train_prompts}
+    held_out = [r["prompt"][0]["content"] for r in held]
+    assert len(held_out) >= 20 and len(set(held_out)) == len(held_out)  # a gain is many prompts, not one
+    assert not trained & set(held_out)
     docs = pretraining_text(sets)
-    assert held and held_out_sums_in(docs, held) == []
     stated = {s.split("=")[0] + "=" for d in docs for s in SUM.findall(d)}
-    assert stated == {r["prompt"][0]["content"] for r in train_prompts}  # every training sum, and only those
+    assert stated == {f"{a}+{b}=" for a, b in all_sums()} == trained | set(held_out)
     for sentence in {s for d in docs for s in SUM.findall(d)}:
         a, b, total = map(int, re.findall(r"\d", sentence))
         assert a + b == total
-    leaked = held[0]["prompt"][0]["content"]  # the check itself sees a leak where there is one
-    assert held_out_sums_in(docs + [f"the cat is an animal .\n{leaked}{held[0]['answer']}"], held) == [leaked]

@@ -1,18 +1,19 @@
 """A deterministic synthetic world, built so that every later stage has a measurable effect.
 
 - pretraining text about words and their categories (held-out perplexity falls as the model learns it); when
-  data.prompts asks for the arithmetic task, every document also states 6-10 of the training split's sums, each on a
-  line of its own ("3+4=7"), never a held-out one, so that GRPO has numbers to build on (`with_sums`). Without them
-  a fully pretrained model never samples a digit after "3+4=" (held-out reward 0 → 0, measured); with them 150 steps
-  of pretraining answer 42 of the 47 training sums in plain text but none of the 8 held-out ones (a table learnt
-  by heart, measured; configs/tiny-grpo.yaml has what GRPO makes of it);
+  data.prompts asks for the arithmetic task, every document also states 6-10 sums of the whole table, each on a
+  line of its own ("3+4=7"), so that GRPO has numbers to build on (`with_sums`). Without them a fully pretrained
+  model never samples a digit after "3+4=" (held-out reward 0 → 0, measured). Sums the text never states are not
+  learnt at all (a table learnt by heart: 0 of 8 such sums answered, measured), so what GRPO can teach, and what its
+  held-out prompts measure, is to answer a chat prompt with the pretraining's knowledge: the held-out prompts
+  (HELDOUT_SUMS_FRACTION of the sums) are sums GRPO never trains on, stated in the pretraining text like the rest;
 - preference pairs: a prompt asking for a member of a category; chosen = a full, correct answer ("The answer is dog."),
   rejected = a bare word of another category (held-out preference accuracy, on prompts and words never paired in
   training, rises under DPO: the preferred style and correctness generalise, word-level memorising does not);
 - instruction → JSON: "Classify the word: dog" → {"category": "animal"} (held-out exact match rises under SFT;
   held-out pairs use (template, word) combinations never seen in training);
 - prompts with answers, only when data.prompts asks for them: "3+4=" → "7", sums below 10 so every answer is one
-  digit (held-out reward under GRPO rises; held-out prompts are sums never seen in training).
+  digit (held-out reward under GRPO rises; held-out prompts are sums GRPO never trains on).
 """
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ SFT_TEMPLATES = [
 ]
 PREF_TEMPLATES = ["Name a {c}.", "Give me one {c}.", "Which word is a {c}?"]
 SUMS_PER_DOC = (6, 10)  # sums mixed into each pretraining document of the arithmetic world
+# Sums whose prompts GRPO never trains on (22 of 55): enough that a held-out gain is many prompts, not one.
+HELDOUT_SUMS_FRACTION = 0.4
 SUM = re.compile(r"\d\+\d=\d")
 
 
@@ -127,9 +130,14 @@ def preference_pairs(n: int, heldout_fraction: float, rng: random.Random) -> tup
     return train, heldout
 
 
-def split_sums(heldout_fraction: float, rng: random.Random) -> tuple[list, list]:
-    """Every (a, b) with a + b < 10, split into training and held-out pairs."""
-    return _split_combos([(a, b) for a in range(10) for b in range(10) if a + b < 10], heldout_fraction, rng)
+def all_sums() -> list[tuple[int, int]]:
+    """Every (a, b) with a + b < 10: the table the pretraining text states."""
+    return [(a, b) for a in range(10) for b in range(10) if a + b < 10]
+
+
+def split_sums(rng: random.Random) -> tuple[list, list]:
+    """all_sums split into the pairs GRPO trains on and the held-out pairs it never sees as prompts."""
+    return _split_combos(all_sums(), HELDOUT_SUMS_FRACTION, rng)
 
 
 def arithmetic_prompts(n: int, sums: tuple[list, list], rng: random.Random) -> tuple[list, list]:

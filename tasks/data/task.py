@@ -41,14 +41,14 @@ def _arithmetic(cfg: DataConfig) -> bool:
 def _synthetic(kind: str, cfg: DataConfig, rng: random.Random) -> tuple[list, list]:
     if kind == "pretrain":
         sums_rng = _sums_rng(cfg)
-        sums = synthetic.split_sums(cfg.heldout_fraction, sums_rng)[0] if _arithmetic(cfg) else []
+        sums = synthetic.all_sums() if _arithmetic(cfg) else []
         docs = synthetic.pretrain_docs(cfg.pretrain_docs, rng, sums, sums_rng)
         k = max(1, int(len(docs) * cfg.heldout_fraction))
         return docs[k:], docs[:k]
     if kind == "preference":
         train, held = synthetic.preference_pairs(cfg.preference_pairs, cfg.heldout_fraction, rng)
     elif kind == "prompts":
-        sums = synthetic.split_sums(cfg.heldout_fraction, _sums_rng(cfg))
+        sums = synthetic.split_sums(_sums_rng(cfg))
         train, held = synthetic.arithmetic_prompts(cfg.arithmetic_prompts, sums, rng)
     else:
         train, held = synthetic.sft_examples(cfg.sft_examples, cfg.heldout_fraction, cfg.label_noise, rng)

@@ -90,6 +90,17 @@ def _tag_backend(ctx: StageContext, backend: str, algorithm: str) -> None:
     c.set_tag(ctx.mlflow_run_id, "baton.algorithm", algorithm)
 
 
+def rollout_summary(res) -> dict:
+    """GRPO's step time split: the mean rollout (generation) seconds per step, their share of the step and the
+    rollouts' tokens per second (empty for algorithms that generate nothing)."""
+    rollout, step = _series(res, events.ROLLOUT_TIME_S), _series(res, events.STEP_TIME_S)
+    if not rollout or not step:
+        return {}
+    tokens_per_s = _series(res, events.ROLLOUT_TOKENS_PER_S)
+    return {"rollout_time_s": sum(rollout) / len(rollout), "step_time_s": sum(step) / len(step),
+            "rollout_share": sum(rollout) / sum(step), "rollout_tokens_per_s": sum(tokens_per_s) / len(tokens_per_s)}
+
+
 def _series(res, name: str) -> list[float]:
     return [e[name] for e in res.metrics() if isinstance(e.get(name), (int, float))]
 
@@ -236,6 +247,7 @@ def run_trl(ctx: StageContext, cfg: RlhfConfig) -> StageOutput:
     metrics.update(gates.lm_eval_metrics(ev))
     if margins:
         metrics.update(margin_first=margins[0], margin_last=margins[-1])
+    metrics.update(rollout_summary(res))
     return StageOutput(
         output=out, engine="trl", backend="trl", gate=gate(cfg.algorithm, out, trained, Path(ctx.input), eval_check),
         metrics=metrics, eval=ev,

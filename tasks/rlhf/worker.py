@@ -31,7 +31,8 @@ WORLD_SIZE = int(os.environ.get("WORLD_SIZE", "1"))
 SKIP_LOGS = {"epoch", "total_flos", "train_runtime", "train_samples_per_second", "train_steps_per_second",
              "train_loss"}
 TRL_NAMES = {"loss": events.TRAIN_LOSS, "learning_rate": events.TRAIN_LR, "grad_norm": events.TRAIN_GRAD_NORM,
-             "step_time": events.STEP_TIME_S}
+             "step_time": events.STEP_TIME_S, "rollout_time": events.ROLLOUT_TIME_S,
+             "rollout_tokens_per_s": events.ROLLOUT_TOKENS_PER_S, "rollout_share": events.ROLLOUT_SHARE}
 
 
 # ---- main: the recipe; the phases follow in the order it runs them ---------------------------------------------------
@@ -543,8 +544,32 @@ def train_grpo_rewards(a, tok, rows: list[dict], work: Path):
                       log_completions=False, epsilon=a.clip_epsilon, epsilon_high=a.clip_epsilon_high,
                       loss_type=a.loss_type, scale_rewards=a.scale_rewards,
                       reward_weights=[r.weight for r in rewards])
-    return GRPOTrainer(model=model, reward_funcs=[trl_reward(r, rows) for r in rewards], args=args,
-                       train_dataset=prompts, processing_class=tok, callbacks=[stream_callback()])
+    return timed_rollouts(GRPOTrainer)(model=model, reward_funcs=[trl_reward(r, rows) for r in rewards], args=args,
+                                       train_dataset=prompts, processing_class=tok, callbacks=[stream_callback()])
+
+
+def timed_rollouts(trainer_cls):
+    """GRPO's trainer that also logs where a step's time goes: the rollouts (generation, TRL's `_generate`) against
+    the rest (rewards, log-probs, backward, optimizer), and the rollouts' completion tokens per second."""
+
+    class TimedRollouts(trainer_cls):
+        def _generate(self, prompts: list):
+            started = time.perf_counter()
+            out = super()._generate(prompts)
+            seconds = time.perf_counter() - started
+            tokens = sum(len(ids) for ids in out[1])  # completion ids, one list per rollout
+            metrics = self._metrics["train" if self.model.training else "eval"]
+            metrics["rollout_time"].append(seconds)
+            metrics["rollout_tokens_per_s"].append(tokens / max(seconds, 1e-9))
+            return out
+
+        def log(self, logs: dict, start_time: float | None = None) -> None:
+            metrics = self._metrics["train"]
+            if metrics.get("rollout_time") and metrics.get("step_time"):
+                metrics["rollout_share"] = [sum(metrics["rollout_time"]) / max(sum(metrics["step_time"]), 1e-9)]
+            super().log(logs, start_time)
+
+    return TimedRollouts
 
 
 @torch.no_grad()
