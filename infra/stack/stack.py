@@ -217,12 +217,52 @@ def run_cli(cmd: list[str], env: dict, timeout: float = 600) -> str:
     return proc.stdout
 
 
+# ---- one stack per port: a second BATON_HOME's `make up` would answer the first one's clients (with 401s) ----------
+def owners_dir() -> Path:
+    """User-wide (not per BATON_HOME): who started the stack listening on each port."""
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "baton" / "stack-ports"
+
+
+def listening(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        s.settimeout(1.0)
+        return s.connect_ex((HOST, port)) == 0
+
+
+def refuse_taken_ports() -> None:
+    for name, port in ports().items():
+        if name == "postgres" or not listening(port):
+            continue
+        f = owners_dir() / f"{port}.json"
+        owner = json.loads(f.read_text()).get("home") if f.exists() else None
+        raise SystemExit(f"[stack] port {port} ({name}) is already in use by "
+                         f"{'the stack of BATON_HOME=' + owner if owner else 'another process'}; run `make down` "
+                         f"there, or give this stack its own ports (BATON_PREFECT_PORT, BATON_MLFLOW_PORT, "
+                         f"BATON_PG_PORT)")
+
+
+def claim_ports() -> None:
+    owners_dir().mkdir(parents=True, exist_ok=True)
+    for name, port in ports().items():
+        (owners_dir() / f"{port}.json").write_text(json.dumps({"home": str(home()), "server": name}) + "\n")
+
+
+def release_ports() -> None:
+    for port in ports().values():
+        f = owners_dir() / f"{port}.json"
+        if f.exists() and json.loads(f.read_text()).get("home") == str(home()):
+            f.unlink()
+
+
 # ---- up / down -----------------------------------------------------------------------------------------------------
 def up(db: str, worker: bool, deploy: bool) -> None:
     if (home() / "stack.env").exists() and any(alive(int(f.read_text())) for f in (state_dir() / "pids").glob("*.pid")):
         log(f"already up ({home() / 'stack.env'}); `make down` first to restart it")
         print_addresses()
         return
+    refuse_taken_ports()
     t0 = time.time()
     state_dir().mkdir(parents=True, exist_ok=True)
     try:
@@ -249,6 +289,7 @@ def up(db: str, worker: bool, deploy: bool) -> None:
     fast_admin_check(creds)
     log(f"Prefect API up after {s1:.0f}s, MLflow after {s2:.0f}s")
     stack_env.write(home() / "stack.env", {**client_env(), **creds})  # 0600: baton refuses it otherwise
+    claim_ports()
     (state_dir() / "stack.json").write_text(json.dumps({"db": db, "ports": p, "pool": POOL}, indent=2) + "\n")
     boot = [str(bin_dir() / "python"), str(Path(__file__).resolve().parent / "bootstrap.py")]
     if worker:
@@ -349,6 +390,7 @@ def down(purge: bool) -> None:
     if postgres.Cluster.exists(state_dir(), home()):
         postgres.Cluster(state_dir(), home(), ports()["postgres"]).stop(purge=purge)
     (home() / "stack.env").unlink(missing_ok=True)
+    release_ports()
     restored = restore_profile()
     if restored:
         log(f"Prefect profile '{restored}' active again")
