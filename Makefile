@@ -73,7 +73,8 @@ real-models:
 # DeepSpeed checkpoint, ENOSPC in a DeepSpeed save, Megatron's interleaved PP2×VP2, your own Qwen2 model and a Gemma 3
 # base model (model.chat_template, its <end_of_turn> a stop token) through to vLLM, the stack on PostgreSQL, a rank
 # killed then `prefect flow-run cancel` through the stack, real pretrained models (SmolLM2-135M through the chain to
-# vLLM, then SGLang, Gemma 3 270M imported and answering, from their GGUF files, `make real-models`). CI runs them after
+# vLLM, then SGLang, Gemma 3 270M imported and answering, from their GGUF files, `make real-models`), the tiny MoE
+# chain, `make demo-rl`, refused gates and a diverging pretraining run through `baton run`. CI runs them after
 # `make test`.
 test-long: setup system-deps runtimes
 	$(VENV)/bin/python -m pytest -m long -p no:cacheprovider $(XDIST) $(PYTEST_ARGS)
