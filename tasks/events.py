@@ -123,13 +123,7 @@ def write_spec(path: Path, spec: dict | BaseModel) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     body = spec.model_dump_json(indent=2) if isinstance(spec, BaseModel) else json.dumps(spec, indent=2)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(body + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path
+    return durable.write_text(path, body + "\n")
 
 
 def _spec_path(argv: list[str] | None) -> Path:
