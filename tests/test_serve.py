@@ -76,8 +76,9 @@ def test_sglang_starts_while_another_process_takes_memory_during_its_load(tmp_pa
     finally:
         for hog in hogs:
             hog.kill()
-    # the fault happened: the hog held its memory, and SGLang's own load measurement counted it (the tiny model's
-    # weights are a few MB, so any usage near 3 GB is the hog's)
+    # the fault happened: the hog held its memory, and SGLang's own load measurement counted it. The tiny model's
+    # weights are a few MB, so a usage over 1 GB is the hog's; the bound sits well under the hog's 3.2 GB because
+    # the machine's free memory also moves with the test beside this one (CI measured 2.09 GB with the hog counted)
     assert held == ["held"], "the hog never took its memory during SGLang's load"
-    assert load_usage_gb and load_usage_gb[0] > 0.7 * HOG_GB, \
+    assert load_usage_gb and load_usage_gb[0] > HOG_GB / 3, \
         f"SGLang's load measured {load_usage_gb} GB: the hog's memory fell outside its two measurements"
