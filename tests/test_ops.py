@@ -20,7 +20,8 @@ def test_pipeline_deployment_runs_through_the_worker(ops_stack):
     fr_id = ops_stack.run_deployment("baton-pipeline/tiny", {"config": {"name": "tiny", "stages": ["data"]},
                                                              "use_cache": False})
     fr = ops_stack.flow_run(fr_id)
-    assert fr["state_type"] == "COMPLETED", ops_stack.last_output[-3000:]
+    assert fr["state_type"] == "COMPLETED", (f"{fr['state_type']}: {fr['state'].get('message')}\n"
+                                             f"{ops_stack.logs_all(fr_id)[-4000:]}\n{ops_stack.last_output[-2000:]}")
     assert fr["work_pool_name"] == "baton-local" and fr["deployment_id"]
     print(f"deployment run: {time.time() - t0:.1f}s (stack up: {ops_stack.up_seconds:.1f}s)")
 
