@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 WORKERS ?= 2
 XDIST = $(if $(filter-out 0 1,$(WORKERS)),-n $(WORKERS) --dist loadgroup)
 
-.PHONY: setup system-deps runtimes lock demo demo-rl docs test test-fast test-long test-multinode reliability clean up down gpu-wheels gpu-check bench fuzz real-models
+.PHONY: setup system-deps runtimes lock demo demo-rl docs test test-fast test-long test-multinode reliability clean up down gpu-wheels gpu-check bench fuzz real-models nemo-rl-facts
 
 # The main venv: an overlay over the cached runtime built from infra/runtimes/main.txt (see infra/runtimes/build.py).
 setup: $(VENV)/.baton-overlay
@@ -34,6 +34,11 @@ runtimes: setup
 		$(PYTHON) infra/runtimes/build.py $$rt >/dev/null || exit 1; done
 	@$(VENV)/bin/python -m tasks.serve.architectures  # the serving engines' model registries, read once per build
 	@$(VENV)/bin/python -m tasks.finetune.engine_ops  # DeepSpeed's CPU ops, JIT-built once per runtime
+
+# Re-read tests/fixtures/nemo_rl_recipes.json from a NeMo-RL git checkout at the pinned commit (NeMo-RL is GPU-only
+# and not on the package index, so its recipes are stood in from these facts): make nemo-rl-facts NEMO_RL=<git dir>
+nemo-rl-facts: setup
+	$(VENV)/bin/python infra/facts/nemo_rl.py $(NEMO_RL) $(if $(CHECK),--check)
 
 # Regenerate every runtime's hash-locked set from its .txt (pip's resolver with this machine's pip configuration).
 # Pins already locked are kept (a new package adds only itself and what it needs); UPGRADE=1 resolves everything afresh.

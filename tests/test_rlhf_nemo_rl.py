@@ -4,7 +4,8 @@ CPU machine.
 
 NeMo-RL itself cannot run here (GPU only). Its recipes are stood in by YAMLs rebuilt from fixtures/nemo_rl_recipes.json:
 facts read from a pinned NVIDIA-NeMo/RL commit (every recipe key path and its type, the upstream values these tests
-need, the keys its config types declare beyond the recipe, the scripts baton runs). Re-read them when moving the pin.
+need, the keys its config types declare beyond the recipe, the scripts baton runs). Re-read them when moving the pin:
+`make nemo-rl-facts NEMO_RL=<git dir of NVIDIA-NeMo/RL>` (CHECK=1 only compares; infra/facts/nemo_rl.py).
 """
 from __future__ import annotations
 
