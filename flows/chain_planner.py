@@ -2,7 +2,8 @@
 neighbours' formats differ.
 
 Each step has a fingerprint: the digest of its facts, what determines its output (its resolved config, the code it
-runs: every project file its stage's task module reaches, found by flows.step_code; the user files the config names
+runs: every project file its stage's task module reaches, found by flows.step_code; the engines it runs on: each
+runtime's lock digest or the interpreter configured instead; the user files the config names
 that it runs or reads: a reward function, a chat template, a task folder; its input's fingerprint and the data's). A step
 whose fingerprint already completed is not re-run; an interrupted one is resumed in the same work folder, so the engine
 picks up its latest checkpoint. When a step does run, `why_run` says why: what changed since the last completed run of
@@ -20,6 +21,7 @@ from flows import step_code
 from flows.config import ConfigError, PipelineConfig
 from tasks import chat_template
 from tasks.registry import CHAIN_ORDER, CONVERT_STAGE, DATA_STAGE, STAGES
+from tasks.runtimes import engine_facts
 from tasks.stage import REPO_ROOT, Reason, StageRole, Status, Why
 
 @dataclass
@@ -120,6 +122,7 @@ def data_facts(cfg: PipelineConfig, root: Path, input_format: str | None, input_
     return {"config": flat({DATA_STAGE: data.model_dump(mode="json"), "model.vocab_size": cfg.model.vocab_size,
                             "seed": cfg.seed}),
             "code": stage_code(DATA_STAGE, root),
+            "engines": engine_facts(STAGES[DATA_STAGE].runtimes(data), cfg.engine_runtimes(), root),
             "files": dict(file_digests(data)) | (_template_file(cfg) if from_model else {}),
             "input": {"checkpoint": input_fingerprint if from_model else None}}
 
@@ -132,6 +135,7 @@ def step_facts(cfg: PipelineConfig, st: Step, root: Path, data_fp: str, prev: st
               "seed": cfg.seed}
     return {"config": flat(config),
             "code": stage_code(st.name, root),
+            "engines": engine_facts(STAGES[st.name].runtimes(scfg), cfg.engine_runtimes(), root),
             "files": step_code.user_files(scfg, st.name) | _template_file(cfg),
             "input": {"checkpoint": prev, "data": data_fp}}
 
@@ -162,8 +166,8 @@ def changes(old: dict | None, new: dict) -> list[Reason]:
     """What differs between a step's earlier facts and its current ones, one reason per kind of change."""
     if not old:
         return [Reason(Why.NEW)]
-    found = [Reason(why, detail) for why, part in ((Why.CODE, "code"), (Why.CONFIG, "config"), (Why.FILE, "files"),
-                                                    (Why.INPUT, "input"))
+    found = [Reason(why, detail) for why, part in ((Why.CODE, "code"), (Why.ENGINE, "engines"), (Why.CONFIG, "config"),
+                                                    (Why.FILE, "files"), (Why.INPUT, "input"))
              if (detail := _changed(old.get(part) or {}, new.get(part) or {}))]
     return found or [Reason(Why.NEW)]
 

@@ -62,6 +62,7 @@ class Why(StrEnum):
     NEW = "new"                         # no earlier completed run of this step under this config name
     CODE = "code changed"               # a file the step's code reaches (detail: the files)
     CONFIG = "config changed"           # (detail: the keys)
+    ENGINE = "engine changed"           # a runtime's pinned packages or configured interpreter (detail: runtimes)
     FILE = "file changed"               # a file or folder the config names, that the step runs or reads (detail: keys)
     INPUT = "input changed"             # the input checkpoint or the data (detail: which)
     RESUMED = "resumed"                 # an earlier attempt of this very step did not finish: its work folder continues

@@ -14,6 +14,7 @@ from flows.chain_planner import changes, plan
 from flows.config import load
 from flows.runs import Index
 from flows.step_code import PACKAGES
+from tasks.runtimes import runtime_dir
 from tasks.stage import Reason, Why
 
 pytestmark = pytest.mark.fast
@@ -29,10 +30,12 @@ def home(tmp_path, monkeypatch) -> Path:
 
 @pytest.fixture(scope="module")
 def tree(tmp_path_factory) -> Path:
-    """The project's code, one docs page and one test, copied: what the edits below change."""
+    """The project's code, its runtimes' pinned requirements, one docs page and one test, copied: what the edits below
+    change."""
     root = tmp_path_factory.mktemp("tree")
     for pkg in PACKAGES:
         shutil.copytree(REPO / pkg, root / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "infra" / "runtimes", root / "infra" / "runtimes")
     for page in ("docs/getting-started.md", "tests/test_config.py"):
         (root / page).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(REPO / page, root / page)
@@ -125,3 +128,27 @@ def test_the_runner_and_the_summary_say_what_changed_since_the_last_completed_ru
     assert _why_run(index, cfg, after, use_cache=False) == [{"why": "cache off", "detail": []}]
     (row,) = summary_lines({"stages": [{"label": "rlhf", "status": "completed", "seconds": 61, "reason": reason}]})
     assert row.rstrip().endswith("re-ran: code changed (conversions/rewards.py)")
+
+
+def test_an_engine_upgrade_reruns_the_steps_on_that_runtime_and_names_it(tree, home):
+    """vLLM's hash lock changes (a new vLLM): only serve re-runs, for `engine changed (vllm)`; a new main lock (torch,
+    Megatron-Core, DeepSpeed, TRL) re-runs every step (serve for its new input)."""
+    cfg = load(REPO / "configs" / "tiny.yaml")
+    before = _plan(cfg, tree)
+    with _edited(tree / "infra" / "runtimes" / "vllm.lock"):
+        after = _plan(cfg, tree)
+    assert [label for label in before if before[label].fingerprint != after[label].fingerprint] == ["serve"]
+    assert changes(before["serve"].facts, after["serve"].facts) == [Reason(Why.ENGINE, ("vllm",))]
+    with _edited(tree / "infra" / "runtimes" / "main.lock"):
+        after = _plan(cfg, tree)
+    assert all(before[label].fingerprint != after[label].fingerprint for label in before)
+    assert changes(before["data"].facts, after["data"].facts) == [Reason(Why.ENGINE, ("main",))]
+    assert [r.why for r in changes(before["serve"].facts, after["serve"].facts)] == [Why.INPUT]  # vLLM's is the same
+
+
+def test_an_interpreter_configured_for_a_runtime_reruns_its_steps(home):
+    python = runtime_dir("sglang") / "bin" / "python"  # the same engine under its own path: the key cannot know that
+    before = _plan(load(REPO / "configs" / "tiny.yaml"), REPO)
+    after = _plan(load(REPO / "configs" / "tiny.yaml", [f"runtimes.sglang.python={python}"]), REPO)
+    assert [label for label in before if before[label].fingerprint != after[label].fingerprint] == ["serve"]
+    assert after["serve"].facts["engines"]["sglang"] == f"python={python}"

@@ -29,10 +29,10 @@ REPO = HERE.parent.parent
 CACHE = Path(os.environ.get("BATON_RUNTIME_CACHE", Path.home() / ".cache" / "baton" / "runtimes"))
 
 
-def digest(name: str) -> str:
+def digest(name: str, folder: Path = HERE) -> str:
     h = hashlib.sha256()
     for suffix in (".txt", ".lock", ".post.sh"):
-        f = HERE / f"{name}{suffix}"
+        f = folder / f"{name}{suffix}"
         if f.exists():
             h.update(f.read_bytes())
     h.update(sys.version.split()[0].encode())
