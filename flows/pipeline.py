@@ -123,24 +123,47 @@ def _open_run(cfg: PipelineConfig, steps: list, run_id: str | None,
     (run_dir / "config.yaml").write_text(yaml.safe_dump(redact(cfg.model_dump(mode="json")), sort_keys=False))
     (run_dir / "plan.json").write_text(json.dumps([s.to_dict() for s in steps], indent=2))
     flow_run_id = prefect_flow_run.get_id()
-    c = tracking.client()
-    parent = tracking.start_run(c, cfg.tracking.experiment, f"{cfg.name}-{run_id}",
-                                tags={tracking.PREFECT_TAG: flow_run_id or "", "baton.run_id": run_id,
-                                      "baton.config": cfg.name, "baton.stages": ",".join(s.label for s in steps),
-                                      **report.prefect_link_tags(flow_run_id)})
-    tracking.log_params(c, parent, cfg.model_dump(mode="json"))
-    c.log_artifact(parent, str(run_dir / "config.yaml"))
+    c, missing = tracking.client(), []  # missing: what the tracking server did not get (it was unreachable)
+    parent = tracking.attempt(missing, "the run's MLflow parent run", tracking.start_run, c, cfg.tracking.experiment,
+                              f"{cfg.name}-{run_id}",
+                              tags={tracking.PREFECT_TAG: flow_run_id or "", "baton.run_id": run_id,
+                                    "baton.config": cfg.name, "baton.stages": ",".join(s.label for s in steps),
+                                    **report.prefect_link_tags(flow_run_id)})
+    if parent is not None:
+        _log_run_inputs(c, parent, cfg, run_dir, doctor, missing)
+    summary = {"run_id": run_id, "mlflow_run_id": parent, "prefect_flow_run_id": flow_run_id, "run_dir": str(run_dir),
+               "config": cfg.name, "status": Status.RUNNING, "stages": []}
+    if missing:
+        summary[tracking.MISSING] = missing
+    return RunInfo(run_id, run_dir, parent, flow_run_id), summary
+
+
+def _log_run_inputs(c, parent: str, cfg: PipelineConfig, run_dir: Path, doctor: list | None, missing: list) -> None:
+    tracking.attempt(missing, "params", tracking.log_params, c, parent, cfg.model_dump(mode="json"))
+    tracking.attempt(missing, "config.yaml", c.log_artifact, parent, str(run_dir / "config.yaml"))
     if doctor:  # `baton doctor`'s warnings (errors never get this far)
-        tracking.log_json(c, parent, doctor, "doctor.json")
-        c.set_tag(parent, "baton.doctor_warnings", str(len(doctor)))
+        tracking.attempt(missing, "doctor.json", tracking.log_json, c, parent, doctor, "doctor.json")
+        tracking.attempt(missing, "doctor tag", c.set_tag, parent, "baton.doctor_warnings", str(len(doctor)))
     try:
         create_link_artifact(link=f"{tracking.tracking_uri()}#/experiments/-/runs/{parent}", link_text=f"MLflow run {parent}",
                              key="mlflow-run", description="this pipeline's MLflow parent run")
     except Exception:
         pass
-    summary = {"run_id": run_id, "mlflow_run_id": parent, "prefect_flow_run_id": flow_run_id, "run_dir": str(run_dir),
-               "config": cfg.name, "status": Status.RUNNING, "stages": []}
-    return RunInfo(run_id, run_dir, parent, flow_run_id), summary
+
+
+def _end_parent_run(run: RunInfo, summary: dict, state: str) -> None:
+    """summary.json to the MLflow parent run and the run's end (its end first when cancelled: Prefect SIGKILLs a
+    cancelled flow's process 30 s after its SIGTERM); what the server did not get is listed in summary.json."""
+    if run.mlflow_parent is None:
+        return
+    c, missing = tracking.client(), summary.get(tracking.MISSING, [])
+    calls = [(f"end of run ({state})", c.set_terminated, run.mlflow_parent, state),
+             ("summary.json", c.log_artifact, run.mlflow_parent, str(run.run_dir / "summary.json"))]
+    for what, call, *args in (calls if state == "KILLED" else calls[::-1]):
+        tracking.attempt(missing, what, call, *args)
+    if missing:
+        summary[tracking.MISSING] = missing
+        runs.write_summary(run.run_dir, summary)
 
 
 def _run_steps(cfg: PipelineConfig, steps: list, run: RunInfo, summary: dict, input_path, input_format,
@@ -190,9 +213,7 @@ def _close_run(run: RunInfo, summary: dict, failed: str | None) -> None:
     """summary.json and summary.md, the MLflow parent run's end, the Prefect summary artifact."""
     summary["status"] = Status.FAILED if failed else Status.COMPLETED
     runs.write_summary(run.run_dir, summary)
-    c = tracking.client()
-    c.log_artifact(run.mlflow_parent, str(run.run_dir / "summary.json"))
-    c.set_terminated(run.mlflow_parent, "FAILED" if failed else "FINISHED")
+    _end_parent_run(run, summary, "FAILED" if failed else "FINISHED")
     md = report.markdown(summary) + _lineage_markdown(summary)
     (run.run_dir / "summary.md").write_text(md)
     try:
@@ -218,9 +239,7 @@ def _close_cancelled(run: RunInfo, steps: list, summary: dict, e: BaseException)
     summary.update(status=Status.CANCELLED, error=reason)
     runs.write_summary(run.run_dir, summary)
     (run.run_dir / "summary.md").write_text(report.markdown(summary))
-    c = tracking.client()
-    c.set_terminated(run.mlflow_parent, "KILLED")
-    c.log_artifact(run.mlflow_parent, str(run.run_dir / "summary.json"))
+    _end_parent_run(run, summary, "KILLED")
     get_run_logger().warning("baton run %s %s; run dir %s", run.run_id, reason, run.run_dir)
     try:
         create_markdown_artifact(markdown=report.markdown(summary), key="baton-run-summary",

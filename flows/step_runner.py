@@ -113,6 +113,15 @@ def _register(c, cfg: PipelineConfig, step: Step, out: Path, run_id: str, mlflow
     return {"name": name, "version": version, "alias": "candidate"}
 
 
+def _register_if_tracked(c, cfg: PipelineConfig, step: Step, out: Path, run_id: str, mlflow_run: str | None,
+                         data_dir: str | None, missing: list) -> dict | None:
+    """The checkpoint's registration, or None (listed as missing) while the tracking server is unreachable."""
+    if mlflow_run is None:  # the stage ran without its MLflow run (listed already)
+        return None
+    return tracking.attempt(missing, "registration (alias candidate)", _register, c, cfg, step, out, run_id,
+                            mlflow_run, data_dir)
+
+
 # Only an infrastructure fault (a rank or launcher killed by a signal: preemption, a lost node; or a lost peer) is
 # retried, in the same work dir, so the engine resumes from its last complete checkpoint. Everything else fails at once
 # with its cause: an OOM kill (the same size fails again), a full disk, a non-finite loss, a timeout (a hang), an exit
@@ -261,18 +270,22 @@ def _reuse(rec: dict, entry: dict) -> dict:
     return cached
 
 
-def _start_stage_run(c, cfg: PipelineConfig, step: Step, run: RunInfo, entry: dict) -> str:
-    """The stage's MLflow child run, tagged for lineage, with its resolved config as params."""
-    mlflow_run = tracking.start_run(
-        c, cfg.tracking.experiment, step.label,
+def _start_stage_run(c, cfg: PipelineConfig, step: Step, run: RunInfo, entry: dict, missing: list) -> str | None:
+    """The stage's MLflow child run, tagged for lineage, with its resolved config as params (None: the tracking server
+    is unreachable; the stage runs without)."""
+    mlflow_run = tracking.attempt(
+        missing, "the stage's MLflow run", tracking.start_run, c, cfg.tracking.experiment, step.label,
         tags={"baton.stage": step.name, "baton.run_id": run.run_id, "baton.fingerprint": step.fingerprint,
               "baton.reason": reasons_text(entry.get("reason"))[:1000],
               tracking.PREFECT_TAG: entry["prefect_flow_run_id"] or "",
               "prefect.pipeline_flow_run_id": run.prefect_flow_run_id or "",
               **report.prefect_link_tags(entry["prefect_flow_run_id"])},
         parent_run_id=run.mlflow_parent)
-    tracking.log_params(c, mlflow_run, {"stage": cfg.stage_config(step.name).model_dump(), "model": cfg.model.model_dump(),
-                                        **({"convert": step.extra} if step.name == CONVERT_STAGE else {})})
+    if mlflow_run is None:
+        return None
+    tracking.attempt(missing, "params", tracking.log_params, c, mlflow_run,
+                     {"stage": cfg.stage_config(step.name).model_dump(), "model": cfg.model.model_dump(),
+                      **({"convert": step.extra} if step.name == CONVERT_STAGE else {})})
     report.link_mlflow_run(mlflow_run, f"{step.label}: MLflow run")
     return mlflow_run
 
@@ -311,14 +324,23 @@ def serving_changes(output) -> list[str]:
     return mf.serving_changes(*serving_contracts(output))
 
 
-def _record_output(c, mlflow_run: str, step: Step, work: Path, out: StageOutput, entry: dict) -> None:
+def _close_sink(mlflow_run: str | None, missing: list) -> dict:
+    """The engine's metrics: the last ones sent (or saved locally, listed as missing); their history."""
+    sink = streaming.pop_sink(mlflow_run)
+    if sink is None:
+        return {}
+    sink.close()
+    if sink.unsent:
+        missing.append(f"metrics: {sink.unsent} saved to {sink.unsent_path()}")
+    return sink.history
+
+
+def _record_output(c, mlflow_run: str | None, step: Step, work: Path, out: StageOutput, entry: dict,
+                   missing: list) -> None:
     """What the stage produced, into its summary entry and its MLflow run: gate, manifest, loss plot, key metrics."""
     from mlflow.entities import Metric
 
-    sink = streaming.pop_sink(mlflow_run)
-    if sink is not None:
-        sink.close()
-    history = {**(sink.history if sink else {}), **out.history}
+    history = {**_close_sink(mlflow_run, missing), **out.history}
     entry.update(engine=out.engine, backend=out.backend, output=str(out.output) if out.output else None,
                  manifest=str(Path(out.output) / mf.MANIFEST_NAME) if out.output else None,
                  gate=out.gate, metrics=_metric_summary(out, history), eval=out.eval, **out.extra)
@@ -326,16 +348,20 @@ def _record_output(c, mlflow_run: str, step: Step, work: Path, out: StageOutput,
     if changed:  # the gate's contract.serving check decides whether the change was asked for
         entry["serving_contract_changed"] = changed
         get_run_logger().warning("%s changed the serving contract: %s", step.label, "; ".join(changed))
-    tracking.log_json(c, mlflow_run, out.gate, "gate.json")
-    if out.output and (Path(out.output) / mf.MANIFEST_NAME).exists():
-        tracking.log_file(c, mlflow_run, Path(out.output) / mf.MANIFEST_NAME)
     plot = report.loss_plot(history, work / "loss.png", step.label)
     if plot:
-        tracking.log_file(c, mlflow_run, plot)
         entry["loss_plot"] = str(plot)
+    if mlflow_run is None:
+        return
+    tracking.attempt(missing, "gate.json", tracking.log_json, c, mlflow_run, out.gate, "gate.json")
+    if out.output and (Path(out.output) / mf.MANIFEST_NAME).exists():
+        tracking.attempt(missing, mf.MANIFEST_NAME, tracking.log_file, c, mlflow_run, Path(out.output) / mf.MANIFEST_NAME)
+    if plot:
+        tracking.attempt(missing, plot.name, tracking.log_file, c, mlflow_run, plot)
     now = int(time.time() * 1000)
-    c.log_batch(mlflow_run, metrics=[Metric(events.summary_name(k), float(v), now, 0)
-                                     for k, v in _summary_metrics(entry, out).items()])
+    tracking.attempt(missing, "summary metrics", c.log_batch, mlflow_run,
+                     metrics=[Metric(events.summary_name(k), float(v), now, 0)
+                              for k, v in _summary_metrics(entry, out).items()])
 
 
 def _with_finite_check(out: StageOutput) -> None:
@@ -402,7 +428,7 @@ def _with_serving_contract_check(out: StageOutput, cfg: PipelineConfig) -> None:
         out.gate = verify.report(out.gate.get("checks", []) + [chk], out.gate.get("seconds"))
 
 
-def _memory_vs_plan(c, mlflow_run: str, cfg: PipelineConfig, step: Step, entry: dict) -> None:
+def _memory_vs_plan(c, mlflow_run: str | None, cfg: PipelineConfig, step: Step, entry: dict, missing: list) -> None:
     """A training stage's measured per-rank peak beside `baton plan`'s prediction, in the summary and MLflow."""
     from tasks.memory_plan import predicted_peak_mb
 
@@ -412,7 +438,9 @@ def _memory_vs_plan(c, mlflow_run: str, cfg: PipelineConfig, step: Step, entry: 
     measured = entry["metrics"].get("peak_mem_mib")
     entry["memory"] = {"predicted_mb_per_rank": round(predicted), "measured_mb_max": measured,
                        "kind": "GPU allocated" if cfg.stage_config(step.name).resolved_device() == "cuda" else "RSS"}
-    c.log_metric(mlflow_run, events.summary_name("predicted_peak_mem_mib"), predicted)
+    if mlflow_run is not None:
+        tracking.attempt(missing, "predicted memory", c.log_metric, mlflow_run,
+                         events.summary_name("predicted_peak_mem_mib"), predicted)
 
 
 def _apply_gate(out: StageOutput, step: Step, entry: dict, smoke: bool = False) -> None:
@@ -465,20 +493,30 @@ def _failure(step: Step, entry: dict, e: Exception) -> StageFailed:
     return StageFailed(f"{step.label}: {type(e).__name__}: {e}", entry)
 
 
-def _close(c, mlflow_run: str, monitor, entry: dict, ok: bool, log_path: Path) -> None:
+def _close(c, mlflow_run: str | None, monitor, entry: dict, ok: bool, log_path: Path, missing: list) -> None:
+    """The stage's MLflow run ends; what the tracking server did not get is listed in the entry (tracking_missing)."""
+    _close_sink(mlflow_run, missing)  # still open when the stage failed
     if monitor is not None:
         try:
-            monitor.finish()
+            tracking.attempt([], "system metrics", monitor.finish)
         except Exception:
             pass
+    if mlflow_run is not None:
+        _end_stage_run(c, mlflow_run, entry, ok, log_path, missing)
+    if missing:
+        entry[tracking.MISSING] = missing
+
+
+def _end_stage_run(c, mlflow_run: str, entry: dict, ok: bool, log_path: Path, missing: list) -> None:
     cancelled = entry["status"] == Status.CANCELLED
+    end = f"end of run ({'KILLED' if cancelled else 'FINISHED' if ok else 'FAILED'})"
     if cancelled:  # first: Prefect SIGKILLs a cancelled flow's process 30 s after its SIGTERM
-        tracking.end_run(c, mlflow_run, ok, cancelled=True)
-    tracking.log_json(c, mlflow_run, entry, "stage.json")
+        tracking.attempt(missing, end, tracking.end_run, c, mlflow_run, ok, cancelled=True)
+    tracking.attempt(missing, "stage.json", tracking.log_json, c, mlflow_run, entry, "stage.json")
     if log_path.exists():
-        tracking.log_file(c, mlflow_run, log_path)
+        tracking.attempt(missing, log_path.name, tracking.log_file, c, mlflow_run, log_path)
     if not cancelled:
-        tracking.end_run(c, mlflow_run, ok)
+        tracking.attempt(missing, end, tracking.end_run, c, mlflow_run, ok)
 
 
 def _close_dead_attempt(dead_run_id: str | None, step: Step, run: RunInfo) -> None:
@@ -534,9 +572,9 @@ def _execute_locked(step: Step, cfg: PipelineConfig, run: RunInfo, position: int
     get_run_logger().info("=== stage %s (%s): %s ===", step.label, STAGES[step.name].description,
                           reasons_text(entry["reason"]))
     check_free_space(cfg, step, run.run_dir)
-    c = tracking.client()
-    mlflow_run = entry["mlflow_run_id"] = _start_stage_run(c, cfg, step, run, entry)
-    monitor = tracking.system_metrics(mlflow_run)
+    c, missing = tracking.client(), []  # missing: what the tracking server did not get (it was unreachable)
+    mlflow_run = entry["mlflow_run_id"] = _start_stage_run(c, cfg, step, run, entry, missing)
+    monitor = tracking.system_metrics(mlflow_run) if mlflow_run else None
     work = _work_dir(index, step, run, position)
     index.put(step.fingerprint, status=Status.RUNNING, work_dir=str(work), run_id=run.run_id, output=None, entry=entry)
     ctx = _context(cfg, step, run, work, mlflow_run, input_path, input_format, data_dir)
@@ -547,11 +585,12 @@ def _execute_locked(step: Step, cfg: PipelineConfig, run: RunInfo, position: int
             out = _run_with_retries(step, ctx, cfg.stage_config(step.name))
             _with_finite_check(out)
             _with_serving_contract_check(out, cfg)
-            _record_output(c, mlflow_run, step, work, out, entry)
-            _memory_vs_plan(c, mlflow_run, cfg, step, entry)
+            _record_output(c, mlflow_run, step, work, out, entry, missing)
+            _memory_vs_plan(c, mlflow_run, cfg, step, entry, missing)
             _apply_gate(out, step, entry, smoke=cfg.smoke)
             if out.output and not cfg.smoke:  # a smoke run's checkpoints are never registered
-                entry["registered"] = _register(c, cfg, step, Path(out.output), run.run_id, mlflow_run, data_dir)
+                entry["registered"] = _register_if_tracked(c, cfg, step, Path(out.output), run.run_id, mlflow_run,
+                                                           data_dir, missing)
             entry["status"], ok = Status.COMPLETED, True
         except Exception as e:
             raise _failure(step, entry, e) from (None if isinstance(e, (StageFailed, LaunchError)) else e)
@@ -565,7 +604,7 @@ def _execute_locked(step: Step, cfg: PipelineConfig, run: RunInfo, position: int
                       output=entry.get("output"), entry=entry)  # before any tracking call: an outage cannot lose it
             if ok:
                 _remember(index, cfg, step)
-            _close(c, mlflow_run, monitor, entry, ok, log_path)
+            _close(c, mlflow_run, monitor, entry, ok, log_path, missing)
             streaming.step_finished(step.label, entry, log_path)
     return entry
 

@@ -7,8 +7,10 @@ the terminal view shows only the step events.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import json
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Protocol
@@ -113,18 +115,28 @@ def tail(path: Path | None, lines: int = 30) -> list[str]:
 
 
 class _Progress:
-    """A Prefect progress artifact per training stage, and progress events for the terminal view."""
+    """A Prefect progress artifact per training stage, and progress events for the terminal view. The artifact is
+    posted from a thread of its own: a Prefect server that is gone (its client retries for a minute) never holds up
+    the reader of the engine's output, and through its pipe, training."""
 
     def __init__(self, stage: str):
         self.stage, self.artifact_id, self.last = stage, None, 0.0
+        self._posting: threading.Thread | None = None
 
     def update(self, step: int, total: int) -> None:
         _notify("step_progress", _current_step or self.stage, step, total)
-        pct = 100.0 * step / max(total, 1)
         now = time.time()
         if step < total and now - self.last < 1.0:
             return
+        if self._posting is not None and self._posting.is_alive():  # the last one still waits on the server
+            return
         self.last = now
+        run_context = contextvars.copy_context()  # Prefect's flow/task run context, for the thread
+        self._posting = threading.Thread(target=run_context.run, args=(self._post, 100.0 * step / max(total, 1)),
+                                         name=f"{self.stage}-progress", daemon=True)
+        self._posting.start()
+
+    def _post(self, pct: float) -> None:
         try:
             from prefect.artifacts import create_progress_artifact, update_progress_artifact
             from prefect.context import FlowRunContext, TaskRunContext
@@ -137,7 +149,7 @@ class _Progress:
             else:
                 update_progress_artifact(self.artifact_id, progress=pct)
         except Exception:
-            pass  # no Prefect context (e.g. `baton convert` run alone)
+            pass  # no Prefect context (e.g. `baton convert` run alone), or its server is gone
 
 
 def launch_streaming(ctx, cmd, *, name: str, env: dict, timeout: float | None, cwd=None) -> launch.LaunchResult:
@@ -162,6 +174,6 @@ def launch_streaming(ctx, cmd, *, name: str, env: dict, timeout: float | None, c
                          log_path=ctx.work_dir / "engine.log")
     finally:
         if sink is not None:
-            sink.flush()
+            sink.flush()  # one try: the stage's end (step_runner) retries, then saves what is left
     logger.info("%s %s", ENGINE_WALL, json.dumps({"name": name, "seconds": round(res.seconds, 3)}))
     return res

@@ -60,11 +60,19 @@ def client():
     return _client()
 
 
+# MLflow's own defaults retry one HTTP call for minutes (7 retries, backoff up to 120 s, 120 s timeouts): with the
+# server gone, every bookkeeping call would hold a run that long. These bound a call to seconds; the environment wins.
+HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                 "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+
+
 def _client():
     import mlflow
     from mlflow import MlflowClient
 
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    for key, value in HTTP_DEFAULTS.items():
+        os.environ.setdefault(key, value)
     uri = tracking_uri()
     if uri.startswith("sqlite:///"):
         baton_home().mkdir(parents=True, exist_ok=True)
@@ -137,11 +145,76 @@ def log_file(c, run_id: str, path: Path, artifact_path: str | None = None) -> No
     c.log_artifact(run_id, str(path), artifact_path)
 
 
+# ---- outages: tracking never holds up a run -------------------------------------------------------------------------
+MISSING = "tracking_missing"  # summary.json (the run and each step): what the tracking server never got
+CALL_LIMIT_S = 20.0  # the longest one bookkeeping call may hold a run (BATON_TRACKING_CALL_S)
+DOWN_FOR_S = 30.0  # after a failed call the server counts as down this long: further calls are not tried
+_down_until: dict[str, float] = {}  # tracking URI -> until when it counts as down
+
+
+def remote() -> bool:
+    """A tracking server (http/https), which can go away; a local SQLite store cannot."""
+    return tracking_uri().startswith(("http://", "https://"))
+
+
+def unreachable() -> bool:
+    return time.time() < _down_until.get(tracking_uri(), 0.0)
+
+
+def mark_unreachable() -> None:
+    _down_until[tracking_uri()] = time.time() + DOWN_FOR_S
+
+
+def reachable() -> None:
+    """A call went through (the metric sender probes while a stage trains): the server is back."""
+    _down_until.pop(tracking_uri(), None)
+
+
+def attempt(missing: list[str], what: str, call, *args, **kwargs):
+    """One bookkeeping call a run can go on without (a run's start or end, params, an artifact, a registration).
+    Against a tracking server it holds the run at most BATON_TRACKING_CALL_S (default 20 s): when it fails, times out,
+    or the server failed within DOWN_FOR_S, `what` is added to missing and None returned. Against the local
+    SQLite store the call is made as it is (its errors are baton's, not an outage)."""
+    if not remote():
+        return call(*args, **kwargs)
+    if unreachable():
+        missing.append(what)
+        return None
+    limit = float(os.environ.get("BATON_TRACKING_CALL_S", CALL_LIMIT_S))
+    value, error = _time_boxed(call, args, kwargs, limit)
+    if error is None:
+        return value
+    mark_unreachable()
+    missing.append(what)
+    logging.getLogger("baton.tracking").warning("tracking server %s: %s not recorded (%s)", tracking_uri(), what,
+                                                str(error).splitlines()[0][:200] if str(error) else type(error).__name__)
+    return None
+
+
+def _time_boxed(call, args, kwargs, limit: float) -> tuple[Any, BaseException | None]:
+    """(value, None) or (None, the error); a call still waiting after limit seconds is left to finish in the
+    background (a daemon thread), the run goes on."""
+    box: dict[str, Any] = {}
+
+    def target():
+        try:
+            box["value"] = call(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+
+    thread = threading.Thread(target=target, name="tracking-call", daemon=True)
+    thread.start()
+    thread.join(limit)
+    if thread.is_alive():
+        return None, TimeoutError(f"no answer in {limit:.0f}s")
+    return box.get("value"), box.get("error")
+
+
 class MetricSink:
     """Buffers engine metrics and writes them in batches from a background thread, so a slow or stopped tracking
     server never blocks the engine's log reader (and through its stdout pipe, training). A failed write is retried
     with backoff and nothing is dropped; what is still unsent when the stage ends (after BATON_TRACKING_FLUSH_S,
-    default 300 s) goes to BATON_HOME/unsent-metrics/<run>.jsonl."""
+    default 30 s, of retries) goes to BATON_HOME/unsent-metrics/<run>.jsonl (`unsent` says how many)."""
 
     def __init__(self, c, run_id: str, prefix: str = "", flush_every: float = 2.0):
         self.c, self.run_id, self.prefix, self.flush_every = c, run_id, prefix, flush_every
@@ -150,6 +223,7 @@ class MetricSink:
         self.history: dict[str, list[tuple[int, float]]] = {}
         self.sent = 0
         self.failures = 0
+        self.unsent = 0
         self._send_lock = threading.Lock()  # one sender at a time: a batch is never sent twice
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -182,9 +256,11 @@ class MetricSink:
                 self.c.log_batch(self.run_id, metrics=batch)
             except Exception as e:  # an outage: keep the batch, try again later
                 self.failures += 1
+                mark_unreachable()
                 logging.getLogger("baton.tracking").warning("metrics for run %s not sent yet (%s); retrying",
                                                             self.run_id, str(e).splitlines()[0][:200])
                 return False
+            reachable()
             with self.lock:
                 del self.buf[:len(batch)]
                 self.sent += len(batch)
@@ -196,32 +272,47 @@ class MetricSink:
             self._wake.clear()
             backoff = self.flush_every if self._send_some() else min(backoff * 2, 30.0)
 
-    def flush(self, timeout: float | None = None) -> None:
-        """Send everything buffered now, retrying until timeout (BATON_TRACKING_FLUSH_S, default 300 s); what is
-        still unsent then is saved locally, never dropped."""
-        timeout = float(os.environ.get("BATON_TRACKING_FLUSH_S", "300")) if timeout is None else timeout
+    def flush(self, timeout: float = 0.0) -> bool:
+        """Send everything buffered now, retrying until timeout (0: one try, none while the server counts as down);
+        True when nothing is left unsent."""
+        if timeout <= 0 and unreachable():
+            with self.lock:
+                return not self.buf
         deadline, delay = time.time() + timeout, 1.0
-        while not self._send_some() and time.time() < deadline:
+        while True:
+            if self._send_some():
+                return True
+            if time.time() + delay > deadline:
+                return False
             time.sleep(delay)
             delay = min(delay * 2, 30.0)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the background sender after a last flush, retried for timeout (BATON_TRACKING_FLUSH_S, default 30 s;
+        one try when the server failed within DOWN_FOR_S); what is still unsent then is saved locally, never dropped
+        (the stage's end)."""
+        self._stop.set()
+        self._wake.set()
+        if timeout is None:
+            timeout = 0.0 if unreachable() else float(os.environ.get("BATON_TRACKING_FLUSH_S", "30"))
+        self.flush(timeout)
         with self.lock:
             rest, self.buf = self.buf, []
         if rest:
             self._save_unsent(rest)
 
-    def close(self, timeout: float | None = None) -> None:
-        """Stop the background sender after a last flush (the stage's end)."""
-        self._stop.set()
-        self._wake.set()
-        self.flush(timeout)
+    def unsent_path(self) -> Path:
+        return baton_home() / "unsent-metrics" / f"{self.run_id}.jsonl"
 
     def _save_unsent(self, metrics: list) -> None:
         from conversions import durable
 
-        path = baton_home() / "unsent-metrics" / f"{self.run_id}.jsonl"
+        path = self.unsent_path()
+        before = path.read_text() if path.exists() else ""  # an earlier stage end of this run (a retried attempt)
         lines = "".join(json.dumps({"key": m.key, "value": m.value, "timestamp": m.timestamp, "step": m.step}) + "\n"
                         for m in metrics)
-        durable.write_text(path, lines)
+        durable.write_text(path, before + lines)
+        self.unsent += len(metrics)
         logging.getLogger("baton.tracking").error("tracking server unreachable: %d metrics of run %s saved to %s",
                                                   len(metrics), self.run_id, path)
 

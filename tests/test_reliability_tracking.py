@@ -57,8 +57,9 @@ def mlflow_server(tmp_path, monkeypatch, baton_home):  # after baton_home, which
         monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
         yield proc
     finally:
-        os.killpg(proc.pid, signal.SIGCONT)
-        os.killpg(proc.pid, signal.SIGKILL)
+        if proc.poll() is None:  # a test may have killed it already
+            os.killpg(proc.pid, signal.SIGCONT)
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(30)
         log.close()
 
@@ -119,3 +120,106 @@ def test_a_tracking_error_is_never_read_as_no_champion(baton_home, monkeypatch, 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
     with pytest.raises(MlflowException):
         champion_now("has-no-champion")
+
+
+def _wait_for_line(path_glob: str, root: Path, mark: str, proc: subprocess.Popen, timeout: float) -> Path:
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        for log in root.glob(path_glob):
+            if mark in log.read_text(errors="replace"):
+                return log
+        time.sleep(0.5)
+    raise AssertionError(f"no {mark!r} in {path_glob} after {timeout}s (baton exited with {proc.poll()})")
+
+
+@pytest.mark.long
+@pytest.mark.timeout(900)
+def test_a_stage_finishes_while_its_mlflow_server_is_gone(mlflow_server, baton_home, hf_checkpoint, tmp_path,
+                                                          record_property):
+    """Issue 40: the MLflow server is killed (never restarted) while a stage trains. The engine trains on, the run
+    ends soon after the engine does (not after minutes of MLflow's retries), its summary final and true, and what
+    could not be logged is listed as missing."""
+    import json
+
+    from conftest import REPO, TINY
+
+    record_property("fault", "MLflow server killed mid-training, never restarted")
+    home = baton_home
+    cmd = [sys.executable, "-m", "flows.cli", "run", str(TINY), "--stages", "data,finetune", "--from",
+           str(hf_checkpoint), "--no-doctor", "--set", "finetune.steps=120", "--set", "finetune.nproc_per_node=1",
+           "--set", "finetune.checkpoint_every=120"]
+    with open(tmp_path / "baton.out", "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, BATON_HOME=str(home)), stdout=out,
+                                stderr=subprocess.STDOUT)
+    try:
+        engine_log = _wait_for_line("runs/*/*-finetune/engine.log", home, '"kind": "metric"', proc, 600)
+        os.killpg(mlflow_server.pid, signal.SIGKILL)  # as `make down` leaves it: nothing listens on the port
+        mlflow_server.wait(30)
+        _wait_for_line("runs/*/*-finetune/engine.log", home, '"kind": "result"', proc, 600)
+        engine_done = time.time()
+        # then the gate, a conversion (its own stage, started with the server gone) and the run's end; before the fix
+        # over 300 s: minutes per MLflow call (its default retries) and two 300 s flushes of the metrics
+        rc = proc.wait(timeout=240)
+        after_engine = time.time() - engine_done
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            print((tmp_path / "baton.out").read_text(errors="replace")[-4000:])
+    print(f"baton exited {after_engine:.1f}s after the engine's result")
+    output = (tmp_path / "baton.out").read_text(errors="replace")
+    assert rc == 0, output[-4000:]
+    run_dir = engine_log.parent.parent
+    summary = json.loads((run_dir / "summary.json").read_text())
+    statuses = {s["label"]: s["status"] for s in summary["stages"]}
+    assert summary["status"] == "completed" and set(statuses.values()) == {"completed"}, statuses
+    (finetune, convert) = [s for s in summary["stages"] if s["label"] != "data"]
+    missing = finetune[tracking.MISSING]
+    assert any("metrics" in m for m in missing) and "end of run (FINISHED)" in missing, missing
+    assert convert[tracking.MISSING] == ["the stage's MLflow run"], convert  # started while the server was gone
+    assert "end of run (FINISHED)" in summary[tracking.MISSING], summary.get(tracking.MISSING)
+    unsent = list((home / "unsent-metrics").glob(f"{finetune['mlflow_run_id']}.jsonl"))
+    assert unsent and unsent[0].read_text().count("\n") > 0
+    assert "not recorded in MLflow" in output, output[-3000:]
+
+
+@pytest.mark.fast
+def test_a_bookkeeping_call_to_a_gone_server_costs_seconds_and_is_listed(baton_home, monkeypatch, record_property):
+    """tracking.attempt, the way every run's bookkeeping call reaches a tracking server: with nothing listening on
+    its port, a call gives up within seconds (MLflow's own retries would take minutes), names what is missing, and
+    the calls after it are not tried at all; a server that accepts but never answers is cut off at
+    BATON_TRACKING_CALL_S."""
+    record_property("fault", "tracking server gone or silent at a bookkeeping call")
+    for key in tracking.HTTP_DEFAULTS:  # baton's own short retries, not the ones another test set
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{_free_port()}")  # nothing listens there
+    c, missing = tracking.client(), []
+    t0 = time.time()
+    assert tracking.attempt(missing, "the stage's MLflow run", tracking.start_run, c, "outage", "stage", {}) is None
+    first = time.time() - t0
+    t0 = time.time()
+    assert tracking.attempt(missing, "end of run (FINISHED)", tracking.end_run, c, "0" * 32, True) is None
+    second = time.time() - t0
+    assert missing == ["the stage's MLflow run", "end of run (FINISHED)"]
+    assert first < tracking.CALL_LIMIT_S and second < 1, (first, second)
+
+    with socket.socket() as silent:  # accepts connections (the kernel's backlog) and never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{silent.getsockname()[1]}")
+        monkeypatch.setenv("BATON_TRACKING_CALL_S", "2")
+        c, missing = tracking.client(), []
+        t0 = time.time()
+        assert tracking.attempt(missing, "params", tracking.log_params, c, "0" * 32, {"a": 1}) is None
+        assert missing == ["params"] and time.time() - t0 < 8, time.time() - t0
+
+
+@pytest.mark.fast
+def test_the_local_store_is_called_as_before(baton_home):
+    """Against the local SQLite store there is no outage to wait out: a call's error is baton's and is raised."""
+    from mlflow.exceptions import MlflowException
+
+    c = tracking.client()
+    run = tracking.attempt([], "the stage's MLflow run", tracking.start_run, c, "local", "stage", {})
+    assert c.get_run(run).info.status == "RUNNING"
+    with pytest.raises(MlflowException):
+        tracking.attempt([], "end of run", tracking.end_run, c, "0" * 32, True)

@@ -188,9 +188,22 @@ def _report_run(out, run_dir: Path, error: Exception | None) -> int:
         lines += [""] + views.failure_report(entry)
     if error is not None and not failed:
         lines += ["", f"baton: {str(error).splitlines()[0]}"]
+    lines += _tracking_missing_lines(summary)
     out.write("\n".join(lines + [str(run_dir)]) + "\n")
     out.flush()
     return 1 if error is not None else 0
+
+
+def _tracking_missing_lines(summary: dict) -> list[str]:
+    """What the tracking server never got while it was unreachable (summary.json lists the same)."""
+    from tasks import tracking
+
+    found = [f"run: {m}" for m in summary.get(tracking.MISSING, [])]
+    found += [f"{s['label']}: {m}" for s in summary["stages"] for m in s.get(tracking.MISSING, [])]
+    if not found:
+        return []
+    return ["", f"not recorded in MLflow (the tracking server {tracking.tracking_uri()} was unreachable):",
+            *(f"  {line}" for line in found)]
 
 
 def _planned_input(cfg, from_ref: str | None) -> tuple[str | None, str | None, str]:
