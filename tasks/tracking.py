@@ -216,6 +216,8 @@ class MetricSink:
     with backoff and nothing is dropped; what is still unsent when the stage ends (after BATON_TRACKING_FLUSH_S,
     default 30 s, of retries) goes to BATON_HOME/unsent-metrics/<run>.jsonl (`unsent` says how many)."""
 
+    MAX_BUFFERED = 200_000  # metrics held in memory while the server is unreachable (~40 MB)
+
     def __init__(self, c, run_id: str, prefix: str = "", flush_every: float = 2.0):
         self.c, self.run_id, self.prefix, self.flush_every = c, run_id, prefix, flush_every
         self.buf: list = []
@@ -225,6 +227,7 @@ class MetricSink:
         self.failures = 0
         self.unsent = 0
         self._send_lock = threading.Lock()  # one sender at a time: a batch is never sent twice
+        self._save_lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"metrics-{run_id[:8]}", daemon=True)
@@ -270,7 +273,19 @@ class MetricSink:
         while not self._stop.is_set():
             self._wake.wait(backoff)
             self._wake.clear()
-            backoff = self.flush_every if self._send_some() else min(backoff * 2, 30.0)
+            if self._send_some():
+                backoff = self.flush_every
+                continue
+            backoff = min(backoff * 2, 30.0)
+            self._spill_if_full()
+
+    def _spill_if_full(self) -> None:
+        """A long outage: past MAX_BUFFERED metrics the buffer goes to the unsent file, so memory stays bounded."""
+        with self.lock:
+            if len(self.buf) < self.MAX_BUFFERED:
+                return
+            rest, self.buf = self.buf, []
+        self._save_unsent(rest)
 
     def flush(self, timeout: float = 0.0) -> bool:
         """Send everything buffered now, retrying until timeout (0: one try, none while the server counts as down);
@@ -308,11 +323,12 @@ class MetricSink:
         from conversions import durable
 
         path = self.unsent_path()
-        before = path.read_text() if path.exists() else ""  # an earlier stage end of this run (a retried attempt)
         lines = "".join(json.dumps({"key": m.key, "value": m.value, "timestamp": m.timestamp, "step": m.step}) + "\n"
                         for m in metrics)
-        durable.write_text(path, before + lines)
-        self.unsent += len(metrics)
+        with self._save_lock:  # the sender's spill and the stage's end
+            before = path.read_text() if path.exists() else ""  # saved before: a spill, an earlier attempt's end
+            durable.write_text(path, before + lines)
+            self.unsent += len(metrics)
         logging.getLogger("baton.tracking").error("tracking server unreachable: %d metrics of run %s saved to %s",
                                                   len(metrics), self.run_id, path)
 

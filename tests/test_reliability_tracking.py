@@ -3,6 +3,7 @@ is frozen with SIGSTOP for 10 s while an engine streams metrics, then SIGCONT. T
 tracking server and every metric arrives."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -139,8 +140,6 @@ def test_a_stage_finishes_while_its_mlflow_server_is_gone(mlflow_server, baton_h
     """Issue 40: the MLflow server is killed (never restarted) while a stage trains. The engine trains on, the run
     ends soon after the engine does (not after minutes of MLflow's retries), its summary final and true, and what
     could not be logged is listed as missing."""
-    import json
-
     from conftest import REPO, TINY
 
     record_property("fault", "MLflow server killed mid-training, never restarted")
@@ -223,3 +222,62 @@ def test_the_local_store_is_called_as_before(baton_home):
     assert c.get_run(run).info.status == "RUNNING"
     with pytest.raises(MlflowException):
         tracking.attempt([], "end of run", tracking.end_run, c, "0" * 32, True)
+
+
+@pytest.mark.long
+@pytest.mark.timeout(900)
+def test_sigterm_during_a_tracking_outage_ends_baton_within_seconds(mlflow_server, baton_home, hf_checkpoint,
+                                                                     tmp_path, record_property):
+    """Issue 40: with the MLflow server gone, a SIGTERM to `baton run` ends it within seconds (before the fix its
+    worker went, baton stayed for minutes in MLflow's retries, summary.json "running"), its summary saying
+    cancelled and listing what MLflow did not get."""
+    from conftest import REPO, TINY
+
+    record_property("fault", "SIGTERM to baton run while its MLflow server is gone")
+    home = baton_home
+    cmd = [sys.executable, "-m", "flows.cli", "run", str(TINY), "--stages", "data,finetune", "--from",
+           str(hf_checkpoint), "--no-doctor", "--set", "finetune.steps=3000", "--set", "finetune.nproc_per_node=1"]
+    with open(tmp_path / "baton.out", "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, BATON_HOME=str(home)), stdout=out,
+                                stderr=subprocess.STDOUT)
+    try:
+        engine_log = _wait_for_line("runs/*/*-finetune/engine.log", home, '"kind": "metric"', proc, 600)
+        os.killpg(mlflow_server.pid, signal.SIGKILL)
+        mlflow_server.wait(30)
+        time.sleep(5)  # training on, the metric sender finding the server gone
+        t0 = time.time()
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=90)  # before the fix: MLflow's retries, minutes per call
+        seconds = time.time() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            print((tmp_path / "baton.out").read_text(errors="replace")[-4000:])
+    print(f"SIGTERM: baton gone in {seconds:.1f}s")
+    assert rc == 128 + signal.SIGTERM, (tmp_path / "baton.out").read_text(errors="replace")[-4000:]
+    summary = json.loads((engine_log.parent.parent / "summary.json").read_text())
+    statuses = {s["label"]: s["status"] for s in summary["stages"]}
+    assert summary["status"] == "cancelled" and statuses["finetune"] == "cancelled", statuses
+    (finetune,) = [s for s in summary["stages"] if s["label"] == "finetune"]
+    assert "end of run (KILLED)" in finetune[tracking.MISSING], finetune
+    assert "end of run (KILLED)" in summary[tracking.MISSING], summary.get(tracking.MISSING)
+
+
+@pytest.mark.fast
+def test_a_long_outage_spills_metrics_to_the_unsent_file(baton_home, monkeypatch, record_property):
+    """While the server is unreachable the metric sender holds at most MAX_BUFFERED metrics in memory; the rest go to
+    BATON_HOME/unsent-metrics/<run>.jsonl, appended to by every later spill and by the stage's end."""
+    record_property("fault", "tracking server gone for a long outage")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{_free_port()}")  # nothing listens there
+    monkeypatch.setattr(tracking.MetricSink, "MAX_BUFFERED", 50)
+    sink = tracking.MetricSink(tracking.client(), "0" * 32, flush_every=0.2)
+    for step in range(100):
+        sink.add(step, {"train/loss": 1.0 / (step + 1)})
+    deadline = time.time() + 60
+    while sink.unsent < 100 and time.time() < deadline:
+        time.sleep(0.2)
+    assert sink.unsent == 100 and not sink.buf
+    sink.add(100, {"train/loss": 0.5})
+    sink.close()
+    lines = sink.unsent_path().read_text().splitlines()
+    assert sink.unsent == 101 and sorted(json.loads(line)["step"] for line in lines) == list(range(101))
