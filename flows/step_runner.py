@@ -118,7 +118,7 @@ def _register_if_tracked(c, cfg: PipelineConfig, step: Step, out: Path, run_id: 
     """The checkpoint's registration, or None (listed as missing) while the tracking server is unreachable."""
     if mlflow_run is None:  # the stage ran without its MLflow run (listed already)
         return None
-    return tracking.attempt(missing, "registration (alias candidate)", _register, c, cfg, step, out, run_id,
+    return tracking.attempt(missing, tracking.REGISTRATION, _register, c, cfg, step, out, run_id,
                             mlflow_run, data_dir)
 
 

@@ -147,6 +147,7 @@ def log_file(c, run_id: str, path: Path, artifact_path: str | None = None) -> No
 
 # ---- outages: tracking never holds up a run -------------------------------------------------------------------------
 MISSING = "tracking_missing"  # summary.json (the run and each step): what the tracking server never got
+REGISTRATION = "registration (alias candidate)"  # the one missing record `baton resend` cannot send afterwards
 CALL_LIMIT_S = 20.0  # the longest one bookkeeping call may hold a run (BATON_TRACKING_CALL_S)
 DOWN_FOR_S = 30.0  # after a failed call the server counts as down this long: further calls are not tried
 _down_until: dict[str, float] = {}  # tracking URI -> until when it counts as down
@@ -186,8 +187,8 @@ def attempt(missing: list[str], what: str, call, *args, **kwargs):
         return value
     mark_unreachable()
     missing.append(what)
-    logging.getLogger("baton.tracking").warning("tracking server %s: %s not recorded (%s)", tracking_uri(), what,
-                                                str(error).splitlines()[0][:200] if str(error) else type(error).__name__)
+    reason = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+    logging.getLogger("baton.tracking").warning("tracking server %s: %s not recorded (%s)", tracking_uri(), what, reason)
     return None
 
 
@@ -317,7 +318,7 @@ class MetricSink:
             self._save_unsent(rest)
 
     def unsent_path(self) -> Path:
-        return baton_home() / "unsent-metrics" / f"{self.run_id}.jsonl"
+        return unsent_path(self.run_id)
 
     def _save_unsent(self, metrics: list) -> None:
         from conversions import durable
@@ -331,6 +332,25 @@ class MetricSink:
             self.unsent += len(metrics)
         logging.getLogger("baton.tracking").error("tracking server unreachable: %d metrics of run %s saved to %s",
                                                   len(metrics), self.run_id, path)
+
+
+def unsent_path(run_id: str) -> Path:
+    """Where an MLflow run's metrics wait while its server is unreachable (one JSON line each)."""
+    return baton_home() / "unsent-metrics" / f"{run_id}.jsonl"
+
+
+def resend_unsent(c, run_id: str) -> int:
+    """Send an MLflow run's saved metrics, then remove their file; how many were sent."""
+    from mlflow.entities import Metric
+
+    path = unsent_path(run_id)
+    if not path.exists():
+        return 0
+    metrics = [Metric(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+    for i in range(0, len(metrics), 900):
+        c.log_batch(run_id, metrics=metrics[i:i + 900])
+    path.unlink()
+    return len(metrics)
 
 
 def log_dataset(c, run_id: str, path: Path, name: str, context: str, digest: str) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks import launch, tracking
+from tasks import events, launch, tracking
 
 pytestmark = [pytest.mark.ops, pytest.mark.reliability]
 
@@ -44,25 +44,35 @@ def _wait_http(url: str, timeout: float) -> None:
     raise AssertionError(f"{url} not up after {timeout}s")
 
 
+def _start_mlflow(folder: Path, port: int) -> subprocess.Popen:
+    """An MLflow server as `make up` runs it, its store and artifacts in folder (a restart finds them again)."""
+    log = open(folder / "mlflow.log", "ab")
+    proc = subprocess.Popen([str(Path(sys.executable).with_name("mlflow")), "server", "--host", "127.0.0.1", "--port",
+                             str(port), "--artifacts-destination", str(folder / "artifacts"), "--workers", "1"],
+                            env=dict(os.environ, MLFLOW_BACKEND_STORE_URI=f"sqlite:///{folder / 'mlflow.db'}",
+                                     MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false"),
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log.close()
+    _wait_http(f"http://127.0.0.1:{port}/health", 240)
+    return proc
+
+
+def _stop_mlflow(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:  # a test may have killed it already
+        os.killpg(proc.pid, signal.SIGCONT)
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+
+
 @pytest.fixture
 def mlflow_server(tmp_path, monkeypatch, baton_home):  # after baton_home, which clears MLFLOW_TRACKING_URI
     port = _free_port()
-    log = open(tmp_path / "mlflow.log", "wb")
-    proc = subprocess.Popen([str(Path(sys.executable).with_name("mlflow")), "server", "--host", "127.0.0.1", "--port",
-                             str(port), "--artifacts-destination", str(tmp_path / "artifacts"), "--workers", "1"],
-                            env=dict(os.environ, MLFLOW_BACKEND_STORE_URI=f"sqlite:///{tmp_path / 'mlflow.db'}",
-                                     MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false"),
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = _start_mlflow(tmp_path, port)
     try:
-        _wait_http(f"http://127.0.0.1:{port}/health", 240)
         monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
         yield proc
     finally:
-        if proc.poll() is None:  # a test may have killed it already
-            os.killpg(proc.pid, signal.SIGCONT)
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(30)
-        log.close()
+        _stop_mlflow(proc)
 
 
 def test_mlflow_frozen_mid_stage_loses_no_metric(mlflow_server, baton_home, record_property, monkeypatch):
@@ -140,7 +150,7 @@ def test_a_stage_finishes_while_its_mlflow_server_is_gone(mlflow_server, baton_h
     """Issue 40: the MLflow server is killed (never restarted) while a stage trains. The engine trains on, the run
     ends soon after the engine does (not after minutes of MLflow's retries), its summary final and true, and what
     could not be logged is listed as missing."""
-    from conftest import REPO, TINY
+    from conftest import REPO, TINY, baton
 
     record_property("fault", "MLflow server killed mid-training, never restarted")
     home = baton_home
@@ -176,9 +186,38 @@ def test_a_stage_finishes_while_its_mlflow_server_is_gone(mlflow_server, baton_h
     assert any("metrics" in m for m in missing) and "end of run (FINISHED)" in missing, missing
     assert convert[tracking.MISSING] == ["the stage's MLflow run"], convert  # started while the server was gone
     assert "end of run (FINISHED)" in summary[tracking.MISSING], summary.get(tracking.MISSING)
-    unsent = list((home / "unsent-metrics").glob(f"{finetune['mlflow_run_id']}.jsonl"))
-    assert unsent and unsent[0].read_text().count("\n") > 0
+    unsent = tracking.unsent_path(finetune["mlflow_run_id"])
+    assert unsent.exists() and unsent.read_text().count("\n") > 0
     assert "not recorded in MLflow" in output, output[-3000:]
+
+    # the server back (its store kept): `baton resend` sends what it missed, and MLflow says what the run folder says
+    server = _start_mlflow(tmp_path, int(os.environ["MLFLOW_TRACKING_URI"].rsplit(":", 1)[1]))
+    try:
+        r = baton("resend", run_dir.name, home=home, env={"MLFLOW_TRACKING_URI": os.environ["MLFLOW_TRACKING_URI"]},
+                  timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        c = tracking.client()
+        assert c.get_run(finetune["mlflow_run_id"]).info.status == "FINISHED"
+        assert c.get_run(summary["mlflow_run_id"]).info.status == "FINISHED"
+        losses = c.get_metric_history(finetune["mlflow_run_id"], events.TRAIN_LOSS)
+        assert {m.step for m in losses} == {step for step, _ in _finetune_losses(engine_log)}
+        assert {"gate.json", "stage.json", "step.log"} <= {a.path for a in c.list_artifacts(finetune["mlflow_run_id"])}
+    finally:
+        _stop_mlflow(server)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert tracking.MISSING not in summary and not unsent.exists()
+    assert summary["stages"][1][tracking.MISSING] == [tracking.REGISTRATION], summary["stages"][1]
+    assert "still missing: finetune: " + tracking.REGISTRATION in r.stdout, r.stdout
+
+
+def _finetune_losses(engine_log: Path) -> list[tuple[int, float]]:
+    """(step, loss) of every metric event the engine printed."""
+    found = []
+    for line in engine_log.read_text().splitlines():
+        event = events.parse(line)
+        if event and event["kind"] == "metric" and events.TRAIN_LOSS in event:
+            found.append((event["step"], event[events.TRAIN_LOSS]))
+    return found
 
 
 @pytest.mark.fast
