@@ -324,12 +324,12 @@ def serving_changes(output) -> list[str]:
     return mf.serving_changes(*serving_contracts(output))
 
 
-def _close_sink(mlflow_run: str | None, missing: list) -> dict:
+def _close_sink(mlflow_run: str | None, missing: list, timeout: float | None = None) -> dict:
     """The engine's metrics: the last ones sent (or saved locally, listed as missing); their history."""
     sink = streaming.pop_sink(mlflow_run)
     if sink is None:
         return {}
-    sink.close()
+    sink.close(timeout)
     if sink.unsent:
         missing.append(f"metrics: {sink.unsent} saved to {sink.unsent_path()}")
     return sink.history
@@ -495,7 +495,8 @@ def _failure(step: Step, entry: dict, e: Exception) -> StageFailed:
 
 def _close(c, mlflow_run: str | None, monitor, entry: dict, ok: bool, log_path: Path, missing: list) -> None:
     """The stage's MLflow run ends; what the tracking server did not get is listed in the entry (tracking_missing)."""
-    _close_sink(mlflow_run, missing)  # still open when the stage failed
+    cancelled = entry["status"] == Status.CANCELLED  # one try then: Prefect SIGKILLs it 30 s after its SIGTERM
+    _close_sink(mlflow_run, missing, 0.0 if cancelled else None)  # still open when the stage failed or was stopped
     if monitor is not None:
         try:
             tracking.attempt([], "system metrics", monitor.finish)
@@ -600,11 +601,16 @@ def _execute_locked(step: Step, cfg: PipelineConfig, run: RunInfo, position: int
             raise
         finally:
             entry["seconds"] = round(time.time() - t0, 2)
-            index.put(step.fingerprint, status=entry["status"], work_dir=str(work), run_id=run.run_id,
-                      output=entry.get("output"), entry=entry)  # before any tracking call: an outage cannot lose it
+            def record():
+                index.put(step.fingerprint, status=entry["status"], work_dir=str(work), run_id=run.run_id,
+                          output=entry.get("output"), entry=entry)
+
+            record()  # before any tracking call: an outage cannot lose it
             if ok:
                 _remember(index, cfg, step)
             _close(c, mlflow_run, monitor, entry, ok, log_path, missing)
+            if missing:  # what the tracking server did not get, for the summary (a cancelled run's is read from here)
+                record()
             streaming.step_finished(step.label, entry, log_path)
     return entry
 
