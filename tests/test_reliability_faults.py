@@ -126,6 +126,56 @@ def _run_finetune_into_divergence(work: Path, tiny_config, data_dir: Path, hf_ch
     return info.value
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["dpo", pytest.param("grpo", marks=pytest.mark.long)])
+def test_a_diverging_rlhf_run_stops_at_its_first_non_finite_step(algorithm, record_property, tmp_path, monkeypatch,
+                                                                 tiny_config, data_dir, hf_checkpoint):
+    """The real TRL worker, lr 1e12: one Adam step moves every weight by about 1e12, and the logits of the next forward
+    are NaN (DPO: its next loss; GRPO: its next rollout's sampling, its own loss and norm staying finite). The stage
+    stops at that step, once, announcing the cause, before the step's checkpoint (one is due every step) is saved.
+    Without the check, DPO ran to its end and failed its gate on an L1 round trip (NaN != NaN), and GRPO crashed in
+    torch.multinomial: an ordinary error."""
+    record_property("fault", f"non-finite {algorithm}")
+    monkeypatch.setenv("BATON_INFRA_RETRY_DELAY_S", "0")  # were it retried, the retry would start at once
+    work = tmp_path / "work"
+    work.mkdir()
+    error = _run_rlhf_into_divergence(algorithm, work, tiny_config, data_dir, hf_checkpoint)
+    message = str(error).splitlines()[0]
+    assert "(non-finite loss; not retried)" in message, message
+    assert [f.cause for f in error.failures] == [events.EngineCause.NON_FINITE_LOSS]
+    named = re.search(r"rank 0: non-finite .+ at step (\d+);", error.failures[0].detail)
+    assert named, error.failures[0].detail
+    logged = _logged_events(work / "engine.log")
+    trained = [e["step"] for e in logged if e["kind"] == "metric" and events.TRAIN_LOSS in e]
+    assert trained and int(named.group(1)) == max(trained), (error.failures[0].detail, trained)
+    assert [e["kind"] for e in logged].count("start") == 1  # not retried
+    assert not (work / "checkpoint").exists() and not (work / "checkpoint.partial").exists()
+    assert not list((work / "checkpoint.partial.trl").glob("checkpoint-*")), "no checkpoint of a diverged step"
+
+
+def _run_rlhf_into_divergence(algorithm: str, work: Path, tiny_config, data_dir: Path,
+                              hf_checkpoint: Path) -> launch.LaunchError:
+    from flows.chain_planner import Step
+    from tasks.rlhf.config import RlhfConfig
+    from test_rlhf_trl import make_ctx, prompts_data
+
+    common = dict(algorithm=algorithm, steps=4, micro_batch_size=8, lr=1e12, checkpoint_every=1, timeout_s=300)
+    if algorithm == "grpo":  # a reward that differs between a prompt's completions, so the first step has a gradient
+        data_dir = prompts_data(data_dir, work.parent / "data")
+        cfg = RlhfConfig(**common, num_generations=4, max_completion_length=4, beta=0.0,
+                         rewards=[{"kind": "length", "min_chars": 0, "max_chars": 4}])
+    else:
+        cfg = RlhfConfig(**common)
+    step = Step(name="rlhf", label="rlhf", consumes="hf-safetensors", produces="hf-safetensors")
+    with pytest.raises(launch.LaunchError) as info:
+        step_runner._run_with_retries(step, make_ctx(work, tiny_config, data_dir, hf_checkpoint), cfg)
+    return info.value
+
+
+def _logged_events(engine_log: Path) -> list[dict]:
+    return [e for e in map(events.parse, engine_log.read_text().splitlines()) if e]
+
+
 def _reported_finite_losses(engine_log: Path) -> dict[int, float]:
     """The training loss the worker reported for each step, from its metric events."""
     found = (events.parse(line) for line in engine_log.read_text().splitlines())

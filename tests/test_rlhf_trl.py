@@ -217,6 +217,65 @@ def test_dpo_killed_mid_run_resumes_from_its_newest_good_checkpoint(tmp_path, ti
     assert diff <= RESUME_TOLERANCE
 
 
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("precision, logs, named", [
+    ("fp32", {"loss": NAN, "grad_norm": 1.5}, "loss nan"),
+    ("fp32", {"loss": 0.7, "grad_norm": INF}, "grad_norm inf"),
+    ("bf16", {"loss": INF, "grad_norm": NAN}, "loss inf, grad_norm nan"),
+    ("fp16", {"loss": -INF, "grad_norm": 1.5}, "loss -inf"),
+    ("fp16", {"loss": 0.7, "grad_norm": INF}, None),   # the fp16 loss scaler's overflow: that update was skipped
+    ("fp32", {"loss": 0.7, "grad_norm": 1.5}, None),
+    ("fp32", {"train_loss": NAN, "train_runtime": 1.0}, None),  # the end-of-training summary is no step
+])
+def test_a_non_finite_loss_or_gradient_norm_stops_trl_at_that_step(precision, logs, named, capfd):
+    """TRL's per-step log through the worker's callback: a NaN or inf stops the rank with the cause announced (one
+    failure event, the step and the values named); finite values, and fp16's overflowed norm, do not."""
+    from transformers import TrainerState
+
+    from tasks import events
+    from tasks.rlhf import worker
+
+    callback = worker.non_finite_callback(precision)
+    if named is None:
+        callback.on_log(None, TrainerState(global_step=3), None, logs=logs)
+        assert "failure" not in capfd.readouterr().out
+        return
+    with pytest.raises(SystemExit) as stopped:
+        callback.on_log(None, TrainerState(global_step=3), None, logs=logs)
+    assert str(stopped.value).startswith(f"rank 0: non-finite {named} at step 3;"), stopped.value
+    announced = [e for e in map(events.parse, capfd.readouterr().out.splitlines()) if e]
+    assert announced == [{"kind": "failure", "cause": "non-finite loss", "detail": str(stopped.value)}]
+
+
+def test_the_rlhf_gate_names_a_policy_with_non_finite_weights(tmp_path, hf_checkpoint):
+    """One inf in a policy whose manifest is rebuilt over it (so integrity holds): the gate fails and names the tensor,
+    where before only the L1 round trip said "differs"."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from conversions import verify
+    from conversions.manifest import Format
+    from tasks.rlhf.task import gate
+
+    out = Path(shutil.copytree(hf_checkpoint, tmp_path / "policy"))
+    (weights,) = hf.safetensors_files(out)
+    tensors = load_file(weights)
+    name = "model.norm.weight"
+    tensors[name][0] = INF
+    save_file(tensors, weights, metadata={"format": "pt"})
+    mf.write(out, mf.build(out, format=Format.HF_SAFETENSORS, stage="rlhf", parameter_count=hf.parameter_count(out),
+                           dtype="float32", architecture=mf.read(hf_checkpoint)["architecture"]))
+    report = gate("dpo", out, out, hf_checkpoint, verify.check("eval.heldout_pref_accuracy", True, "not measured here"))
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["L0.integrity"]["passed"], checks["L0.integrity"]
+    assert not checks["weights.finite"]["passed"] and f"{name} (1 NaN/inf)" in checks["weights.finite"]["detail"]
+    assert not report["passed"]
+
+
 def test_trl_packs_no_rlhf_algorithm_so_rlhf_packing_is_refused(tmp_path, hf_checkpoint):
     """The engine facts behind rlhf.packing's refusal on trl (tasks/rlhf/checks.py CANNOT_PACK), read from the runtime's
     TRL: DPOConfig has no packing and DPOTrainer turns padding_free=True back off (it would pad and train anyway);

@@ -169,12 +169,14 @@ def _weights_unchanged(src: Path, out: Path) -> dict:
 
 
 def gate(algorithm: str, out: Path, trained: Path, src: Path, eval_check: dict) -> dict:
-    """The chained policy: L0, preflight, L1, L3, and held-out accuracy not below the input's. For rm the policy must
-    be the input byte for byte, and the reward model beside it gets L0 and its own round trip."""
-    checks_ = verify.verify(out, levels=POLICY_LEVELS)["checks"]
+    """The chained policy: L0, preflight, L1, L3, finite weights, and held-out accuracy not below the input's. For rm
+    the policy must be the input byte for byte, and the reward model beside it gets L0, finite weights and its own
+    round trip."""
+    # named here, where a diverged policy would otherwise fail only as an L1 round trip that differs (NaN != NaN)
+    checks_ = verify.verify(out, levels=POLICY_LEVELS)["checks"] + verify.finite_weights(out)
     if algorithm != "rm":
         return verify.report(checks_ + [eval_check])
-    rm_checks = verify.integrity(trained) + [reward_model_roundtrip(trained)]
+    rm_checks = verify.integrity(trained) + verify.finite_weights(trained) + [reward_model_roundtrip(trained)]
     return verify.report(checks_ + [_weights_unchanged(src, out)] +
                          [{**c, "name": f"reward_model.{c['name']}"} for c in rm_checks])
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import resource
@@ -96,6 +97,7 @@ def train(a: argparse.Namespace, recipe: Recipe):
     trainer = recipe.make_trainer(work)
     trainer.remove_callback(PrinterCallback)  # our callback streams the same logs as events
     trainer.add_callback(checkpoint_callback(a.keep_checkpoints))
+    trainer.add_callback(non_finite_callback(a.precision))
     resumed_from = _step_of(resume) if resume else 0
     if RANK == 0:
         events.started(resumed_from)
@@ -346,12 +348,56 @@ def stream_callback():
     return StreamEvents()
 
 
+def non_finite_callback(precision: str):
+    """A diverged run stops at the first step whose logged loss or gradient norm is NaN or inf, or whose updated
+    weights give non-finite logits (measured: at lr 1e12 GRPO's loss and norm stay finite while the next rollout's
+    sampling meets NaN probabilities), before that step's checkpoint is saved (the Trainer logs, then saves), with
+    the cause announced: not retried. Every rank stops (the loss is gathered, the norm global, the weights the same).
+    Under fp16 an infinite norm is the loss scaler's overflow, a skipped update: only the loss counts there."""
+    from transformers import TrainerCallback
+
+    watched = ("loss",) if precision == "fp16" else ("loss", "grad_norm")
+
+    class StopWhenNotFinite(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, model=None, **kwargs):
+            if not logs or "loss" not in logs:  # the end-of-training summary, not a step
+                return
+            bad = [f"{k} {logs[k]}" for k in watched if isinstance(logs.get(k), float) and not math.isfinite(logs[k])]
+            if not bad and model is not None and not probe_logits_finite(model):
+                bad = ["logits of the updated weights"]
+            if bad:
+                why = (f"rank {RANK}: non-finite {', '.join(bad)} at step {state.global_step}; lower the lr or check "
+                       "the data; not retried")
+                events.failure(events.EngineCause.NON_FINITE_LOSS, why)
+                raise SystemExit(why)
+
+    return StopWhenNotFinite()
+
+
+PROBE_TOKENS = 8  # one short forward per step: a tiny cost beside the step's own forwards
+
+
+@torch.no_grad()
+def probe_logits_finite(model) -> bool:
+    """Whether the model's logits on a fixed short input are all finite (its weights can be finite and still
+    overflow: every one near 1e12 after one Adam step at lr 1e12)."""
+    device = next(model.parameters()).device
+    ids = torch.arange(PROBE_TOKENS, device=device)[None] % model.config.vocab_size
+    was_training = model.training
+    model.eval()
+    try:
+        return bool(torch.isfinite(model(input_ids=ids).logits).all())
+    finally:
+        model.train(was_training)
+
+
 def common_args(a: argparse.Namespace, work: Path) -> dict:
     cpu = not torch.cuda.is_available()
     return dict(output_dir=str(work), max_steps=a.steps, per_device_train_batch_size=a.micro_batch_size,
                 gradient_accumulation_steps=a.gradient_accumulation_steps, learning_rate=a.lr,
                 lr_scheduler_type=a.lr_schedule, warmup_steps=a.warmup_steps, weight_decay=a.weight_decay,
                 max_grad_norm=a.grad_clip if a.grad_clip > 0 else None, logging_steps=1, report_to=[], seed=a.seed,
+                logging_nan_inf_filter=False,  # else a NaN step logs the mean of the earlier losses instead
                 data_seed=a.seed, **checkpoint_args(a),
                 disable_tqdm=True, dataloader_num_workers=a.dataloader_workers, use_cpu=cpu,
                 # TRL defaults to bf16 autocast and activation checkpointing: on CPU that is ~10x slower and inexact
