@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from conversions import sealed
+
 from conftest import TINY
 
 pytestmark = pytest.mark.fast
@@ -153,6 +155,35 @@ def test_rlhf_resumes_only_from_a_checkpoint_marked_complete(tmp_path, monkeypat
     assert worker.newest_complete(tmp_path) == done
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"]  # the others are deleted
     assert worker.checkpoint_args(argparse.Namespace(checkpoint_every=0, keep_checkpoints=2)) == {"save_strategy": "no"}
+
+
+def test_with_no_complete_checkpoint_left_training_starts_fresh(tmp_path, monkeypatch, capsys):
+    """docs/reliability-and-security.md: a corrupted checkpoint is deleted, falling back to the previous good one, and
+    with none left training starts fresh. Every checkpoint here is sealed, then changed: TRL's worker finds nothing to
+    resume from (its resumed_from is then 0) and DeepSpeed's keeps no tag; both delete what they rejected."""
+    monkeypatch.setenv("BATON_HOME", str(tmp_path.with_name(f"{tmp_path.name}-home")))  # where the seal key is made
+    from tasks.finetune import worker as finetune_worker
+    from tasks.rlhf import worker as rlhf_worker
+
+    def corrupted(folder: Path, seal) -> Path:
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"x" * 10)
+        seal(folder)
+        (folder / "model.safetensors").write_bytes(b"x" * 9 + b"y")
+        return folder
+
+    trl = tmp_path / "trl"
+    for step in (2, 4):
+        corrupted(trl / f"checkpoint-{step}", rlhf_worker.mark_complete)
+    assert len([p for p in rlhf_worker.checkpoints(trl) if rlhf_worker.is_complete(p)]) == 2
+    assert rlhf_worker.newest_complete(trl) is None and list(trl.iterdir()) == []
+
+    ds = tmp_path / "ds"
+    tags = [(step, f"{finetune_worker.TAG_PREFIX}{step}") for step in (3, 6)]
+    for step, tag in tags:
+        corrupted(ds / tag, lambda d, step=step: sealed.seal(d, finetune_worker.COMPLETE, step=step))
+    assert finetune_worker.verified_tags(ds, tags) == [] and list(ds.iterdir()) == []
+    assert f"{ds}: no checkpoint whose contents verify; starting fresh" in capsys.readouterr().out
 
 
 def deepspeed_can_link_libaio() -> bool:
