@@ -113,6 +113,20 @@ def test_the_data_stage_left_its_files_and_mlflow_datasets(run, ops_stack):
     assert child.data.params["stage.pretrain_docs"] == "3000"
 
 
+def test_mlflow_holds_one_child_run_per_stage_that_ran(run, ops_stack):
+    """README: one MLflow parent run per pipeline, one child run per stage. MLflow's own search for the parent's
+    children finds exactly the runs the summary names, one per stage, each tagged with its stage."""
+    c = ops_stack.mlflow()
+    parent = c.get_run(run.summary["mlflow_run_id"])
+    children = c.search_runs([parent.info.experiment_id],
+                             filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'", max_results=1000)
+    ran = [s for s in run.summary["stages"] if s.get("mlflow_run_id")]
+    assert [s["label"] for s in ran] == CHAIN  # a fresh home: every stage of the chain ran, none reused
+    assert sorted(r.info.run_id for r in children) == sorted(s["mlflow_run_id"] for s in ran)
+    stage_of = {r.info.run_id: r.data.tags.get("baton.stage") for r in children}
+    assert all(stage_of[s["mlflow_run_id"]] == s["name"] for s in ran), (stage_of, [(s["label"], s["name"]) for s in ran])
+
+
 def test_the_pretraining_curve_is_in_mlflow(run, ops_stack):
     pre = run.stages["pretrain"]
     assert {c["name"] for c in pre["gate"]["checks"]} >= {"L0.integrity", "L1.reload", "probe_logits"}
