@@ -127,7 +127,7 @@ def _run_finetune_into_divergence(work: Path, tiny_config, data_dir: Path, hf_ch
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm", ["dpo", pytest.param("grpo", marks=pytest.mark.long)])
+@pytest.mark.parametrize("algorithm", ["dpo", "grpo"])
 def test_a_diverging_rlhf_run_stops_at_its_first_non_finite_step(algorithm, record_property, tmp_path, monkeypatch,
                                                                  tiny_config, data_dir, hf_checkpoint):
     """The real TRL worker, lr 1e12: one Adam step moves every weight by about 1e12, and the logits of the next forward
