@@ -101,13 +101,13 @@ def command_for(name: str, stage: str, size: str, overrides: dict, root: Path, d
     work.mkdir(parents=True, exist_ok=True)
     if stage == "pretrain":
         from tasks.pretrain.config import PretrainConfig
+        from tasks import events
         from tasks.pretrain.task import build_spec, command
 
         cfg = PretrainConfig(**{**PRETRAIN, **overrides})
         ctx = StageContext(stage=stage, run_id=name, run_dir=work, work_dir=work, model=SIZES[size], seed=0,
                            data_dir=data)
-        spec_path = work / "worker_spec.json"
-        spec_path.write_text(json.dumps(build_spec(ctx, cfg)))
+        spec_path = events.write_spec(work / "worker_spec.json", build_spec(ctx, cfg))
         env = ctx.worker_env(OMP_NUM_THREADS=1, TORCHDYNAMO_DISABLE=1)
         return command(ctx, cfg, spec_path), env, cfg
     if stage == "rlhf":

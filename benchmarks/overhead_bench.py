@@ -87,14 +87,13 @@ def baton_run(home: Path, sets: list[str], stages: str, config: Path = TINY, ext
 
 def bare_command(stage: str, cfg, ctx, work: Path) -> tuple[list[str], dict]:
     """The command and extra environment the stage's task would launch, built by the stage's own code."""
-    from tasks import chat_template
+    from tasks import chat_template, events
 
     if stage == "pretrain":
         from tasks.pretrain import task as t
 
-        (work / "worker_spec.json").write_text(json.dumps(t.build_spec(ctx, cfg.pretrain), indent=2))
-        return t.command(ctx, cfg.pretrain, work / "worker_spec.json"), {"OMP_NUM_THREADS": "1",
-                                                                          "TORCHDYNAMO_DISABLE": "1"}
+        spec = events.write_spec(work / "worker_spec.json", t.build_spec(ctx, cfg.pretrain))
+        return t.command(ctx, cfg.pretrain, spec), {"OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
     if stage == "rlhf":
         from tasks.rlhf import task as t
 

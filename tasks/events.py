@@ -133,15 +133,6 @@ def _spec_path(argv: list[str] | None) -> Path:
     return ap.parse_args(argv).spec
 
 
-def read_spec(argv: list[str] | None = None, required: tuple[str, ...] = ()) -> dict:
-    """A worker's spec from `--spec SPEC.json` (`--local_rank`, which the deepspeed launcher adds, is accepted)."""
-    path = _spec_path(argv)
-    spec = json.loads(path.read_text())
-    if missing := [k for k in required if k not in spec]:
-        raise SystemExit(f"{path}: the worker spec lacks {missing} (written by another baton version?)")
-    return spec
-
-
 def read_typed_spec(model: type[SpecT], argv: list[str] | None = None) -> SpecT:
     """A launched program's typed spec from `--spec SPEC.json`; a spec its model refuses ends the program with one
     line naming the file and the fields (a writer of another baton version, or a hand-edited file)."""
@@ -240,6 +231,98 @@ class FinetuneSpec(ProgramSpec):
     packing: bool
     eval_batch_size: int
     chat_template: Path | None                 # model.chat_template, for an input without one
+    probe: bool
+
+
+class RlhfSpec(ProgramSpec):
+    """tasks/rlhf/worker.py: TRL's run (or, evaluate, only the held-out measurement of an output trained elsewhere),
+    every value from the rlhf config (tasks.rlhf.task.worker_spec)."""
+
+    input: Path
+    data: Path                                 # the data stage's folder
+    output: Path
+    algorithm: str                             # dpo, rm, grpo
+    steps: int
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    lr: float
+    lr_schedule: str
+    warmup_steps: int
+    grad_clip: float
+    weight_decay: float
+    precision: str
+    beta: float
+    max_seq_length: int
+    overlong: str
+    sft_weight: float
+    reference: str
+    reference_model: Path | None
+    num_generations: int
+    max_completion_length: int
+    dataset: str                               # preference or prompts
+    rewards: list[dict]                        # rlhf.rewards as conversions.rewards.build reads them
+    clip_epsilon: float
+    clip_epsilon_high: float | None
+    loss_type: str
+    scale_rewards: str
+    seed: int
+    dataloader_workers: int
+    checkpoint_every: int
+    keep_checkpoints: int
+    stage: str                                 # recorded in the output's manifest
+    chat_template: Path | None                 # model.chat_template, for an input without one
+    evaluate: bool
+
+
+class PretrainTraining(ProgramSpec):
+    """The pretrain config's values the Megatron worker reads (global_batch_size resolved)."""
+
+    tensor_parallel: int
+    pipeline_parallel: int
+    virtual_pipeline_parallel: int | None
+    expert_parallel: int
+    moe_token_dispatcher: str
+    micro_batch_size: int
+    global_batch_size: int
+    steps: int
+    lr: float
+    min_lr: float
+    lr_schedule: str
+    warmup_steps: int
+    weight_decay: float
+    adam_beta1: float
+    adam_beta2: float
+    grad_clip: float
+    precision: str
+    recompute_granularity: str
+    distributed_optimizer: bool
+    overlap_grad_reduce: bool
+    overlap_param_gather: bool
+    sequence_parallel: bool
+    eval_interval: int
+    eval_iters: int
+    checkpoint_every: int
+    keep_checkpoints: int
+    transformer_impl: str
+    attention: str
+    fp8: str
+    profile_steps: list[int]
+    peak_tflops_per_rank: float | None
+
+
+class PretrainSpec(ProgramSpec):
+    """tasks/pretrain/worker.py, on every rank: resolved and checked by tasks.pretrain.task.build_spec. probe: the
+    batch finder's run (training steps only)."""
+
+    config: PretrainTraining
+    architecture: dict                         # the model's, as checkpoint manifests record it (conversions.megatron)
+    padded_vocab_size: int
+    seq_length: int
+    seed: int
+    device: str
+    data_dir: Path
+    work_dir: Path
+    input: Path | None                         # a checkpoint to start from (None: from scratch)
     probe: bool
 
 

@@ -70,7 +70,7 @@ def test_interleaved_pipeline_reaches_the_worker_spec(tmp_path, data_dir):
     ctx = StageContext(stage="pretrain", run_id="t", run_dir=tmp_path, work_dir=tmp_path, model=cfg.model.model_dump(),
                        seed=0, data_dir=data_dir)
     spec = build_spec(ctx, p)
-    assert spec["config"]["virtual_pipeline_parallel"] == 2 and spec["config"]["fp8"] == "none"
+    assert spec.config.virtual_pipeline_parallel == 2 and spec.config.fp8 == "none"
 
 
 NVME = ["finetune.zero.stage=3", "finetune.zero.offload_optimizer=cpu", "finetune.zero.offload_params=nvme"]

@@ -255,16 +255,16 @@ def test_the_training_stages_and_their_disk_bytes_have_one_home():
 
 
 def test_the_workers_share_one_spec_contract():
-    """pretrain, rlhf, finetune and convert workers read one JSON spec through tasks.events (typed for finetune and
-    convert: tests/test_program_specs.py; written by
-    their stage task from its config model): no worker declares a flag, so none can carry a default of its own."""
+    """pretrain, rlhf, finetune and convert workers read one typed JSON spec through tasks.events
+    (tests/test_program_specs.py; written by their stage task from its config model): no worker declares a flag, so
+    none can carry a default of its own."""
     for stage in ("pretrain", "rlhf", "finetune", "convert"):
         path = REPO / "tasks" / stage / "worker.py"
         tree = ast.parse(path.read_text())
         calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)]
         assert not [n.lineno for n in calls if n.func.attr == "add_argument"], f"{path}: flags of its own"
-        assert any(n.func.attr in ("read_spec", "read_typed_spec") for n in calls), \
-            f"{path}: does not read its spec with events.read_spec or read_typed_spec"
+        assert any(n.func.attr == "read_typed_spec" for n in calls), \
+            f"{path}: does not read its spec with events.read_typed_spec"
 
 
 def test_the_deployments_tiny_model_and_data_are_configs_tiny():

@@ -189,14 +189,14 @@ def test_an_input_with_other_experts_is_refused_before_launch(tmp_path, data_dir
 
     megatron.from_hf(mixtral[1].output, tmp_path / "megatron")
 
-    def spec(*overrides: str) -> dict:
+    def spec(*overrides: str):
         cfg = load(TINY, list(overrides), stages=["data", "pretrain"])
         ctx = StageContext(stage="pretrain", run_id="t", run_dir=tmp_path, work_dir=tmp_path / "w", seed=0,
                            model=cfg.model.model_dump(), data_dir=data_dir, input=tmp_path / "megatron",
                            input_format="megatron-dist")
         return build_spec(ctx, cfg.pretrain)
 
-    assert spec(*MOE)["architecture"]["moe"]["num_experts"] == 4
+    assert spec(*MOE).architecture["moe"]["num_experts"] == 4
     with pytest.raises(PretrainInputError, match=r"moe \(experts, top-k, expert ffn\) \(4, 2, 96\) \(input\) vs "
                                                  r"None \(model\)"):
         spec()

@@ -301,13 +301,13 @@ def test_pretrain_refuses_an_input_of_another_family_than_model_arch(tmp_path, t
                                 tie=False)
     megatron.from_hf(src, tmp_path / "megatron")
 
-    def spec(arch: str) -> dict:
+    def spec(arch: str):
         ctx = StageContext(stage="pretrain", run_id="t", run_dir=tmp_path, work_dir=tmp_path / "w", seed=0,
                            model={**tiny_config.model.model_dump(), "arch": arch}, data_dir=data_dir,
                            input=tmp_path / "megatron", input_format="megatron-dist")
         return build_spec(ctx, tiny_config.pretrain)
 
-    assert spec("qwen2")["architecture"]["arch"] == "qwen2"
+    assert spec("qwen2").architecture["arch"] == "qwen2"
     with pytest.raises(PretrainInputError, match="architecture differs from model: arch qwen2 \\(input\\) vs llama "
                                                  "\\(model\\)"):
         spec("llama")

@@ -132,9 +132,10 @@ def pretrain_job(cfg: PipelineConfig, ctx: StageContext) -> StageJob:
     ctx.input = None  # from scratch: a cluster run continuing a checkpoint is `baton run` on the ray target
     # The data stage trains its tokenizer to model.vocab_size; its exact size is only known once it ran.
     spec = build_spec(ctx, scfg, vocab=cfg.model.vocab_size)
-    return StageJob("pretrain", "", scfg.nnodes, scfg.nproc_per_node, spec["device"], image_path(WORKER),
-                    ["--spec", str(SPEC_DIR / "worker_spec.json")], {"worker_spec.json": _json(spec)},
-                    _base_env(spec["device"]), int(scfg.timeout_s))
+    return StageJob("pretrain", "", scfg.nnodes, scfg.nproc_per_node, spec.device, image_path(WORKER),
+                    ["--spec", str(SPEC_DIR / "worker_spec.json")],
+                    {"worker_spec.json": _json(spec.model_dump(mode="json"))}, _base_env(spec.device),
+                    int(scfg.timeout_s))
 
 
 def finetune_job(cfg: PipelineConfig, ctx: StageContext) -> StageJob:
@@ -162,7 +163,7 @@ def rlhf_job(cfg: PipelineConfig, ctx: StageContext) -> StageJob:
     spec = worker_spec(ctx, scfg, ctx.work_dir / "checkpoint")
     device = cluster_device(scfg)
     return StageJob("rlhf", "", scfg.nnodes, scfg.nproc_per_node, device, image_path(WORKER),
-                    ["--spec", str(SPEC_DIR / "rlhf_spec.json")], {"rlhf_spec.json": _json(spec)},
+                    ["--spec", str(SPEC_DIR / "rlhf_spec.json")], {"rlhf_spec.json": _json(spec.model_dump(mode="json"))},
                     _base_env(device), int(scfg.timeout_s))
 
 

@@ -1,5 +1,5 @@
 """The GPTModel of a Llama-family or Qwen2 decoder (Qwen2: q/k/v biases), its DDP wrapper, optimizer and LR schedule,
-built from the pipeline's architecture dict and the stage config. Part of the pretrain worker program (imported by
+built from the pipeline's architecture dict and the stage config (the spec's PretrainTraining). Part of the pretrain worker program (imported by
 worker.py)."""
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 
 from conversions.megatron import expert_ffn, has_qkv_bias, moe, moe_transformer_fields
+from tasks.events import PretrainTraining
 from sdpa_attention import SdpaAttention
 
 # Peak dense TFLOP/s of one rank, for MFU when the config does not state it. GPU numbers are the vendor's dense
@@ -54,10 +55,10 @@ def layer_spec(impl: str, on_gpu: bool, attention: str, num_experts: int | None 
     return spec, "local"
 
 
-def transformer_config(arch: dict, cfg: dict, on_gpu: bool) -> TransformerConfig:
-    bf16, fp16 = cfg["precision"] == "bf16", cfg["precision"] == "fp16"
+def transformer_config(arch: dict, cfg: PretrainTraining, on_gpu: bool) -> TransformerConfig:
+    bf16, fp16 = cfg.precision == "bf16", cfg.precision == "fp16"
     dtype = torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
-    recompute = cfg["recompute_granularity"]
+    recompute = cfg.recompute_granularity
     return TransformerConfig(
         num_layers=arch["num_layers"], hidden_size=arch["hidden_size"],
         num_attention_heads=arch["num_attention_heads"], num_query_groups=arch["num_query_groups"],
@@ -65,10 +66,10 @@ def transformer_config(arch: dict, cfg: dict, on_gpu: bool) -> TransformerConfig
         normalization="RMSNorm", layernorm_epsilon=arch["norm_eps"], gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, add_qkv_bias=has_qkv_bias(arch),  # Qwen2: q/k/v biases, no other bias
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=arch["init_std"],
-        tensor_model_parallel_size=cfg["tensor_parallel"], pipeline_model_parallel_size=cfg["pipeline_parallel"],
-        virtual_pipeline_model_parallel_size=cfg.get("virtual_pipeline_parallel"),
-        fp8=None if cfg.get("fp8", "none") == "none" else cfg["fp8"],  # Transformer Engine's --fp8-format
-        sequence_parallel=cfg["sequence_parallel"], bf16=bf16, fp16=fp16, params_dtype=dtype, pipeline_dtype=dtype,
+        tensor_model_parallel_size=cfg.tensor_parallel, pipeline_model_parallel_size=cfg.pipeline_parallel,
+        virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_parallel,
+        fp8=None if cfg.fp8 == "none" else cfg.fp8,  # Transformer Engine's --fp8-format
+        sequence_parallel=cfg.sequence_parallel, bf16=bf16, fp16=fp16, params_dtype=dtype, pipeline_dtype=dtype,
         use_cpu_initialization=not on_gpu, perform_initialization=True,
         recompute_granularity=None if recompute == "none" else recompute,
         recompute_method="uniform" if recompute == "full" else None,
@@ -80,15 +81,15 @@ def transformer_config(arch: dict, cfg: dict, on_gpu: bool) -> TransformerConfig
     )
 
 
-def moe_fields(arch: dict, cfg: dict) -> dict:
+def moe_fields(arch: dict, cfg: PretrainTraining) -> dict:
     """A mixture of experts in every layer: model.moe in Megatron's names, experts split over `expert_parallel` ranks,
     tokens dispatched by all-gather or all-to-all. Routing as Mixtral's: the top-k logits, then a softmax over them
     (Megatron's default, equal to HF's softmax → top-k → renormalise)."""
     if moe(arch) is None:
         return {}
     fields = moe_transformer_fields(arch)
-    return {**fields, "expert_model_parallel_size": cfg["expert_parallel"],
-            "moe_token_dispatcher_type": cfg["moe_token_dispatcher"], "moe_router_pre_softmax": False,
+    return {**fields, "expert_model_parallel_size": cfg.expert_parallel,
+            "moe_token_dispatcher_type": cfg.moe_token_dispatcher, "moe_router_pre_softmax": False,
             "moe_router_load_balancing_type": "aux_loss" if fields.get("moe_aux_loss_coeff") else "none",
             "moe_grouped_gemm": False}
 
@@ -131,10 +132,10 @@ def in_precision(chunks: list[GPTModel], config: TransformerConfig) -> list:
     return [Float16Module(config, chunk) for chunk in chunks]
 
 
-def wrap_ddp(chunks: list, config: TransformerConfig, cfg: dict) -> list[DistributedDataParallel]:
+def wrap_ddp(chunks: list, config: TransformerConfig, cfg: PretrainTraining) -> list[DistributedDataParallel]:
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=cfg["overlap_grad_reduce"],
-        overlap_param_gather=cfg["overlap_param_gather"], use_distributed_optimizer=cfg["distributed_optimizer"],
+        grad_reduce_in_fp32=True, overlap_grad_reduce=cfg.overlap_grad_reduce,
+        overlap_param_gather=cfg.overlap_param_gather, use_distributed_optimizer=cfg.distributed_optimizer,
     )
     wrapped = []
     for i, chunk in enumerate(chunks):
@@ -149,28 +150,28 @@ def _per_chunk(funcs: list):
     return funcs[0] if len(funcs) == 1 else funcs
 
 
-def optimizer_and_scheduler(ddps: list[DistributedDataParallel], config: TransformerConfig, cfg: dict):
+def optimizer_and_scheduler(ddps: list[DistributedDataParallel], config: TransformerConfig, cfg: PretrainTraining):
     opt_config = OptimizerConfig(
-        optimizer="adam", lr=cfg["lr"], min_lr=cfg["min_lr"], weight_decay=cfg["weight_decay"],
-        adam_beta1=cfg["adam_beta1"], adam_beta2=cfg["adam_beta2"], clip_grad=cfg["grad_clip"],
-        bf16=cfg["precision"] == "bf16", fp16=cfg["precision"] == "fp16", params_dtype=config.params_dtype,
-        use_distributed_optimizer=cfg["distributed_optimizer"], overlap_param_gather=cfg["overlap_param_gather"],
+        optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, clip_grad=cfg.grad_clip,
+        bf16=cfg.precision == "bf16", fp16=cfg.precision == "fp16", params_dtype=config.params_dtype,
+        use_distributed_optimizer=cfg.distributed_optimizer, overlap_param_gather=cfg.overlap_param_gather,
         initial_loss_scale=INITIAL_LOSS_SCALE, min_loss_scale=MIN_LOSS_SCALE,
     )
     optimizer = get_megatron_optimizer(opt_config, ddps)
-    steps = cfg["steps"]
+    steps = cfg.steps
     scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=cfg["lr"], min_lr=cfg["min_lr"], lr_warmup_steps=cfg["warmup_steps"],
-        lr_decay_steps=steps, lr_decay_style=cfg["lr_schedule"], start_wd=cfg["weight_decay"],
-        end_wd=cfg["weight_decay"], wd_incr_steps=steps, wd_incr_style="constant",
+        optimizer, init_lr=0.0, max_lr=cfg.lr, min_lr=cfg.min_lr, lr_warmup_steps=cfg.warmup_steps,
+        lr_decay_steps=steps, lr_decay_style=cfg.lr_schedule, start_wd=cfg.weight_decay,
+        end_wd=cfg.weight_decay, wd_incr_steps=steps, wd_incr_style="constant",
     )
     # what the schedules call: loss scaling, the grad all-reduce (and tied-embedding / layernorm grads) at the end
     config.grad_scale_func = optimizer.scale_loss
     config.finalize_model_grads_func = finalize_model_grads
-    if cfg["overlap_grad_reduce"]:
+    if cfg.overlap_grad_reduce:
         config.no_sync_func = _per_chunk([d.no_sync for d in ddps])
         config.grad_sync_func = _per_chunk([d.start_grad_sync for d in ddps])
-    if cfg["overlap_param_gather"]:
+    if cfg.overlap_param_gather:
         config.param_sync_func = _per_chunk([d.start_param_sync for d in ddps])
     return optimizer, scheduler
 
@@ -192,10 +193,10 @@ def flops_per_token(arch: dict, padded_vocab: int, seq_length: int) -> float:
     return 3.0 * (2.0 * matmul_params + attention)
 
 
-def peak_tflops(cfg: dict, on_gpu: bool) -> tuple[float, str]:
-    if cfg.get("peak_tflops_per_rank"):
-        return float(cfg["peak_tflops_per_rank"]), "config"
-    precision = cfg["precision"]
+def peak_tflops(cfg: PretrainTraining, on_gpu: bool) -> tuple[float, str]:
+    if cfg.peak_tflops_per_rank:
+        return float(cfg.peak_tflops_per_rank), "config"
+    precision = cfg.precision
     if not on_gpu:
         return PEAK_TFLOPS["cpu"][precision], "default for one CPU rank"
     name = torch.cuda.get_device_name()

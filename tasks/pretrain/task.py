@@ -55,9 +55,11 @@ def check_data(ctx: StageContext) -> int:
     return tokenizer_vocab(ctx.data_dir / "tokenizer")
 
 
-def build_spec(ctx: StageContext, cfg: PretrainConfig, vocab: int | None = None) -> dict:
+def build_spec(ctx: StageContext, cfg: PretrainConfig, vocab: int | None = None,
+               probe: bool = False) -> events.PretrainSpec:
     """Everything the worker needs, resolved and checked here so that bad input fails before anything launches.
-    `vocab`: the tokenizer's size when the data lives elsewhere (a cluster volume); else read from ctx.data_dir."""
+    `vocab`: the tokenizer's size when the data lives elsewhere (a cluster volume); else read from ctx.data_dir.
+    probe: the batch finder's run (training steps only)."""
     vocab = check_data(ctx) if vocab is None else vocab
     arch = {**ctx.architecture(), "vocab_size": vocab}
     tp = cfg.tensor_parallel
@@ -87,12 +89,16 @@ def build_spec(ctx: StageContext, cfg: PretrainConfig, vocab: int | None = None)
         if rows < vocab:
             raise PretrainInputError(f"pretrain.vocab_size {rows} is smaller than the tokenizer's vocabulary ({vocab})")
         padded = padded_vocab_size(rows, cfg.make_vocab_size_divisible_by, tp)
-    return {
-        "config": {**cfg.model_dump(), "global_batch_size": cfg.global_batch()}, "architecture": arch, "padded_vocab_size": padded,
-        "seq_length": cfg.max_seq_length or ctx.model["seq_length"], "seed": ctx.seed, "device": resolved_device(cfg),
-        "data_dir": str(ctx.data_dir), "work_dir": str(ctx.work_dir),
-        "input": str(ctx.input) if ctx.input is not None else None,
-    }
+    return events.PretrainSpec(
+        config=training_spec(cfg), architecture=arch, padded_vocab_size=padded,
+        seq_length=cfg.max_seq_length or ctx.model["seq_length"], seed=ctx.seed, device=resolved_device(cfg),
+        data_dir=ctx.data_dir, work_dir=ctx.work_dir, input=ctx.input, probe=probe)
+
+
+def training_spec(cfg: PretrainConfig) -> events.PretrainTraining:
+    """The config's values the worker reads, under their config names; the global batch resolved."""
+    read = set(events.PretrainTraining.model_fields) - {"global_batch_size"}
+    return events.PretrainTraining(**cfg.model_dump(include=read), global_batch_size=cfg.global_batch())
 
 
 def loadable_input(ctx: StageContext) -> tuple[Path, str | None]:
@@ -122,12 +128,12 @@ def command(ctx: StageContext, cfg: PretrainConfig, spec_path: Path) -> list[str
         raise PretrainInputError(f"pretrain: {e}") from None
 
 
-def package(ctx: StageContext, cfg: PretrainConfig, spec: dict, r: events.PretrainResult) -> Path:
+def package(ctx: StageContext, cfg: PretrainConfig, spec: events.PretrainSpec, r: events.PretrainResult) -> Path:
     """checkpoint.partial (dist checkpoint + probe logits, from the worker) + tokenizer + manifest → checkpoint."""
     partial, out = ctx.work_dir / "checkpoint.partial", ctx.work_dir / "checkpoint"
     folder.copy_tree(ctx.data_dir / "tokenizer", partial / "tokenizer")
-    arch = {**spec["architecture"], "padded_vocab_size": spec["padded_vocab_size"],
-            "kv_channels": spec["architecture"]["hidden_size"] // spec["architecture"]["num_attention_heads"]}
+    arch = {**spec.architecture, "padded_vocab_size": spec.padded_vocab_size,
+            "kv_channels": spec.architecture["hidden_size"] // spec.architecture["num_attention_heads"]}
     data_m = mf.read(ctx.data_dir)
     m = mf.build(
         partial, format=Format.MEGATRON_DIST, stage=ctx.stage, architecture=arch,
@@ -136,7 +142,7 @@ def package(ctx: StageContext, cfg: PretrainConfig, spec: dict, r: events.Pretra
         parent=mf.parent_ref(ctx.input) if ctx.input is not None else None,
         extra={"layout": r.layout, "iteration": r.iteration, "consumed_samples": r.consumed_samples,
                "sharded_backend": "torch_dist", "optimizer_state": True,
-               "distributed_optimizer": cfg.distributed_optimizer, "seq_length": spec["seq_length"],
+               "distributed_optimizer": cfg.distributed_optimizer, "seq_length": spec.seq_length,
                "data_digest": mf.digest_of(data_m) if data_m else None},
         tokenizer_dir=partial / "tokenizer",
     )
@@ -189,17 +195,17 @@ def run_pretrain(ctx: StageContext, cfg: PretrainConfig) -> StageOutput:
     rewritten = None
     if ctx.input is not None:
         loaded, rewritten = loadable_input(ctx)
-        spec["input"] = str(loaded)
+        spec = spec.model_copy(update={"input": loaded})
     spec_path = events.write_spec(ctx.work_dir / "worker_spec.json", spec)
     res = ctx.launch(command(ctx, cfg, spec_path), name="pretrain", timeout=cfg.timeout_s,
-                     env=engine_env(spec["device"]))
+                     env=engine_env(spec.device))
     r = res.result(events.PretrainResult)
     out = package(ctx, cfg, spec, r)
     train = [e for e in res.metrics() if events.TRAIN_LOSS in e]
     before, after = r.heldout_before, r.heldout_after
     return StageOutput(
         output=out, engine="megatron-core",
-        backend=backend(cfg, spec["device"]),
+        backend=backend(cfg, spec.device),
         gate=gate(out, r, cfg.torch_dtype()),
         metrics={"loss_first": r.loss_first, "loss_last": train[-1][events.TRAIN_LOSS] if train else None,
                  "heldout_loss": after[1] if after else None, "heldout_ppl": after[2] if after else None,
@@ -208,8 +214,8 @@ def run_pretrain(ctx: StageContext, cfg: PretrainConfig) -> StageOutput:
                  "train_time_s": r.train_time_s, "iteration": r.iteration, "resumed_from_step": r.resumed_from,
                  **r.memory},
         eval={"metric": "heldout_ppl", "before": before[2] if before else None, "after": after[2] if after else None},
-        extra={"layout": r.layout, "padded_vocab_size": spec["padded_vocab_size"], "fp8": cfg.fp8,
+        extra={"layout": r.layout, "padded_vocab_size": spec.padded_vocab_size, "fp8": cfg.fp8,
                "peak_tflops_source": r.peak_tflops_source, "layer_spec": r.layer_spec,
                **({"input_rewritten": f"{ctx.input}: not sealed by this BATON_HOME ({rewritten}); Megatron loaded "
-                                      f"baton's rewrite of its weights, {spec['input']}"} if rewritten else {})},
+                                      f"baton's rewrite of its weights, {spec.input}"} if rewritten else {})},
     )

@@ -21,16 +21,16 @@ import warnings
 from functools import partial
 from pathlib import Path
 
+from tasks import events
+
 
 def main() -> None:
-    from tasks import events
-
-    spec = events.read_spec()
+    spec = events.read_typed_spec(events.PretrainSpec)  # written by tasks/pretrain/task.py
     # megatron's notices, repeated by every rank: deprecations, Apex/TE absent (expected here), cuda-graph defaults
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*(not installed|Falling back).*")
     warnings.filterwarnings("ignore", message=r"full scope is deprecated.*")
-    on_gpu = spec["device"] == "cuda"
+    on_gpu = spec.device == "cuda"
     if not on_gpu:
         import megatron_cpu  # beside this file; must patch torch before megatron.core is imported
 
@@ -39,13 +39,13 @@ def main() -> None:
 
 
 class Run:
-    def __init__(self, spec: dict, on_gpu: bool):
+    def __init__(self, spec: events.PretrainSpec, on_gpu: bool):
         import torch
         import torch.distributed as dist
 
-        self.spec, self.cfg, self.arch = spec, spec["config"], spec["architecture"]
+        self.spec, self.cfg, self.arch = spec, spec.config, spec.architecture
         self.on_gpu = on_gpu
-        self.work = Path(spec["work_dir"])
+        self.work = spec.work_dir
         self.ckpt_root = self.work / "checkpoints"
         if on_gpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -76,11 +76,11 @@ class Run:
         self.init_parallel()
         self.init_data()
         n_params, impl = self.init_model()
-        if self.spec.get("probe"):
+        if self.spec.probe:
             return self.probe_memory()
         start, state = self.starting_point(n_params, impl)
         peak, peak_src = self.train(start, state)
-        self.finish(self.cfg["steps"], state, peak, peak_src)
+        self.finish(self.cfg.steps, state, peak, peak_src)
 
     def init_parallel(self) -> None:
         import torch
@@ -89,32 +89,32 @@ class Run:
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         cfg, spec = self.cfg, self.spec
-        tp, pp, vp = cfg["tensor_parallel"], cfg["pipeline_parallel"], cfg.get("virtual_pipeline_parallel")
-        ep = cfg.get("expert_parallel", 1)
+        tp, pp, vp = cfg.tensor_parallel, cfg.pipeline_parallel, cfg.virtual_pipeline_parallel
+        ep = cfg.expert_parallel
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                      virtual_pipeline_model_parallel_size=vp, expert_model_parallel_size=ep)
         self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         self.is_last = ps.is_pipeline_last_stage()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
-        torch.manual_seed(spec["seed"])
-        model_parallel_cuda_manual_seed(spec["seed"])
-        experts = f" EP={ep} ({cfg.get('moe_token_dispatcher')} dispatcher)" if self.arch.get("moe") else ""
+        torch.manual_seed(spec.seed)
+        model_parallel_cuda_manual_seed(spec.seed)
+        experts = f" EP={ep} ({cfg.moe_token_dispatcher} dispatcher)" if self.arch.get("moe") else ""
         self.log(f"world {dist.get_world_size()}: TP={tp} PP={pp}{f' (VP={vp}, interleaved)' if vp else ''} "
-                 f"DP={self.dp}{experts}, device {self.device.type}, {cfg['precision']}, fp8 {cfg.get('fp8', 'none')}, seq "
-                 f"{spec['seq_length']}, micro {cfg['micro_batch_size']}, global {cfg['global_batch_size']}, "
-                 f"{cfg['steps']} steps")
+                 f"DP={self.dp}{experts}, device {self.device.type}, {cfg.precision}, fp8 {cfg.fp8}, seq "
+                 f"{spec.seq_length}, micro {cfg.micro_batch_size}, global {cfg.global_batch_size}, "
+                 f"{cfg.steps} steps")
 
     def init_data(self) -> None:
         import mcore_data as data
 
         cfg, spec = self.cfg, self.spec
-        self.tokenizer = data.HFTokenizer(Path(spec["data_dir"]) / "tokenizer")
-        prefixes = data.prepare(Path(spec["data_dir"]), self.work / "data", self.tokenizer)
-        gbs, mbs = cfg["global_batch_size"], cfg["micro_batch_size"]
+        self.tokenizer = data.HFTokenizer(spec.data_dir / "tokenizer")
+        prefixes = data.prepare(spec.data_dir, self.work / "data", self.tokenizer)
+        gbs, mbs = cfg.global_batch_size, cfg.micro_batch_size
         self.num_micro = gbs // (mbs * self.dp)
         self.train_ds, self.heldout_ds = data.build_datasets(
-            prefixes, self.tokenizer, spec["seq_length"], spec["seed"], train_samples=cfg["steps"] * gbs,
-            eval_samples=cfg["eval_iters"] * gbs, cache_dir=self.work / "data" / "cache")
+            prefixes, self.tokenizer, spec.seq_length, spec.seed, train_samples=cfg.steps * gbs,
+            eval_samples=cfg.eval_iters * gbs, cache_dir=self.work / "data" / "cache")
 
     def init_model(self) -> tuple[float, str]:
         """This rank's model chunks (one, or VP with the interleaved schedule), their DDP wrappers, optimizer, LR."""
@@ -124,9 +124,9 @@ class Run:
 
         cfg, arch = self.cfg, self.arch
         experts = (arch.get("moe") or {}).get("num_experts")
-        self.spec_layers, impl = mm.layer_spec(cfg["transformer_impl"], self.on_gpu, cfg["attention"], experts)
+        self.spec_layers, impl = mm.layer_spec(cfg.transformer_impl, self.on_gpu, cfg.attention, experts)
         self.tconfig = mm.transformer_config(arch, cfg, self.on_gpu)
-        self.padded_vocab = self.spec["padded_vocab_size"]
+        self.padded_vocab = self.spec.padded_vocab_size
         # the config as built: the optimizer then hangs its own functions (and through them process groups) on
         # tconfig, which a later model build cannot copy (an MoE layer deep-copies its config for the experts' width)
         self.build_config = copy.deepcopy(self.tconfig)
@@ -165,11 +165,11 @@ class Run:
             start = info["iteration"]
             state.update({k: info[k] for k in state if k in info})
             self.log(f"resumed from {last.name} (iteration {start}, layout {info.get('layout')})")
-        elif self.spec.get("input"):
-            ckpt.load_input(Path(self.spec["input"]), self.chunks)
+        elif self.spec.input is not None:
+            ckpt.load_input(self.spec.input, self.chunks)
             self.optimizer.reload_model_params()
-            self.log(f"initialised from the weights of {self.spec['input']}")
-            self.check_input_parity(Path(self.spec["input"]))
+            self.log(f"initialised from the weights of {self.spec.input}")
+            self.check_input_parity(self.spec.input)
         self.opening["resumed_from"] = start
         if self.rank == 0:
             self.events().started(start)
@@ -181,16 +181,16 @@ class Run:
         import mcore_model as mm
 
         cfg, spec = self.cfg, self.spec
-        steps = cfg["steps"]
+        steps = cfg.steps
         peak, peak_src = mm.peak_tflops(cfg, self.on_gpu)
         world = dist.get_world_size()
-        fpt = mm.flops_per_token(self.arch, self.padded_vocab, spec["seq_length"])
-        tokens_per_step = cfg["global_batch_size"] * spec["seq_length"]
+        fpt = mm.flops_per_token(self.arch, self.padded_vocab, spec.seq_length)
+        tokens_per_step = cfg.global_batch_size * spec.seq_length
         self.log(f"MFU against {peak} TFLOP/s per rank ({peak_src}) × {world} ranks; "
                  f"{fpt / 1e6:.2f} MFLOP per token")
         if start == 0:
             self.evaluate(0, state)
-        profiled = cfg.get("profile_steps") or []
+        profiled = cfg.profile_steps
         for it in range(start, steps):  # a re-run after the last step skips straight to finish()
             t0 = time.time()
             with self.profiling(it + 1 in profiled, it + 1):
@@ -208,9 +208,9 @@ class Run:
                                  ev.MFU: fpt * tps / (peak * 1e12 * world),
                                  **({ev.TRAIN_ROUTER_AUX_LOSS: aux_loss} if aux_loss is not None else {})})
                 self.events().progress(step, steps)
-            if step % cfg["eval_interval"] == 0 or step == steps:
+            if step % cfg.eval_interval == 0 or step == steps:
                 self.evaluate(step, state)
-            if step % cfg["checkpoint_every"] == 0 or step == steps:
+            if step % cfg.checkpoint_every == 0 or step == steps:
                 self.save(step, state)
         return peak, peak_src
 
@@ -240,7 +240,7 @@ class Run:
     def new_model(self, config) -> list:
         import mcore_model as mm
 
-        chunks = mm.gpt_chunks(config, self.spec_layers, self.arch, self.padded_vocab, self.spec["seq_length"])
+        chunks = mm.gpt_chunks(config, self.spec_layers, self.arch, self.padded_vocab, self.spec.seq_length)
         mm.experts_apart(chunks)
         return [chunk.to(self.device) for chunk in chunks]
 
@@ -274,8 +274,8 @@ class Run:
 
         cfg = self.cfg
         for m in range(self.num_micro):
-            idx = data.microbatch_indices(step, m, cfg["micro_batch_size"], self.dp, self.dp_rank,
-                                          cfg["global_batch_size"])
+            idx = data.microbatch_indices(step, m, cfg.micro_batch_size, self.dp, self.dp_rank,
+                                          cfg.global_batch_size)
             yield data.batch(ds, idx, self.device)
 
     def reduce_loss(self, reduced: list[dict]) -> float:
@@ -297,7 +297,7 @@ class Run:
             ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         reduced = self.schedule(self.forward_step, lambda: self.batches(self.train_ds, it), self.num_micro,
-                                self.spec["seq_length"], self.cfg["micro_batch_size"], forward_only=False)
+                                self.spec.seq_length, self.cfg.micro_batch_size, forward_only=False)
         scale = self.optimizer.get_loss_scale().item()
         ok, grad_norm, _ = self.optimizer.step()
         if not ok and scale > mm.MIN_LOSS_SCALE:
@@ -332,9 +332,9 @@ class Run:
             ddp.eval()
         total = []
         with torch.no_grad():
-            for i in range(self.cfg["eval_iters"]):
+            for i in range(self.cfg.eval_iters):
                 total += self.schedule(self.forward_step, lambda: self.batches(self.heldout_ds, i), self.num_micro,
-                                       self.spec["seq_length"], self.cfg["micro_batch_size"], forward_only=True)
+                                       self.spec.seq_length, self.cfg.micro_batch_size, forward_only=True)
         loss = self.reduce_loss(total)
         ppl = math.exp(min(loss, 50.0))
         state["heldout"].append([step, loss, ppl])
@@ -348,10 +348,10 @@ class Run:
         import mcore_checkpoint as ckpt
 
         t0 = time.time()
-        extra = {"layout": ckpt.layout(), "consumed_samples": step * self.cfg["global_batch_size"]}
+        extra = {"layout": ckpt.layout(), "consumed_samples": step * self.cfg.global_batch_size}
         sd = ckpt.full_state(self.chunks, self.optimizer, self.scheduler, step, self.arch_for_checkpoint(),
                              extra, loading=False)
-        path = ckpt.save(self.ckpt_root, step, sd, {**extra, **state}, self.cfg["keep_checkpoints"])
+        path = ckpt.save(self.ckpt_root, step, sd, {**extra, **state}, self.cfg.keep_checkpoints)
         self.log(f"saved {path.name} in {time.time() - t0:.1f}s")
 
     def arch_for_checkpoint(self) -> dict:
@@ -375,7 +375,7 @@ class Run:
             next(data_iterator)
             return m(ids, positions, None), None  # no loss function: the schedule hands back the logits
 
-        repeats = self.cfg["pipeline_parallel"] if len(chunks) > 1 else 1
+        repeats = self.cfg.pipeline_parallel if len(chunks) > 1 else 1
         for chunk in chunks:
             chunk.eval()
         with torch.no_grad():
@@ -402,7 +402,7 @@ class Run:
         if owner:
             if not (ids.cpu().equal(ref_ids) and logits.shape == ref_logits.shape):
                 raise RuntimeError(f"{ref}: probe inputs or vocabulary differ from this model's")
-            res = probe.compare_logits(logits, ref_logits, probe.DTYPE_OF_PRECISION[self.cfg["precision"]])
+            res = probe.compare_logits(logits, ref_logits, probe.DTYPE_OF_PRECISION[self.cfg.precision])
             diff, agree = res["max_abs_diff"], res["top1_agreement"]
         diff, agree = self.to_rank0([diff, agree], owner)
         self.log(f"input parity vs {ref}: max |Δlogit| {diff:.3g}, top-1 agreement {agree:.3f}")
@@ -460,7 +460,7 @@ class Run:
                 reload_logits_max_abs_diff=logit_diff, loss_first=state["loss_first"],
                 heldout_before=heldout[0] if heldout else None, heldout_after=heldout[-1] if heldout else None,
                 train_time_s=state["train_time_s"], peak_tflops_per_rank=peak, peak_tflops_source=peak_src,
-                consumed_samples=steps * self.cfg["global_batch_size"], memory=memory))
+                consumed_samples=steps * self.cfg.global_batch_size, memory=memory))
         dist.barrier()
         dist.destroy_process_group()
 
@@ -469,14 +469,14 @@ class Run:
         every rank's peak memory, as the full run reports it."""
         import torch.distributed as dist
 
-        for it in range(self.cfg["steps"]):
+        for it in range(self.cfg.steps):
             loss, _, _ = self.train_step(it)
             self.log(f"probe step {it + 1}: loss {loss:.4f}")
         memory = self.memory_peaks()
         if self.rank == 0:
             ev = self.events()
-            ev.result(ev.PretrainProbeResult(probe_steps=self.cfg["steps"],
-                                             micro_batch_size=self.cfg["micro_batch_size"], memory=memory))
+            ev.result(ev.PretrainProbeResult(probe_steps=self.cfg.steps,
+                                             micro_batch_size=self.cfg.micro_batch_size, memory=memory))
         dist.barrier()
         dist.destroy_process_group()
 
@@ -511,7 +511,5 @@ class Run:
 
 
 if __name__ == "__main__":
-    from tasks import events
-
     with events.causes_announced():
         sys.exit(main())

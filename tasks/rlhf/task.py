@@ -182,23 +182,22 @@ def gate(algorithm: str, out: Path, trained: Path, src: Path, eval_check: dict) 
 
 
 def worker_spec(ctx: StageContext, cfg: RlhfConfig, out: Path, template: Path | None = None,
-                evaluate: bool = False) -> dict:
-    """What the worker reads (events.read_spec): every value from the rlhf config, none defaulted in the worker."""
-    return {
-        "input": str(ctx.input), "data": str(ctx.data_dir), "output": str(out), "algorithm": cfg.algorithm,
-        "steps": cfg.steps, "micro_batch_size": cfg.micro_batch_size,
-        "gradient_accumulation_steps": cfg.accumulation(), "lr": cfg.lr, "lr_schedule": cfg.lr_schedule,
-        "warmup_steps": cfg.warmup_steps, "grad_clip": cfg.grad_clip, "weight_decay": cfg.weight_decay,
-        "precision": cfg.precision, "beta": cfg.beta, "max_seq_length": cfg.max_seq_length or ctx.model.get(
-            "seq_length", 128), "overlong": cfg.overlong, "sft_weight": cfg.sft_weight, "reference": cfg.reference,
-        "reference_model": str(cfg.reference_model) if cfg.reference_model else None,
-        "num_generations": cfg.num_generations, "max_completion_length": cfg.max_completion_length,
-        "dataset": dataset_of(cfg), "rewards": reward_specs(cfg), "clip_epsilon": cfg.clip_epsilon,
-        "clip_epsilon_high": cfg.clip_epsilon_high, "loss_type": cfg.loss_type, "scale_rewards": cfg.scale_rewards,
-        "seed": ctx.seed, "dataloader_workers": cfg.dataloader_workers, "checkpoint_every": cfg.checkpoint_every,
-        "keep_checkpoints": cfg.keep_checkpoints, "stage": ctx.stage,
-        "chat_template": str(template) if template else None, "evaluate": evaluate,
-    }
+                evaluate: bool = False) -> events.RlhfSpec:
+    """What the worker reads (events.read_typed_spec): every value from the rlhf config, none defaulted in the
+    worker."""
+    return events.RlhfSpec(
+        input=ctx.input, data=ctx.data_dir, output=out, algorithm=cfg.algorithm,
+        steps=cfg.steps, micro_batch_size=cfg.micro_batch_size,
+        gradient_accumulation_steps=cfg.accumulation(), lr=cfg.lr, lr_schedule=cfg.lr_schedule,
+        warmup_steps=cfg.warmup_steps, grad_clip=cfg.grad_clip, weight_decay=cfg.weight_decay,
+        precision=cfg.precision, beta=cfg.beta, max_seq_length=cfg.max_seq_length or ctx.model.get(
+            "seq_length", 128), overlong=cfg.overlong, sft_weight=cfg.sft_weight, reference=cfg.reference,
+        reference_model=cfg.reference_model, num_generations=cfg.num_generations,
+        max_completion_length=cfg.max_completion_length, dataset=dataset_of(cfg), rewards=reward_specs(cfg),
+        clip_epsilon=cfg.clip_epsilon, clip_epsilon_high=cfg.clip_epsilon_high, loss_type=cfg.loss_type,
+        scale_rewards=cfg.scale_rewards, seed=ctx.seed, dataloader_workers=cfg.dataloader_workers,
+        checkpoint_every=cfg.checkpoint_every, keep_checkpoints=cfg.keep_checkpoints, stage=ctx.stage,
+        chat_template=template, evaluate=evaluate)
 
 
 def worker_command(ctx: StageContext, cfg: RlhfConfig, out: Path, template: Path | None = None,

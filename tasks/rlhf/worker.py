@@ -9,7 +9,6 @@ the input's tokenizer and chat template; measure the same accuracy on the saved 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -38,7 +37,7 @@ TRL_NAMES = {"loss": events.TRAIN_LOSS, "learning_rate": events.TRAIN_LR, "grad_
 
 # ---- main: the recipe; the phases follow in the order it runs them ---------------------------------------------------
 def main(argv=None) -> None:
-    a = parse_args(argv)
+    a = events.read_typed_spec(events.RlhfSpec, argv)  # written by tasks/rlhf/task.py from the rlhf config
     from transformers import set_seed
 
     set_seed(a.seed)
@@ -62,21 +61,7 @@ def main(argv=None) -> None:
     trainer.accelerator.wait_for_everyone()
 
 
-SPEC_PATHS = ("input", "data", "output", "reference_model", "chat_template")
-SPEC_KEYS = ("input", "data", "output", "algorithm", "steps", "micro_batch_size", "gradient_accumulation_steps", "lr",
-             "lr_schedule", "warmup_steps", "grad_clip", "weight_decay", "precision", "beta", "max_seq_length",
-             "overlong", "sft_weight", "reference", "reference_model", "num_generations", "max_completion_length", "seed",
-             "dataloader_workers", "checkpoint_every", "keep_checkpoints", "stage", "chat_template", "evaluate",
-             "dataset", "rewards", "clip_epsilon", "clip_epsilon_high", "loss_type", "scale_rewards")
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    """The spec tasks/rlhf/task.py wrote from the rlhf config (every key given: no default lives here)."""
-    spec = events.read_spec(argv, required=SPEC_KEYS)
-    return argparse.Namespace(**{k: Path(v) if k in SPEC_PATHS and v is not None else v for k, v in spec.items()})
-
-
-def load_tokenizer(a: argparse.Namespace):
+def load_tokenizer(a: events.RlhfSpec):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(a.input))
@@ -87,7 +72,7 @@ def load_tokenizer(a: argparse.Namespace):
     return tok
 
 
-def train(a: argparse.Namespace, recipe: Recipe):
+def train(a: events.RlhfSpec, recipe: Recipe):
     """TRL's trainer on the recipe, resumed from the newest complete checkpoint of an earlier attempt. Returns the
     trainer and the step it resumed from (0: a fresh start)."""
     from transformers import PrinterCallback
@@ -106,7 +91,7 @@ def train(a: argparse.Namespace, recipe: Recipe):
     return trainer, resumed_from
 
 
-def save_and_measure(a: argparse.Namespace, recipe: Recipe, trainer, before: dict, resumed_from: int,
+def save_and_measure(a: events.RlhfSpec, recipe: Recipe, trainer, before: dict, resumed_from: int,
                      t0: float) -> None:
     """Rank 0: the trained model as an HF folder with the input's tokenizer, measured as the input was; its manifest
     and the run's one result."""
@@ -391,7 +376,7 @@ def probe_logits_finite(model) -> bool:
         model.train(was_training)
 
 
-def common_args(a: argparse.Namespace, work: Path) -> dict:
+def common_args(a: events.RlhfSpec, work: Path) -> dict:
     cpu = not torch.cuda.is_available()
     return dict(output_dir=str(work), max_steps=a.steps, per_device_train_batch_size=a.micro_batch_size,
                 gradient_accumulation_steps=a.gradient_accumulation_steps, learning_rate=a.lr,
@@ -410,7 +395,7 @@ def common_args(a: argparse.Namespace, work: Path) -> dict:
 COMPLETE = "baton_complete.json"   # written last, atomically: the checkpoint's files, sizes and sha256
 
 
-def checkpoint_args(a: argparse.Namespace) -> dict:
+def checkpoint_args(a: events.RlhfSpec) -> dict:
     if a.checkpoint_every <= 0:
         return {"save_strategy": "no"}
     # no save_total_limit: the Trainer would delete the older checkpoints before ours is sealed (with keep 1, a crash
