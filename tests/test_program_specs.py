@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, TINY
 from tasks import events
 
 pytestmark = pytest.mark.fast
 FOLDERS = ("tasks", "conversions")
 SUPERVISOR = REPO / "tasks/serve/supervisor.py"
+WORKERS = {stage: REPO / "tasks" / stage / "worker.py" for stage in ("pretrain", "rlhf", "finetune", "convert")}
 
 
 def launched_programs() -> list:
@@ -43,6 +45,40 @@ def test_the_scan_finds_a_parser(tmp_path):
     assert parsers_in(planted) == [2]
 
 
+def calls_named(path, *names: str) -> list[ast.Call]:
+    return [n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Call)
+            and getattr(n.func, "attr", getattr(n.func, "id", None)) in names]
+
+
+def spec_models_read(path) -> list[str]:
+    """The models a program hands events.read_typed_spec (`events.RlhfSpec` → 'RlhfSpec')."""
+    return [getattr(c.args[0], "attr", getattr(c.args[0], "id", "?")) for c in calls_named(path, "read_typed_spec")]
+
+
+def untyped_spec_reads(path) -> list[int]:
+    """Lines that read a spec without its model: a dict reader (read_spec) or an argparse.Namespace built from one."""
+    return [c.lineno for c in calls_named(path, "read_spec", "Namespace")]
+
+
+def test_every_program_given_a_spec_reads_it_through_its_model():
+    """A program launched with `--spec` validates the whole file against one ProgramSpec before it does anything; a
+    dict spec (the rlhf worker's SPEC_KEYS and Namespace, pretrain's nested dump) checked nothing but key names."""
+    given_a_spec = [p for p in launched_programs() if "--spec" in p.read_text()]
+    assert set(WORKERS.values()) | {SUPERVISOR} <= set(given_a_spec)
+    untyped = {str(p.relative_to(REPO)): lines for p in given_a_spec if (lines := untyped_spec_reads(p))}
+    assert untyped == {}, f"these programs read their spec untyped: {untyped}"
+    models = {str(p.relative_to(REPO)): spec_models_read(p) for p in given_a_spec}
+    specs = {s.__name__ for s in all_specs()}
+    assert {p: m for p, m in models.items() if len(m) != 1 or m[0] not in specs} == {}
+
+
+def test_the_scan_finds_an_untyped_spec_read(tmp_path):
+    planted = tmp_path / "worker.py"
+    planted.write_text("import argparse\nfrom tasks import events\nspec = events.read_spec(None)\n"
+                       "a = argparse.Namespace(**spec)\n")
+    assert untyped_spec_reads(planted) == [3, 4] and spec_models_read(planted) == []
+
+
 def all_specs(cls=events.ProgramSpec) -> list[type]:
     return [c for sub in cls.__subclasses__() for c in (sub, *all_specs(sub))]
 
@@ -51,7 +87,8 @@ def test_program_specs_default_nothing():
     """Every value a launched program reads comes from a config model, where the defaults live."""
     specs = all_specs()
     assert {s.__name__ for s in specs} >= {"SupervisorSpec", "LmEvalSpec", "LmEvalServer", "LmEvalLocal",
-                                           "SglProgramSpec", "ConvertSpec", "FinetuneSpec"}
+                                           "SglProgramSpec", "ConvertSpec", "FinetuneSpec", "RlhfSpec",
+                                           "PretrainSpec", "PretrainTraining"}
     defaulted = {f"{s.__name__}.{name}" for s in specs for name, f in s.model_fields.items() if not f.is_required()}
     assert defaulted == set()
 
@@ -71,3 +108,46 @@ def test_the_supervisor_refuses_a_spec_naming_the_field(tmp_path):
     assert r.returncode != 0
     assert r.stderr.strip().splitlines()[-1] == f"{path}: not a valid SupervisorSpec (restarts, restart)"
     assert not (tmp_path / "s.log").exists()
+
+
+def stage_spec(stage: str, tmp_path) -> dict:
+    """The spec the stage's task writes from configs/tiny.yaml, as JSON, for a run in tmp_path."""
+    from flows.config import load
+    from tasks.pretrain.task import build_spec
+    from tasks.rlhf.task import worker_spec
+    from tasks.stage import StageContext
+
+    cfg = load(TINY, [], stages=["data", "pretrain", "rlhf"])
+    ctx = StageContext(stage=stage, run_id="t", run_dir=tmp_path, work_dir=tmp_path / stage, seed=0,
+                       model=cfg.model.model_dump(), data_dir=tmp_path / "data",
+                       input=tmp_path / "input" if stage == "rlhf" else None)
+    spec = (worker_spec(ctx, cfg.rlhf, tmp_path / "rlhf" / "checkpoint") if stage == "rlhf" else
+            build_spec(ctx, cfg.pretrain, vocab=cfg.model.vocab_size))
+    written = events.write_spec(tmp_path / "written.json", spec)
+    return json.loads(written.read_text())
+
+
+def misspelt(spec: dict, *where: str) -> dict:
+    """The spec with its field at `where` (a path of keys) renamed without its last letter."""
+    *outer, name = where
+    inner = spec
+    for key in outer:
+        inner = inner[key]
+    inner[name[:-1]] = inner.pop(name)
+    return spec
+
+
+@pytest.mark.parametrize("stage, where, message", [
+    ("rlhf", ("steps",), "not a valid RlhfSpec (steps, step)"),
+    ("pretrain", ("config", "steps"), "not a valid PretrainSpec (config.steps, config.step)"),
+])
+def test_a_training_worker_refuses_a_spec_naming_the_field(tmp_path, stage, where, message):
+    """The worker process itself (as its stage launches it) ends at once on a spec another baton version wrote: one
+    line with the file and the field, before any engine or process group starts, and nothing written."""
+    spec = misspelt(stage_spec(stage, tmp_path), *where)
+    path = events.write_spec(tmp_path / "written.json", spec)
+    r = subprocess.run([sys.executable, str(WORKERS[stage]), "--spec", str(path)], capture_output=True, text=True,
+                       timeout=240, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode != 0
+    assert r.stderr.strip().splitlines()[-1] == f"{path}: {message}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["written.json"]
