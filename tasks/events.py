@@ -234,6 +234,28 @@ class FinetuneSpec(ProgramSpec):
     probe: bool
 
 
+class RewardSpec(ProgramSpec):
+    """One rlhf.rewards entry as the rlhf worker builds it (conversions.rewards.build); a user function travels as the
+    text of its file (path, name, source: None for the built-in kinds), read and checked once by the task."""
+
+    kind: str
+    weight: float
+    extract: str
+    answer_field: str
+    pattern: str | None
+    json_schema: dict | None
+    min_chars: int | None
+    max_chars: int | None
+    code: str
+    tests_field: str
+    timeout_s: float
+    memory_mb: int
+    isolation: str
+    path: str | None
+    name: str | None
+    source: str | None
+
+
 class RlhfSpec(ProgramSpec):
     """tasks/rlhf/worker.py: TRL's run (or, evaluate, only the held-out measurement of an output trained elsewhere),
     every value from the rlhf config (tasks.rlhf.task.worker_spec)."""
@@ -260,7 +282,7 @@ class RlhfSpec(ProgramSpec):
     num_generations: int
     max_completion_length: int
     dataset: str                               # preference or prompts
-    rewards: list[dict]                        # rlhf.rewards as conversions.rewards.build reads them
+    rewards: list[RewardSpec]
     clip_epsilon: float
     clip_epsilon_high: float | None
     loss_type: str

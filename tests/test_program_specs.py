@@ -87,7 +87,7 @@ def test_program_specs_default_nothing():
     """Every value a launched program reads comes from a config model, where the defaults live."""
     specs = all_specs()
     assert {s.__name__ for s in specs} >= {"SupervisorSpec", "LmEvalSpec", "LmEvalServer", "LmEvalLocal",
-                                           "SglProgramSpec", "ConvertSpec", "FinetuneSpec", "RlhfSpec",
+                                           "SglProgramSpec", "ConvertSpec", "FinetuneSpec", "RlhfSpec", "RewardSpec",
                                            "PretrainSpec", "PretrainTraining"}
     defaulted = {f"{s.__name__}.{name}" for s in specs for name, f in s.model_fields.items() if not f.is_required()}
     assert defaulted == set()

@@ -38,18 +38,18 @@ def dataset_of(cfg: RlhfConfig) -> str:
     return "prompts" if cfg.rewards else "preference"
 
 
-def reward_specs(cfg: RlhfConfig) -> list[dict]:
+def reward_specs(cfg: RlhfConfig) -> list[events.RewardSpec]:
     """rlhf.rewards as the worker reads them; a user function travels as the text of its file, read and checked here
     once (what was checked is what runs)."""
     specs = []
     for i, r in enumerate(cfg.rewards):
-        spec = r.model_dump(exclude={"function"})
+        function = {"path": None, "name": None, "source": None}
         if r.kind == "function":
             path, name, source, problems = checks.function_source(r.function, f"rlhf.rewards[{i}].function")
             if problems:
                 raise RlhfInputError("; ".join(problems))
-            spec.update(path=path, name=name, source=source)
-        specs.append(spec)
+            function = {"path": path, "name": name, "source": source}
+        specs.append(events.RewardSpec(**r.model_dump(exclude={"function"}), **function))
     return specs
 
 

@@ -568,7 +568,7 @@ def train_grpo_rewards(a, tok, rows: list[dict], work: Path):
     from trl import GRPOConfig, GRPOTrainer
 
     model = AutoModelForCausalLM.from_pretrained(str(a.input), dtype=torch.float32)
-    rewards = [rw.build(spec, i) for i, spec in enumerate(a.rewards)]
+    rewards = [rw.build(spec.model_dump(), i) for i, spec in enumerate(a.rewards)]
     prompts = Dataset.from_list([{"prompt": r["prompt"], "row_index": i} for i, r in enumerate(rows)])
     args = GRPOConfig(**common_args(a, work), beta=a.beta, num_generations=a.num_generations,
                       max_completion_length=a.max_completion_length, temperature=1.0, use_vllm=False,
@@ -637,13 +637,13 @@ def reward_facts(model, tok, rows: list[dict], rewards: list[rw.Reward], max_new
 
 
 def rewards_before(a, tok, held: list[dict]) -> dict:
-    rewards = [rw.build(spec, i) for i, spec in enumerate(a.rewards)]
+    rewards = [rw.build(spec.model_dump(), i) for i, spec in enumerate(a.rewards)]
     return reward_facts(load_eval_model(a.input, a.algorithm), tok, held, rewards, a.max_completion_length, "before")
 
 
 def evaluate_rewards(a, tok, held: list[dict], before: dict) -> dict:
     """heldout_reward and the fraction solved, of the input (measured before training) and of the saved output."""
-    rewards = [rw.build(spec, i) for i, spec in enumerate(a.rewards)]
+    rewards = [rw.build(spec.model_dump(), i) for i, spec in enumerate(a.rewards)]
     after = reward_facts(load_eval_model(a.output, a.algorithm), tok, held, rewards, a.max_completion_length, "after")
     return _printed({"metric": "heldout_reward", "before": before["heldout_reward"], "after": after["heldout_reward"],
                      "solved_before": before["heldout_solved"], "solved_after": after["heldout_solved"],
