@@ -127,6 +127,8 @@ def _register_if_tracked(c, cfg: PipelineConfig, step: Step, out: Path, run_id: 
 # with its cause: an OOM kill (the same size fails again), a full disk, a non-finite loss, a timeout (a hang), an exit
 # code (a bug, bad input). A cause baton's own code finds in a rank (a non-finite loss, ENOSPC in a save, a MemoryError)
 # arrives as the rank's failure event (tasks.events.failure); the marks below are for causes from outside it.
+# A rank killed by a signal is only text, in torch 2.x too: torchrun then exits 1, and its error file
+# (TORCHELASTIC_ERROR_FILE) is a copy of the failed rank's own, which a killed rank never writes.
 KILLED_MARKS = ("return code = -9", "exitcode  : -9", "Signal 9 (SIGKILL)", "SIGKILL", "Connection reset by peer",
                 "Connection closed by peer")
 FATAL_MARKS = {  # what torch, DeepSpeed, transformers and the OS print
