@@ -163,8 +163,8 @@ def rlhf_job(cfg: PipelineConfig, ctx: StageContext) -> StageJob:
     spec = worker_spec(ctx, scfg, ctx.work_dir / "checkpoint")
     device = cluster_device(scfg)
     return StageJob("rlhf", "", scfg.nnodes, scfg.nproc_per_node, device, image_path(WORKER),
-                    ["--spec", str(SPEC_DIR / "rlhf_spec.json")], {"rlhf_spec.json": _json(spec.model_dump(mode="json"))},
-                    _base_env(device), int(scfg.timeout_s))
+                    ["--spec", str(SPEC_DIR / "rlhf_spec.json")],
+                    {"rlhf_spec.json": _json(spec.model_dump(mode="json"))}, _base_env(device), int(scfg.timeout_s))
 
 
 BUILDERS = {"pretrain": pretrain_job, "rlhf": rlhf_job, "finetune": finetune_job}

@@ -1,6 +1,6 @@
 """The GPTModel of a Llama-family or Qwen2 decoder (Qwen2: q/k/v biases), its DDP wrapper, optimizer and LR schedule,
-built from the pipeline's architecture dict and the stage config (the spec's PretrainTraining). Part of the pretrain worker program (imported by
-worker.py)."""
+built from the pipeline's architecture dict and the stage config (the spec's PretrainTraining). Part of the pretrain
+worker program (imported by worker.py)."""
 from __future__ import annotations
 
 import torch
