@@ -19,6 +19,9 @@ Pure arithmetic (no torch import), used by `baton plan`, `baton doctor` and the 
   With 1F1B pipelining the first stage holds min(p, m) micro-batches of L/p layers (§4.2.3), i.e. up to L layers' worth;
   the output layer and cross-entropy add 4·s·b·v/t. We generalise the 34 to Llama blocks: attention 7 + 4·g/a (GQA
   shrinks K and V), two norms 4, SwiGLU MLP 3 + 6·f/h (the paper's GELU MLP, 3 + 4·f/h, is 19 at f = 4h).
+- Mixtures of experts (Megatron-Core's expert parallel, Megatron-LM docs "Mixture of Experts"): EP ranks are data-
+  parallel ranks; each holds 1/(TP·EP) of every layer's routed experts (expert tensor parallel = TP) and the router
+  whole; the distributed optimizer shards expert states over the expert data-parallel group, DP/EP.
 - Engine buffers: CUDA context, NCCL and allocator reserve (a fixed allowance), plus DeepSpeed's reduce/all-gather
   buckets (elements × 2 bytes each) — DeepSpeed docs, "ZeRO optimizations: reduce_bucket_size,
   allgather_bucket_size"; ZeRO-3 also gathers whole parameters for each forward/backward, up to
@@ -77,6 +80,10 @@ class Shape:
     top_k: int = 0
     expert_ffn: int = 0
     shared_ffn: int = 0
+
+    def routed_expert_params(self) -> int:
+        """One layer's routed experts: what expert parallel splits (the router and a shared expert stay whole)."""
+        return self.experts * 3 * self.hidden * self.expert_ffn
 
     def mlp_params(self, active: bool = False) -> int:
         """One layer's MLP: every expert's weights, or (active) those a token goes through."""
@@ -154,6 +161,7 @@ class Layout:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    ep: int = 1                         # Megatron's expert parallel: the DP ranks each MoE layer's experts are split over
     micro_batch: int = 1
     global_batch: int = 1
     zero_stage: int = 0                 # DeepSpeed stages; 0 for Megatron
@@ -168,7 +176,8 @@ class Layout:
             extra = [f"recompute {self.recompute}"]
             extra += ["distributed optimizer"] if self.distributed_optimizer else []
             extra += ["sequence parallel"] if self.sequence_parallel else []
-            return f"TP{self.tp} × PP{self.pp} × DP{self.dp}, " + ", ".join(extra)
+            experts = f" (EP{self.ep})" if self.ep > 1 else ""
+            return f"TP{self.tp} × PP{self.pp} × DP{self.dp}{experts}, " + ", ".join(extra)
         off = [n for n, on in (("optimizer", self.offload_optimizer), ("params", self.offload_params)) if on]
         return (f"ZeRO-{self.zero_stage} × DP{self.dp}, recompute {self.recompute}"
                 + (f", offload {'+'.join(off)} to CPU" if off else ""))
@@ -197,12 +206,15 @@ FP32_BYTES = 4
 BYTES_OF_PRECISION = {"fp32": FP32_BYTES, "bf16": 2, "fp16": 2}  # a value of each training precision (vocabulary.py)
 
 
-def state_bytes_per_param(layout: Layout, precision: str) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer) bytes per parameter on one rank, after the layout's sharding."""
+def state_bytes_per_param(layout: Layout, precision: str, expert: bool = False) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes per parameter on one rank, after the layout's sharding. Megatron's
+    distributed optimizer shards a routed expert's state over the ranks holding the same experts, DP / EP (Megatron-Core
+    keeps expert-parallel parameters in their own buffers, reduced over the expert data-parallel group)."""
     w = BYTES_OF_PRECISION[precision]
     o = 2 * FP32_BYTES + (FP32_BYTES if w < FP32_BYTES else 0)  # Adam's two moments, plus an fp32 master copy if 16-bit
     if memory_model(layout.stage).parallelism == Parallelism.MEGATRON:  # fp32 main grads; sharded optimizer only
-        return w, FP32_BYTES, o / layout.dp if layout.distributed_optimizer else o
+        shards = layout.dp // layout.ep if expert else layout.dp
+        return w, FP32_BYTES, o / shards if layout.distributed_optimizer else o
     g = w                                            # ZeRO paper: 2Ψ + 2Ψ + KΨ
     n = layout.dp
     o = 0 if layout.offload_optimizer else (o / n if layout.zero_stage >= 1 else o)
@@ -212,22 +224,32 @@ def state_bytes_per_param(layout: Layout, precision: str) -> tuple[float, float,
 
 
 def params_per_rank(shape: Shape, layout: Layout) -> float:
-    """Parameters held by the busiest rank: Megatron splits layers over PP and matrices over TP (the first stage also
-    holds the embedding, the last the output layer); DeepSpeed ranks hold the whole model (ZeRO shards it later)."""
+    """Parameters held by the busiest rank: Megatron splits layers over PP and matrices over TP, and a mixture's routed
+    experts also over EP (the router is whole on every rank; the first stage also holds the embedding, the last the
+    output layer); DeepSpeed ranks hold the whole model (ZeRO shards it later)."""
     if memory_model(layout.stage).parallelism != Parallelism.MEGATRON:
         return float(shape.params())
-    per_layer = shape.layer_params() / layout.tp
+    per_layer = (shape.layer_params() - shape.routed_expert_params()) / layout.tp
     emb = shape.embedding_params() / layout.tp
-    body = shape.layers / layout.pp * per_layer
+    body = shape.layers / layout.pp * per_layer + expert_params_per_rank(shape, layout)
     if layout.pp == 1:
-        return body + emb * (1 if shape.tied else 2)
-    return body + emb  # first stage: embedding; last stage: output layer (a tied copy too) — same size
+        return body + emb * (1 if shape.tied else 2) + shape.hidden
+    return body + emb + shape.hidden  # the last stage: output layer (a tied copy too) and the final norm
+
+
+def expert_params_per_rank(shape: Shape, layout: Layout) -> float:
+    """The routed experts' parameters among params_per_rank: Megatron's expert tensor parallel size is TP's."""
+    if memory_model(layout.stage).parallelism != Parallelism.MEGATRON:
+        return float(shape.layers * shape.routed_expert_params())
+    return shape.layers / layout.pp * shape.routed_expert_params() / (layout.tp * layout.ep)
 
 
 # ---- activations -----------------------------------------------------------------------------------------------------
 def layer_activation_coefficient(shape: Shape) -> float:
     """The paper's 34 for a Llama block: attention 7 + 4·g/a, two norms 4, SwiGLU MLP 3 + 6·f/h. A mixture of
-    experts: f is the width a token goes through (top_k experts and the shared one), plus its k routed copies (2·k)."""
+    experts: f is the width a token goes through (top_k experts and the shared one), plus its k routed copies (2·k).
+    Expert parallel leaves this unchanged under balanced routing: a rank's E/EP experts receive, from the EP ranks'
+    EP·s·b tokens, EP·s·b·k·(1/EP) = s·b·k token copies, as at EP 1."""
     routed_copies = 2 * shape.top_k if shape.experts else 0
     return 7 + 4 * shape.groups / shape.heads + 4 + 3 + 6 * shape.active_ffn() / shape.hidden + routed_copies
 
@@ -275,6 +297,8 @@ def breakdown(shape: Shape, layout: Layout, seq: int, precision: str, device: st
         precision = "fp32"
     n = params_per_rank(shape, layout)
     w, g, o = state_bytes_per_param(layout, precision)
+    experts = expert_params_per_rank(shape, layout)
+    optimizer = (n - experts) * o + experts * state_bytes_per_param(layout, precision, expert=True)[2]
     weights = n * w
     if memory_model(layout.stage).reference_copy:  # DPO's frozen reference copy (16-bit on GPU), sharded like the weights under ZeRO-3
         ref = n * (4 if on_cpu else 2) / (layout.dp if layout.zero_stage >= 3 else 1)
@@ -293,7 +317,7 @@ def breakdown(shape: Shape, layout: Layout, seq: int, precision: str, device: st
     if layout.zero_stage == 3:  # gathered working set: the all-gather's flat buffer and the unflattened parameters
         buffers += 2 * min(n, ZERO3_MAX_LIVE_PARAMETERS) * BYTES_OF_PRECISION[precision]  # (fp32 on CPU: above)
     offloaded = (shape.params() * 12 / layout.dp if layout.offload_optimizer else 0)
-    return Breakdown(weights, n * g, n * o, acts, no_rc, buffers,
+    return Breakdown(weights, n * g, optimizer, acts, no_rc, buffers,
                      extra={"params_per_rank": int(n), "cpu_offload_bytes_per_rank": offloaded})
 
 
@@ -346,6 +370,11 @@ def megatron_parallel_sizes(shape: Shape, hw: Hardware, rejected: list[str]) -> 
     return out
 
 
+def expert_parallel_sizes(shape: Shape, dp: int) -> list[int]:
+    """Megatron's EP sizes for a mixture: powers of two dividing the data-parallel size and the expert count."""
+    return [ep for ep in _powers_of_two(dp) if dp % ep == 0 and shape.experts % ep == 0] if shape.experts else [1]
+
+
 def _batches(micro: int, dp: int, pp: int, global_batch: int | None) -> int | None:
     """The global batch for this DP size: the given one when micro × DP divides it, else None (invalid)."""
     if global_batch is None:
@@ -366,9 +395,10 @@ def candidate_layouts(shape: Shape, hw: Hardware, stage: str, micro: int, global
                 rejected.append(f"TP{tp} × PP{pp} × DP{dp}: global batch {global_batch} is not divisible by "
                                 f"micro-batch {micro} × DP {dp}")
                 continue
-            for rc in RECOMPUTE:
-                out.append(Layout(stage, tp, pp, dp, micro, gb, distributed_optimizer=dp > 1,
-                                  sequence_parallel=gpu and tp > 1, recompute=rc))
+            for ep in expert_parallel_sizes(shape, dp):
+                for rc in RECOMPUTE:
+                    out.append(Layout(stage, tp, pp, dp, ep, micro, gb, distributed_optimizer=dp > 1,
+                                      sequence_parallel=gpu and tp > 1, recompute=rc))
         return out
     dp = hw.world()
     gb = _batches(micro, dp, 1, global_batch)
@@ -387,9 +417,10 @@ def candidate_layouts(shape: Shape, hw: Hardware, stage: str, micro: int, global
 
 def _preference(layout: Layout) -> tuple:
     """No offload and no full recompute if avoidable (both cost throughput; selective recompute costs little), then
-    least model parallelism (TP before PP: TP stays within a node), then least recompute; ZeRO-2 before ZeRO-3."""
+    least model parallelism (TP before PP: TP stays within a node), then least expert parallel (its token exchange
+    costs), then least recompute; ZeRO-2 before ZeRO-3."""
     return (layout.offload_optimizer + layout.offload_params, layout.recompute == "full", layout.tp * layout.pp,
-            layout.pp, RECOMPUTE.index(layout.recompute), layout.zero_stage)
+            layout.pp, layout.ep, RECOMPUTE.index(layout.recompute), layout.zero_stage)
 
 
 def plan(shape: Shape, hw: Hardware, stage: str = "pretrain", seq: int = 4096, micro: int = 1,
@@ -473,7 +504,7 @@ def layout_of_stage(stage: str, cfg, device: str) -> Layout:
     """The layout a stage section configures."""
     dp, gb, mb = cfg.data_parallel(), cfg.global_batch(), cfg.micro_batch_size
     if memory_model(stage).parallelism == Parallelism.MEGATRON:
-        return Layout(stage, cfg.tensor_parallel, cfg.pipeline_parallel, dp, mb, gb,
+        return Layout(stage, cfg.tensor_parallel, cfg.pipeline_parallel, dp, cfg.expert_parallel, mb, gb,
                       distributed_optimizer=cfg.distributed_optimizer, sequence_parallel=cfg.sequence_parallel,
                       recompute=cfg.recompute_granularity)
     zero = getattr(cfg, "zero", None)

@@ -1,6 +1,9 @@
 """`baton plan`: valid layouts for 8B and 70B, the refusal of 70B on one 24 GB GPU, formulas against their papers."""
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+
 import yaml
 import pytest
 
@@ -153,3 +156,41 @@ def test_an_hf_moe_config_reads_into_model_moe_names(family, expected):
     found = hf.moe_of_hf_config(config)
     assert {k: found.get(k) for k in expected} == expected
     assert hf.moe_of_hf_config(transformers.LlamaConfig().to_dict()) is None
+
+
+def test_expert_parallel_divides_the_routed_experts_weights_and_optimizer_per_rank(capsys):
+    """configs/tiny-moe.yaml on its 2 CPU ranks (DP 2, fp32: 4 B weights, 4 B fp32 grads, 8 B Adam), counted by hand.
+    Per layer: attention 128·(4 + 2·2)·32 + 4·32·128 = 49,152; router 128·4 = 512 (whole on every rank); norms 256;
+    routed experts 4·3·128·172 = 264,192. Model: 4 layers · 314,112 + embedding and output 2·512·128 + final norm 128
+    = 1,387,648. EP 2: each rank holds 2 of the 4 experts, 1,387,648 − 4·264,192/2 = 859,264 parameters."""
+    from flows.config import load
+
+    cfg = load("configs/tiny-moe.yaml", ["pretrain.distributed_optimizer=true"])
+    shape = mp.shape_of_model(cfg.model)
+
+    def states(ep: int) -> tuple:
+        layout = replace(mp.layout_of_stage("pretrain", cfg.pretrain, "cpu"), ep=ep)
+        b = mp.breakdown(shape, layout, 128, "fp32", "cpu")
+        return b.extra["params_per_rank"], b.weights, b.gradients, b.optimizer
+
+    assert states(1) == (1_387_648, 4 * 1_387_648, 4 * 1_387_648, 8 * 1_387_648 / 2)
+    # EP 2: the 330,880 dense parameters' Adam state is sharded over DP 2, the experts' over DP / EP = 1
+    assert states(2) == (859_264, 4 * 859_264, 4 * 859_264, 8 * 330_880 / 2 + 8 * 528_384)
+    # the configured EP (2) is what `baton plan` counts and shows, and a planned block carries it
+    assert baton_main(["plan", "configs/tiny-moe.yaml", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)["configured"]
+    assert out["layout"]["ep"] == 2
+    assert baton_main(["plan", "configs/tiny-moe.yaml"]) == 0
+    assert "TP1 × PP1 × DP2 (EP2)" in capsys.readouterr().out
+
+
+def test_the_search_splits_experts_before_it_splits_matrices():
+    """An 8-layer, 4-expert model on one node of 4 GPUs (DP 4, distributed optimizer, bf16: weights 2 B, fp32 grads 4 B,
+    Adam 12 B sharded). By hand: per layer attention 4096·48·128 + 4096² = 41.9M, experts 4·3·4096·14336 = 704.6M;
+    embedding and output 2·32000·4096 = 262.1M; 6.24G parameters of which 5.64G routed experts, 0.60G the rest.
+    EP 1: 6.24G · (2 + 4 + 12/4) = 56.1 GB. EP 2: (0.60G + 2.82G) · 6 + 0.60G · 12/4 + 2.82G · 12/2 = 39.2 GB.
+    Activations and the CUDA allowance add ~3.5 GB, so a 45 GB budget fits EP 2 and not EP 1, at TP1 × PP1."""
+    moe = mp.Shape(8, 4096, 32, 8, 14336, 32000, experts=4, top_k=2, expert_ffn=14336)
+    p = mp.plan(moe, mp.Hardware(1, 4, 45e9 / 2**30, "cuda"), "pretrain", seq=1024, headroom=0.0)
+    assert p.layout is not None, p.reason
+    assert (p.layout.tp, p.layout.pp, p.layout.ep, p.layout.recompute) == (1, 1, 2, "none"), p.layout

@@ -6,7 +6,8 @@ from tasks.stage import StageSpec
 
 def layout_keys(layout) -> dict:
     """A planned layout as this stage's config keys."""
-    return {"tensor_parallel": layout.tp, "pipeline_parallel": layout.pp, "sequence_parallel": layout.sequence_parallel,
+    return {"tensor_parallel": layout.tp, "pipeline_parallel": layout.pp, "expert_parallel": layout.ep,
+            "sequence_parallel": layout.sequence_parallel,
             "distributed_optimizer": layout.distributed_optimizer, "recompute_granularity": layout.recompute}
 
 
