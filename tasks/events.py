@@ -46,6 +46,7 @@ TRAIN_LOSS = "train/loss"
 TRAIN_LR = "train/lr"
 TRAIN_GRAD_NORM = "train/grad_norm"
 TRAIN_ROUTER_AUX_LOSS = "train/router_aux_loss"
+TRAIN_EXPERT_LOAD_IMBALANCE = "train/expert_load_imbalance"
 STEP_TIME_S = "perf/step_time_s"
 TOKENS_PER_S = "perf/tokens_per_s"
 MFU = "perf/mfu"
@@ -64,6 +65,9 @@ METRICS = {
     TRAIN_ROUTER_AUX_LOSS: ("", "a mixture of experts' router load-balancing loss, before its coefficient: "
                                 "finetune (train/loss includes it times router_aux_loss_coef), pretrain (Megatron's, "
                                 "mean over MoE layers; train/loss is the language-model loss alone)"),
+    TRAIN_EXPERT_LOAD_IMBALANCE: ("ratio", "pretrain of a mixture of experts: tokens routed to the step's busiest "
+                                           "expert over the mean per expert, in the worst layer (1 is even, "
+                                           "num_experts all to one)"),
     "train/<trl_log>": ("", "rlhf: TRL's other logs, '/' → '_' (train/rewards_margins, train/logps_chosen, ...)"),
     STEP_TIME_S: ("s", "wall time of the optimizer step"),
     TOKENS_PER_S: ("tokens/s", "training tokens per second, all ranks together"),
@@ -463,6 +467,7 @@ class PretrainResult(WorkerResult):
     peak_tflops_source: str
     consumed_samples: int
     memory: dict[str, float]                   # peak_mem_mib, rank<n>_peak_mem_mib, peak_gpu_allocated_mib, ...
+    expert_tokens: list[list[float]] | None = None  # MoE: tokens routed to each expert, [layer][expert], whole run
 
 
 class PretrainProbeResult(WorkerResult):

@@ -22,18 +22,42 @@ def ep2(tmp_path_factory, data_dir):
     return work, run_stage(work, data_dir, *EP2)
 
 
-def router_aux_losses(work: Path) -> dict[int, float]:
-    from tasks import events
+# every training step routes each of its 16 sequences × 128 tokens (configs/tiny.yaml) to top-2 experts, in each layer
+ROUTED_PER_LAYER_AND_STEP = 16 * 128 * 2
 
+
+def logged(work: Path, name: str) -> dict[int, float]:
     out = {}
     for line in (work / "engine.log").read_text().splitlines():
-        if line.startswith("@@baton ") and events.TRAIN_ROUTER_AUX_LOSS in line:
+        if line.startswith("@@baton ") and name in line:
             e = json.loads(line[len("@@baton "):])
-            out[e["step"]] = e[events.TRAIN_ROUTER_AUX_LOSS]
+            out[e["step"]] = e[name]
     return out
 
 
+def router_aux_losses(work: Path) -> dict[int, float]:
+    from tasks import events
+
+    return logged(work, events.TRAIN_ROUTER_AUX_LOSS)
+
+
+def assert_expert_load(out, steps: int) -> None:
+    """The routers' tokens per expert over the run: every layer's counts sum to the tokens trained × top-k (evaluation
+    and the probe forward passes not counted), in whole tokens, and the summary's imbalance is the largest count over
+    the layer's mean."""
+    tokens = out.extra["expert_tokens"]
+    assert list(tokens) == ["layer_1", "layer_2", "layer_3", "layer_4"], tokens
+    for layer, counts in tokens.items():
+        assert len(counts) == 4 and all(isinstance(n, int) and n >= 0 for n in counts), (layer, counts)
+        assert sum(counts) == steps * ROUTED_PER_LAYER_AND_STEP, (layer, counts)
+    worst = max(max(c) / (steps * ROUTED_PER_LAYER_AND_STEP / 4) for c in tokens.values())
+    assert out.metrics["expert_load_imbalance"] == pytest.approx(worst)
+    assert out.metrics["idle_experts"] == sum(n == 0 for c in tokens.values() for n in c)
+
+
 def test_ep2_allgather_trains_checkpoints_and_holds_every_expert(ep2):
+    from tasks import events
+
     work, out = ep2
     assert_trained(out)
     assert out.backend.startswith("TP1×PP1×DP2×EP2")
@@ -48,6 +72,10 @@ def test_ep2_allgather_trains_checkpoints_and_holds_every_expert(ep2):
     aux = router_aux_losses(work)
     # every step logs the routers' load-balancing loss; 1.0 is a perfectly balanced router, E (4) one expert for all
     assert sorted(aux) == list(range(1, 13)) and all(0.9 < a < 4.0 for a in aux.values()), aux
+    # each step's load imbalance: 1 when every expert gets the same tokens, 4 (the experts) when one gets them all
+    imbalance = logged(work, events.TRAIN_EXPERT_LOAD_IMBALANCE)
+    assert sorted(imbalance) == list(range(1, 13)) and all(1.0 <= v <= 4.0 for v in imbalance.values()), imbalance
+    assert_expert_load(out, steps=12)
 
 
 def test_resume_under_expert_parallel_1_continues_the_ep2_run(tmp_path, data_dir, ep2):
@@ -59,6 +87,7 @@ def test_resume_under_expert_parallel_1_continues_the_ep2_run(tmp_path, data_dir
     shutil.copytree(work / "checkpoints" / "iter_0000008", tmp_path / "checkpoints" / "iter_0000008")
     resumed = run_stage(tmp_path, data_dir, *MOE, "pretrain.nproc_per_node=2", "pretrain.expert_parallel=1")
     assert resumed.metrics["resumed_from_step"] == 8 and resumed.backend.startswith("TP1×PP1×DP2 ")
+    assert_expert_load(resumed, steps=12)  # steps 1-8's counts come back with the checkpoint
     assert "resumed from iter_0000008" in (tmp_path / "engine.log").read_text()
     before, after = losses(work), losses(tmp_path)
     assert sorted(after) == [9, 10, 11, 12]

@@ -184,6 +184,20 @@ def engine_env(device: str) -> dict:
     return training_engine_env(device)
 
 
+def expert_summary(counts: list[list[float]] | None) -> tuple[dict, dict]:
+    """(summary metrics, summary extras) of a mixture's tokens per expert over the run: its load imbalance (the
+    busiest expert over the mean, worst layer), how many experts got no token, with a warning naming them, and the
+    counts per layer (1-based, as Megatron numbers them)."""
+    if not counts:
+        return {}, {}
+    idle = [f"layer {i} expert {e}" for i, layer in enumerate(counts, 1) for e, n in enumerate(layer) if n == 0]
+    imbalance = max(max(layer) / (sum(layer) / len(layer)) for layer in counts if sum(layer) > 0)
+    extra = {"expert_tokens": {f"layer_{i}": [int(n) for n in layer] for i, layer in enumerate(counts, 1)}}
+    if idle:
+        extra["expert_warning"] = f"{len(idle)} expert(s) got no token in training: {', '.join(idle)}"
+    return {"expert_load_imbalance": imbalance, "idle_experts": len(idle)}, extra
+
+
 def _median(values):
     return statistics.median(values) if values else None
 
@@ -203,6 +217,7 @@ def run_pretrain(ctx: StageContext, cfg: PretrainConfig) -> StageOutput:
     out = package(ctx, cfg, spec, r)
     train = [e for e in res.metrics() if events.TRAIN_LOSS in e]
     before, after = r.heldout_before, r.heldout_after
+    expert_metrics, expert_extra = expert_summary(r.expert_tokens)
     return StageOutput(
         output=out, engine="megatron-core",
         backend=backend(cfg, spec.device),
@@ -212,10 +227,10 @@ def run_pretrain(ctx: StageContext, cfg: PretrainConfig) -> StageOutput:
                  "tokens_per_s": _median([e[events.TOKENS_PER_S] for e in train]),
                  "mfu": _median([e[events.MFU] for e in train]), "peak_tflops_per_rank": r.peak_tflops_per_rank,
                  "train_time_s": r.train_time_s, "iteration": r.iteration, "resumed_from_step": r.resumed_from,
-                 **r.memory},
+                 **r.memory, **expert_metrics},
         eval={"metric": "heldout_ppl", "before": before[2] if before else None, "after": after[2] if after else None},
         extra={"layout": r.layout, "padded_vocab_size": spec.padded_vocab_size, "fp8": cfg.fp8,
-               "peak_tflops_source": r.peak_tflops_source, "layer_spec": r.layer_spec,
+               "peak_tflops_source": r.peak_tflops_source, "layer_spec": r.layer_spec, **expert_extra,
                **({"input_rewritten": f"{ctx.input}: not sealed by this BATON_HOME ({rewritten}); Megatron loaded "
                                       f"baton's rewrite of its weights, {spec.input}"} if rewritten else {})},
     )

@@ -120,6 +120,7 @@ class Run:
         """This rank's model chunks (one, or VP with the interleaved schedule), their DDP wrappers, optimizer, LR."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        import expert_load as el
         import mcore_model as mm
 
         cfg, arch = self.cfg, self.arch
@@ -131,6 +132,7 @@ class Run:
         # tconfig, which a later model build cannot copy (an MoE layer deep-copies its config for the experts' width)
         self.build_config = copy.deepcopy(self.tconfig)
         self.chunks = self.new_model(self.tconfig)
+        self.expert_load = el.ExpertLoad(self.chunks, arch["num_layers"], experts) if experts else None
         self.ddps = mm.wrap_ddp(mm.in_precision(self.chunks, self.tconfig), self.tconfig, cfg)
         self.optimizer, self.scheduler = mm.optimizer_and_scheduler(self.ddps, self.tconfig, cfg)
         self.fb = get_forward_backward_func()
@@ -156,7 +158,7 @@ class Run:
         import mcore_checkpoint as ckpt
 
         ckpt.clean_partials(self.ckpt_root)
-        state = {"loss_first": None, "heldout": [], "train_time_s": 0.0}
+        state = {"loss_first": None, "heldout": [], "train_time_s": 0.0, "expert_tokens": None}
         self.opening = {"resumed_from": 0, "parameters": int(n_params), "layer_spec": impl, "input_parity": None}
         start = 0
         last = ckpt.latest(self.ckpt_root)
@@ -195,6 +197,7 @@ class Run:
             t0 = time.time()
             with self.profiling(it + 1 in profiled, it + 1):
                 loss, grad_norm, aux_loss = self.train_step(it)
+            experts = self.expert_load_of_step(state)
             step_time = time.time() - t0
             state["train_time_s"] += step_time
             step = it + 1
@@ -206,7 +209,8 @@ class Run:
                 ev.metric(step, {ev.TRAIN_LOSS: loss, ev.TRAIN_LR: self.optimizer.param_groups[0]["lr"],
                                  ev.TRAIN_GRAD_NORM: grad_norm, ev.TOKENS_PER_S: tps, ev.STEP_TIME_S: step_time,
                                  ev.MFU: fpt * tps / (peak * 1e12 * world),
-                                 **({ev.TRAIN_ROUTER_AUX_LOSS: aux_loss} if aux_loss is not None else {})})
+                                 **({ev.TRAIN_ROUTER_AUX_LOSS: aux_loss} if aux_loss is not None else {}),
+                                 **experts})
                 self.events().progress(step, steps)
             if step % cfg.eval_interval == 0 or step == steps:
                 self.evaluate(step, state)
@@ -324,6 +328,17 @@ class Run:
         per_layer = tracker["load_balancing_loss"]["values"] / self.num_micro
         moe_utils.clear_aux_losses_tracker()
         return float(per_layer.sum()) / self.arch["num_layers"]
+
+    def expert_load_of_step(self, state: dict) -> dict:
+        """The step's tokens per expert (every rank's routers, summed: a collective) added to the run's count in
+        `state` (saved with each checkpoint), and its load imbalance as a metric; nothing for a dense model."""
+        import expert_load as el
+
+        if self.expert_load is None:
+            return {}
+        counts = self.expert_load.take_step(lambda values: self.to_rank0(values, owner=True))
+        state["expert_tokens"] = el.add(state["expert_tokens"], counts)
+        return {self.events().TRAIN_EXPERT_LOAD_IMBALANCE: el.imbalance(counts)}
 
     def evaluate(self, step: int, state: dict) -> None:
         import torch
@@ -460,7 +475,8 @@ class Run:
                 reload_logits_max_abs_diff=logit_diff, loss_first=state["loss_first"],
                 heldout_before=heldout[0] if heldout else None, heldout_after=heldout[-1] if heldout else None,
                 train_time_s=state["train_time_s"], peak_tflops_per_rank=peak, peak_tflops_source=peak_src,
-                consumed_samples=steps * self.cfg.global_batch_size, memory=memory))
+                consumed_samples=steps * self.cfg.global_batch_size, memory=memory,
+                expert_tokens=state["expert_tokens"]))
         dist.barrier()
         dist.destroy_process_group()
 
