@@ -61,8 +61,37 @@ def mixtral_config(arch: dict, vocab_size: int | None = None, **special_tokens):
                          sliding_window=None, architectures=["MixtralForCausalLM"], **special_tokens)
 
 
-DECODER_CONFIGS = {"llama": llama_config, "qwen2": qwen2_config}  # the architecture dict's `arch` (model.arch)
-MOE_DECODER_CONFIGS = {"llama": mixtral_config}  # the same families with model.moe: the MLPs are experts
+def _qwen3_fields(arch: dict) -> dict:
+    """What Qwen3Config and Qwen3MoeConfig add to the shared decoder fields: the head width stated (its default is
+    128, not hidden / heads), no q/k/v biases, every layer full attention."""
+    return dict(head_dim=arch["hidden_size"] // arch["num_attention_heads"], attention_bias=False,
+                use_sliding_window=False)
+
+
+def qwen3_config(arch: dict, vocab_size: int | None = None, **special_tokens):
+    """transformers.Qwen3Config (per-head q/k RMSNorm) for baton's architecture dict."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**_decoder_fields(arch, vocab_size), **_qwen3_fields(arch), architectures=["Qwen3ForCausalLM"],
+                       **special_tokens)
+
+
+def qwen3_moe_config(arch: dict, vocab_size: int | None = None, **special_tokens):
+    """transformers.Qwen3MoeConfig: a Qwen3 whose every MLP is a mixture of experts, the top-k routing weights
+    renormalised as Megatron routes (norm_topk_prob)."""
+    from transformers import Qwen3MoeConfig
+
+    moe = arch["moe"]
+    return Qwen3MoeConfig(**_decoder_fields(arch, vocab_size), **_qwen3_fields(arch),
+                          num_experts=moe["num_experts"], num_experts_per_tok=moe["top_k"],
+                          moe_intermediate_size=moe.get("expert_ffn_hidden_size") or arch["ffn_hidden_size"],
+                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                          router_aux_loss_coef=moe.get("aux_loss_coef") or 0.0,
+                          architectures=["Qwen3MoeForCausalLM"], **special_tokens)
+
+
+DECODER_CONFIGS = {"llama": llama_config, "qwen2": qwen2_config, "qwen3": qwen3_config}  # the dict's `arch`
+MOE_DECODER_CONFIGS = {"llama": mixtral_config, "qwen3": qwen3_moe_config}  # with model.moe: the MLPs are experts
 
 
 def decoder_config(arch: dict, vocab_size: int | None = None, **special_tokens):
@@ -72,7 +101,7 @@ def decoder_config(arch: dict, vocab_size: int | None = None, **special_tokens):
     if arch.get("moe"):
         if family not in MOE_DECODER_CONFIGS:
             raise Refused(f"model.arch {family} with model.moe: no HF mixture-of-experts layout for it (mapped: "
-                          f"{', '.join(MOE_DECODER_CONFIGS)} → Mixtral)")
+                          f"llama → Mixtral, qwen3 → Qwen3-MoE)")
         return MOE_DECODER_CONFIGS[family](arch, vocab_size, **special_tokens)
     return DECODER_CONFIGS[family](arch, vocab_size, **special_tokens)
 

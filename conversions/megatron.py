@@ -1,5 +1,7 @@
 """Megatron-Core dist checkpoints (torch_dist) ⇄ Hugging Face safetensors of the Llama family (`LlamaForCausalLM`,
-`MistralForCausalLM` in) and of Qwen2 (`Qwen2ForCausalLM`: the Llama layout plus q/k/v biases).
+`MistralForCausalLM` in), of Qwen2 (`Qwen2ForCausalLM`: the Llama layout plus q/k/v biases) and of Qwen3
+(`Qwen3ForCausalLM`: the Llama layout plus an RMSNorm over each head's queries and keys before RoPE, Megatron's
+`q_layernorm` / `k_layernorm` [layers, head_dim], HF's `self_attn.q_norm` / `k_norm`).
 
 A torch_dist checkpoint stores every weight as one global tensor (whatever TP/PP layout wrote it), transformer layers
 stacked on a leading axis: `decoder.layers.self_attention.linear_qkv.weight` is [layers, (heads + 2·groups)·head_dim,
@@ -18,11 +20,11 @@ Megatron layouts that differ from HF:
 - layer norms live under the TE names (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`) for both the
   local and the Transformer Engine layer specs, a mixture of experts' pre-MLP norm too.
 
-A mixture of experts (the architecture's `moe`, a Llama family model) is HF's Mixtral: the router
-`decoder.layers.mlp.router.weight` [layers, experts, hidden] is `block_sparse_moe.gate.weight`, and the experts are
-stacked on a second axis, `decoder.layers.mlp.experts.experts.linear_fc1.weight` [layers, experts, 2·ffn, hidden]
-([gate; up] as the dense fc1: Mixtral's w1 and w3) and `linear_fc2` [layers, experts, hidden, ffn] (w2), whatever EP
-layout wrote them.
+A mixture of experts (the architecture's `moe`) is HF's Mixtral for a Llama family model, Qwen3-MoE for a Qwen3 one:
+the router `decoder.layers.mlp.router.weight` [layers, experts, hidden] is `block_sparse_moe.gate.weight` (Qwen3-MoE:
+`mlp.gate.weight`), and the experts are stacked on a second axis, `decoder.layers.mlp.experts.experts.linear_fc1.weight`
+[layers, experts, 2·ffn, hidden] ([gate; up] as the dense fc1: Mixtral's w1 and w3, Qwen3-MoE's gate_proj and
+up_proj) and `linear_fc2` [layers, experts, hidden, ffn] (w2, down_proj), whatever EP layout wrote them.
 """
 from __future__ import annotations
 
@@ -56,16 +58,22 @@ MOE_LAYER = {  # a mixture of experts' MLP: the router and the experts, in place
     "experts_fc1": "decoder.layers.mlp.experts.experts.linear_fc1.weight",
     "experts_fc2": "decoder.layers.mlp.experts.experts.linear_fc2.weight",
 }
-# Mixtral's names for one layer's mixture of experts, under model.layers.<i>.
-MIXTRAL_ROUTER = "block_sparse_moe.gate.weight"
-MIXTRAL_EXPERT = "block_sparse_moe.experts.{e}.{w}.weight"  # w1 gate, w3 up, w2 down
+QK_NORM = {"q_norm": "decoder.layers.self_attention.q_layernorm.weight",  # only in families with q/k norms
+           "k_norm": "decoder.layers.self_attention.k_layernorm.weight"}
+# Each family's HF names for one layer's mixture of experts, under model.layers.<i>.: the router, and expert e's
+# projections (gate, up, down) in the name pattern.
+HF_MOE = {"llama": {"router": "block_sparse_moe.gate.weight", "expert": "block_sparse_moe.experts.{e}.{w}.weight",
+                    "gate": "w1", "up": "w3", "down": "w2"},                                    # Mixtral
+          "qwen3": {"router": "mlp.gate.weight", "expert": "mlp.experts.{e}.{w}.weight",
+                    "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}}               # Qwen3-MoE
 ARCH_KEY = "baton_architecture"   # common.pt entry: the checkpoint describes its own architecture
 # The HF architectures from_hf maps onto Megatron's GPT, and the family each is recorded as (the architecture dict's
 # `arch`, the pipeline's model.arch); the export writes the family's HF class back (a Mistral comes back a Llama).
 FAMILY_OF_HF = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                "MixtralForCausalLM": "llama"}
+                "MixtralForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3"}
 FROM_HF_ARCHITECTURES = tuple(FAMILY_OF_HF)
 QKV_BIAS_FAMILIES = ("qwen2",)
+QK_NORM_FAMILIES = ("qwen3",)
 PROBE_MAX_PARAMS = 2_000_000_000  # from_hf computes the HF model's probe logits up to this size (one fp32 copy)
 
 
@@ -88,10 +96,16 @@ def has_qkv_bias(arch: dict) -> bool:
     return family(arch) in QKV_BIAS_FAMILIES
 
 
+def has_qk_norm(arch: dict) -> bool:
+    return family(arch) in QK_NORM_FAMILIES
+
+
 def layer_keys(arch: dict) -> dict[str, str]:
-    """The stacked per-layer tensors of this family: LAYER, plus the fused q/k/v bias where it has one; a mixture
-    of experts' router and experts in place of the dense fc1 and fc2."""
+    """The stacked per-layer tensors of this family: LAYER, plus the fused q/k/v bias or the q/k norms where it has
+    them; a mixture of experts' router and experts in place of the dense fc1 and fc2."""
     keys = {**LAYER, "qkv_bias": QKV_BIAS} if has_qkv_bias(arch) else dict(LAYER)
+    if has_qk_norm(arch):
+        keys.update(QK_NORM)
     if moe(arch):
         del keys["fc1"], keys["fc2"]
         keys.update(MOE_LAYER)
@@ -290,6 +304,9 @@ def hf_plan(r: DistReader, arch: dict) -> list[safetensors_stream.PlannedTensor]
     def part(n, i):  # q, k or v of layer i
         return lambda: split_qkv(qkv.get(i), heads, groups, head_dim)[n]
 
+    def qk_norm(role, i):  # Qwen3's per-head RMSNorm of layer i's queries or keys
+        return lambda: _layer_box(r, QK_NORM[role], i)
+
     def bias_part(n, i):  # q, k or v bias of layer i (a few KB: read per use)
         return lambda: split_qkv(_layer_box(r, QKV_BIAS, i), heads, groups, head_dim)[n]
 
@@ -308,13 +325,15 @@ def hf_plan(r: DistReader, arch: dict) -> list[safetensors_stream.PlannedTensor]
             add(p + "mlp.up_proj.weight", LAYER["fc1"], (ffn, hidden), half(ffn, i))
             add(p + "mlp.down_proj.weight", LAYER["fc2"], r.shape(LAYER["fc2"])[1:], whole("fc2", i))
             return
-        add(p + MIXTRAL_ROUTER, MOE_LAYER["router"], r.shape(MOE_LAYER["router"])[1:], whole_moe("router", i))
+        names = hf_moe_names(arch)
+        add(p + names["router"], MOE_LAYER["router"], r.shape(MOE_LAYER["router"])[1:], whole_moe("router", i))
         for e in range(r.shape(MOE_LAYER["router"])[1]):
-            name = p + MIXTRAL_EXPERT
-            add(name.format(e=e, w="w1"), MOE_LAYER["experts_fc1"], (ffn, hidden), expert("experts_fc1", i, e, (0, ffn)))
-            add(name.format(e=e, w="w2"), MOE_LAYER["experts_fc2"], r.shape(MOE_LAYER["experts_fc2"])[2:],
+            name = p + names["expert"]
+            add(name.format(e=e, w=names["gate"]), MOE_LAYER["experts_fc1"], (ffn, hidden),
+                expert("experts_fc1", i, e, (0, ffn)))
+            add(name.format(e=e, w=names["down"]), MOE_LAYER["experts_fc2"], r.shape(MOE_LAYER["experts_fc2"])[2:],
                 expert("experts_fc2", i, e))
-            add(name.format(e=e, w="w3"), MOE_LAYER["experts_fc1"], (ffn, hidden),
+            add(name.format(e=e, w=names["up"]), MOE_LAYER["experts_fc1"], (ffn, hidden),
                 expert("experts_fc1", i, e, (ffn, 2 * ffn)))
 
     def whole_moe(role, i):
@@ -334,6 +353,9 @@ def hf_plan(r: DistReader, arch: dict) -> list[safetensors_stream.PlannedTensor]
             add(p + "self_attn.q_proj.bias", QKV_BIAS, (heads * head_dim,), bias_part(0, i))
             add(p + "self_attn.k_proj.bias", QKV_BIAS, (groups * head_dim,), bias_part(1, i))
             add(p + "self_attn.v_proj.bias", QKV_BIAS, (groups * head_dim,), bias_part(2, i))
+        if has_qk_norm(arch):
+            add(p + "self_attn.q_norm.weight", QK_NORM["q_norm"], (head_dim,), qk_norm("q_norm", i))
+            add(p + "self_attn.k_norm.weight", QK_NORM["k_norm"], (head_dim,), qk_norm("k_norm", i))
         add(p + "self_attn.o_proj.weight", LAYER["proj"], r.shape(LAYER["proj"])[1:], whole("proj", i))
         add(p + "post_attention_layernorm.weight", LAYER["mlp_norm"], (hidden,), whole("mlp_norm", i))
         mlp(p, i)
@@ -419,6 +441,29 @@ def from_hf_problem(config: dict) -> str | None:
     layer_types = set(config.get("layer_types") or ["full_attention"])
     if config.get("use_sliding_window") or layer_types != {"full_attention"}:
         return f"architectures {archs} with sliding-window layers: Megatron's GPT here attends to the full context"
+    if FAMILY_OF_HF[mapped[0]] == "qwen3":
+        return _qwen3_problem(config, archs)
+    return None
+
+
+def _qwen3_problem(config: dict, archs: list) -> str | None:
+    """A Qwen3 (or Qwen3-MoE) whose shape Megatron's GPT here does not take: a head width other than hidden / heads
+    (the pretrain worker's kv_channels), q/k/v biases, dense MLPs among the experts' layers, or routing weights not
+    renormalised over the top-k (Megatron's softmax over the top-k logits is HF's norm_topk_prob)."""
+    heads, hidden = config["num_attention_heads"], config["hidden_size"]
+    if config.get("head_dim") not in (None, hidden // heads):
+        return (f"architectures {archs} with head_dim {config['head_dim']}: Megatron's GPT here has hidden_size / "
+                f"num_attention_heads = {hidden // heads}")
+    if config.get("attention_bias"):
+        return f"architectures {archs} with attention_bias: the Qwen3 mapping has no biases to carry them"
+    experts = hf.moe_of_hf_config(config)  # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts
+    if experts and (config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1):
+        return (f"architectures {archs} with dense MLP layers among the experts' (mlp_only_layers "
+                f"{config.get('mlp_only_layers')}, decoder_sparse_step {config.get('decoder_sparse_step')}): "
+                "Megatron's GPT here has experts in every layer")
+    if experts and not config.get("norm_topk_prob"):
+        return (f"architectures {archs} with norm_topk_prob false: Megatron routes with the top-k weights "
+                "renormalised (HF's norm_topk_prob true)")
     return None
 
 
@@ -482,6 +527,8 @@ def from_hf(src: Path, dst: Path, *, max_shard_bytes: int = 2 << 30, divisible_b
                 "fc1": torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")], dim=0),
                 "fc2": get(p + "mlp.down_proj.weight")}),
         }
+        if "q_norm" in keys:
+            per["q_norm"], per["k_norm"] = get(p + "self_attn.q_norm.weight"), get(p + "self_attn.k_norm.weight")
         if "qkv_bias" in keys:
             per["qkv_bias"] = merge_qkv(get(p + "self_attn.q_proj.bias"), get(p + "self_attn.k_proj.bias"),
                                         get(p + "self_attn.v_proj.bias"), heads, groups, head_dim)
@@ -498,15 +545,24 @@ def from_hf(src: Path, dst: Path, *, max_shard_bytes: int = 2 << 30, divisible_b
             "padded_vocab_size": padded, "architecture": arch, "tokenizer_files": copied, "weights_only": True}
 
 
+def hf_moe_names(arch: dict) -> dict:
+    """The family's HF names for a layer's mixture of experts (HF_MOE)."""
+    if family(arch) not in HF_MOE:
+        raise MegatronCheckpointError(f"model.arch {family(arch)} with model.moe: no HF mixture-of-experts layout for "
+                                      f"it (mapped: {', '.join(HF_MOE)})")
+    return HF_MOE[family(arch)]
+
+
 def _hf_experts(get, p: str, arch: dict) -> dict:
-    """One Mixtral layer's router and experts (files under model.layers.<i>.) as Megatron stacks them per layer."""
+    """One layer's router and experts (files under model.layers.<i>.) as Megatron stacks them per layer."""
     import torch
 
-    n = moe(arch)["num_experts"]
-    names = [{w: p + MIXTRAL_EXPERT.format(e=e, w=w) for w in ("w1", "w2", "w3")} for e in range(n)]
-    return {"router": get(p + MIXTRAL_ROUTER),
-            "experts_fc1": torch.stack([torch.cat([get(e["w1"]), get(e["w3"])], dim=0) for e in names]),
-            "experts_fc2": torch.stack([get(e["w2"]) for e in names])}
+    names = hf_moe_names(arch)
+    experts = [{role: p + names["expert"].format(e=e, w=names[role]) for role in ("gate", "up", "down")}
+               for e in range(moe(arch)["num_experts"])]
+    return {"router": get(p + names["router"]),
+            "experts_fc1": torch.stack([torch.cat([get(e["gate"]), get(e["up"])], dim=0) for e in experts]),
+            "experts_fc2": torch.stack([get(e["down"]) for e in experts])}
 
 
 def _write_weights_only(state: dict, arch: dict, dst: Path) -> None:

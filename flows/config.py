@@ -53,10 +53,11 @@ class MoeConfig(StrictModel):
 class ModelConfig(StrictModel):
     """Decoder architecture, shared by every engine: a Llama-style decoder, or Qwen2's (the same with q/k/v biases)."""
 
-    arch: Literal["llama", "qwen2"] = Field(
+    arch: Literal["llama", "qwen2", "qwen3"] = Field(
         "llama", description="architecture family: llama (a Llama-style decoder, what Megatron pretrains and exports "
-                             "as LlamaForCausalLM) or qwen2 (the same with q/k/v biases: Qwen2ForCausalLM); a run "
-                             "--from an HF model needs its family here")
+                             "as LlamaForCausalLM, with model.moe as MixtralForCausalLM), qwen2 (the same with q/k/v "
+                             "biases: Qwen2ForCausalLM) or qwen3 (per-head q/k RMSNorm: Qwen3ForCausalLM, with "
+                             "model.moe Qwen3MoeForCausalLM); a run --from an HF model needs its family here")
     num_layers: int = Field(4, ge=1, description="transformer layers")
     hidden_size: int = Field(128, ge=8, description="width of the hidden states")
     num_attention_heads: int = Field(4, ge=1, description="attention (query) heads")

@@ -14,7 +14,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 
-from conversions.megatron import expert_ffn, has_qkv_bias, moe, moe_transformer_fields
+from conversions.megatron import expert_ffn, has_qk_norm, has_qkv_bias, moe, moe_transformer_fields
 from tasks.events import PretrainTraining
 from sdpa_attention import SdpaAttention
 
@@ -35,20 +35,22 @@ INITIAL_LOSS_SCALE = 2.0**16
 MIN_LOSS_SCALE = 1.0
 
 
-def layer_spec(impl: str, on_gpu: bool, attention: str, num_experts: int | None = None):
+def layer_spec(impl: str, on_gpu: bool, attention: str, num_experts: int | None = None, qk_norm: bool = False):
     """Transformer Engine's spec where asked for (or `auto` on a GPU that has it), else the local spec, whose core
     attention is torch SDPA or Megatron's unfused DotProductAttention (`pretrain.attention`). With `num_experts` the
-    MLP is Megatron's MoE layer (router, token dispatcher, experts: a SequentialMLP of linear layers locally)."""
+    MLP is Megatron's MoE layer (router, token dispatcher, experts: a SequentialMLP of linear layers locally); with
+    `qk_norm` (Qwen3) each head's queries and keys pass an RMSNorm before RoPE."""
     if impl != "local" and on_gpu:
         try:
             from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
             import transformer_engine  # noqa: F401
 
-            return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts), "transformer_engine"
+            return (get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=qk_norm),
+                    "transformer_engine")
         except ImportError:
             if impl == "transformer_engine":
                 raise
-    spec = get_gpt_layer_local_spec(num_experts=num_experts, normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, normalization="RMSNorm", qk_layernorm=qk_norm)
     if attention == "sdpa":
         spec.submodules.self_attention.submodules.core_attention = SdpaAttention
         return spec, "local (sdpa attention)"
@@ -65,6 +67,7 @@ def transformer_config(arch: dict, cfg: PretrainTraining, on_gpu: bool) -> Trans
         ffn_hidden_size=arch["ffn_hidden_size"], kv_channels=arch["hidden_size"] // arch["num_attention_heads"],
         normalization="RMSNorm", layernorm_epsilon=arch["norm_eps"], gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, add_qkv_bias=has_qkv_bias(arch),  # Qwen2: q/k/v biases, no other bias
+        qk_layernorm=has_qk_norm(arch),                           # Qwen3: per-head q/k RMSNorm
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=arch["init_std"],
         tensor_model_parallel_size=cfg.tensor_parallel, pipeline_model_parallel_size=cfg.pipeline_parallel,
         virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_parallel,

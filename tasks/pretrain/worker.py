@@ -125,7 +125,8 @@ class Run:
 
         cfg, arch = self.cfg, self.arch
         experts = (arch.get("moe") or {}).get("num_experts")
-        self.spec_layers, impl = mm.layer_spec(cfg.transformer_impl, self.on_gpu, cfg.attention, experts)
+        self.spec_layers, impl = mm.layer_spec(cfg.transformer_impl, self.on_gpu, cfg.attention, experts,
+                                               qk_norm=mm.has_qk_norm(arch))
         self.tconfig = mm.transformer_config(arch, cfg, self.on_gpu)
         self.padded_vocab = self.spec.padded_vocab_size
         # the config as built: the optimizer then hangs its own functions (and through them process groups) on
