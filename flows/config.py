@@ -51,7 +51,8 @@ class MoeConfig(StrictModel):
 
 
 class ModelConfig(StrictModel):
-    """Decoder architecture, shared by every engine: a Llama-style decoder, or Qwen2's (the same with q/k/v biases)."""
+    """Decoder architecture, shared by every engine: a Llama-style decoder, Qwen2's (the same with q/k/v biases) or
+    Qwen3's (per-head q/k norms)."""
 
     arch: Literal["llama", "qwen2", "qwen3"] = Field(
         "llama", description="architecture family: llama (a Llama-style decoder, what Megatron pretrains and exports "
@@ -71,7 +72,8 @@ class ModelConfig(StrictModel):
     init_std: float = Field(0.02, description="standard deviation of the random weight initialisation")
     moe: MoeConfig | None = Field(
         None, description="a mixture of experts (unset: a dense MLP): Megatron pretrains it (pretrain.expert_parallel) "
-                          "and exports it as an HF Mixtral; an HF MoE runs --from through rlhf and finetune; `baton "
+                          "and exports it as an HF Mixtral (Qwen3-MoE with arch qwen3); an HF MoE runs --from through "
+                          "rlhf and finetune; `baton "
                           "plan` counts its total and active parameters (docs/moe.md)")
     chat_template: str | None = Field(
         None, description="a Jinja chat template, or a path to a template file, used when the input HF checkpoint has "
