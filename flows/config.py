@@ -73,8 +73,7 @@ class ModelConfig(StrictModel):
     moe: MoeConfig | None = Field(
         None, description="a mixture of experts (unset: a dense MLP): Megatron pretrains it (pretrain.expert_parallel) "
                           "and exports it as an HF Mixtral (Qwen3-MoE with arch qwen3); an HF MoE runs --from through "
-                          "rlhf and finetune; `baton "
-                          "plan` counts its total and active parameters (docs/moe.md)")
+                          "rlhf and finetune; `baton plan` counts its total and active parameters (docs/moe.md)")
     chat_template: str | None = Field(
         None, description="a Jinja chat template, or a path to a template file, used when the input HF checkpoint has "
                           "none: written into the tokenizer the data, rlhf and finetune stages use and their outputs")

@@ -287,7 +287,7 @@ def test_a_checkpoint_naming_a_family_baton_does_not_map_is_refused(tmp_path, fa
             "vocab_size": 300}
     torch.save({megatron.ARCH_KEY: arch}, str(tmp_path / megatron.COMMON_FILE))
     with pytest.raises(megatron.MegatronCheckpointError,
-                       match=re.escape(f"architecture family {family!r} is not one baton maps (llama, qwen2)")):
+                       match=re.escape(f"architecture family {family!r} is not one baton maps (llama, qwen2, qwen3)")):
         megatron.architecture(tmp_path)
 
 
