@@ -14,7 +14,6 @@ import math
 import os
 import re
 import resource
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ import torch
 
 from conversions import chat, hf, manifest as mf, rewards as rw, sealed
 from conversions.manifest import Format
-from tasks import events
+from tasks import events, resuming
 
 RANK = int(os.environ.get("RANK", "0"))
 WORLD_SIZE = int(os.environ.get("WORLD_SIZE", "1"))
@@ -78,12 +77,13 @@ def train(a: events.RlhfSpec, recipe: Recipe):
     from transformers import PrinterCallback
 
     work = a.output.parent / (a.output.name + ".trl")
-    resume = newest_complete(work) if a.checkpoint_every > 0 else None
+    # every rank reads (no process group exists yet; they read the same bytes, so they agree); rank 0 removes
+    resume = resuming.resume_point(work, KIND, owner=RANK == 0).checkpoint if a.checkpoint_every > 0 else None
     trainer = recipe.make_trainer(work)
     trainer.remove_callback(PrinterCallback)  # our callback streams the same logs as events
     trainer.add_callback(checkpoint_callback(a.keep_checkpoints))
     trainer.add_callback(non_finite_callback(a.precision))
-    resumed_from = _step_of(resume) if resume else 0
+    resumed_from = KIND.step_of(resume) if resume else 0
     if RANK == 0:
         events.started(resumed_from)
     train_naming_a_full_disk(trainer, work, resume)
@@ -392,7 +392,8 @@ def common_args(a: events.RlhfSpec, work: Path) -> dict:
 
 
 # ---- checkpoints: TRL's own (model, optimizer, scheduler, RNG, trainer state), marked complete by us ---------------
-COMPLETE = "baton_complete.json"   # written last, atomically: the checkpoint's files, sizes and sha256
+KIND = resuming.CheckpointKind.TRL
+COMPLETE = KIND.marker   # written last, atomically: the checkpoint's files, sizes and sha256
 
 
 def checkpoint_args(a: events.RlhfSpec) -> dict:
@@ -404,39 +405,11 @@ def checkpoint_args(a: events.RlhfSpec) -> dict:
 
 
 def mark_complete(ckpt: Path) -> None:
-    sealed.seal(ckpt, COMPLETE, step=_step_of(ckpt))
+    sealed.seal(ckpt, COMPLETE, step=KIND.step_of(ckpt))
 
 
 def is_complete(ckpt: Path) -> bool:
     return sealed.is_sealed(ckpt, COMPLETE)
-
-
-def _step_of(ckpt: Path) -> int:
-    return int(ckpt.name.split("-")[-1])
-
-
-def checkpoints(work: Path) -> list[Path]:
-    """The Trainer's `checkpoint-N` folders in work, sealed or not."""
-    return [p for p in work.glob("checkpoint-*") if p.is_dir() and p.name.split("-")[-1].isdigit()]
-
-
-def newest_complete(work: Path) -> Path | None:
-    """The newest complete `checkpoint-N` of an earlier attempt whose contents verify. Every rank checks (no process
-    group exists yet; they read the same bytes, so they agree); rank 0 names and deletes the rejected ones — a rank
-    that finds one already deleted rejects it too."""
-    found = checkpoints(work)
-    complete = sorted((p for p in found if is_complete(p)), key=_step_of)
-    if RANK == 0:
-        for p in found:
-            if p not in complete:
-                shutil.rmtree(p, ignore_errors=True)  # a save killed before its seal
-    while complete and (why := sealed.problem(complete[-1], COMPLETE)) is not None:
-        rejected = complete.pop()
-        if RANK == 0:
-            print(f"checkpoint {rejected}: {why}; not resuming from it", flush=True)
-            events.emit("checkpoint_rejected", tag=rejected.name, reason=why)
-            shutil.rmtree(rejected, ignore_errors=True)
-    return complete[-1] if complete else None
 
 
 def checkpoint_callback(keep: int):
@@ -446,17 +419,10 @@ def checkpoint_callback(keep: int):
         def on_save(self, args, state, control, **kwargs):
             if state.is_world_process_zero:
                 work = Path(args.output_dir)
-                mark_complete(work / f"checkpoint-{state.global_step}")
-                remove_older_than_kept(work, keep)
+                mark_complete(KIND.folder(work, state.global_step))
+                resuming.remove_older_than_kept(work, KIND, keep)
 
     return MarkComplete()
-
-
-def remove_older_than_kept(work: Path, keep: int) -> None:
-    """Only the newest `keep` sealed checkpoints stay (an unsealed one is a save in progress or a dead one)."""
-    sealed_ones = sorted((p for p in checkpoints(work) if is_complete(p)), key=_step_of)
-    for old in sealed_ones[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def train_naming_a_full_disk(trainer, work: Path, resume: Path | None) -> None:
@@ -465,7 +431,7 @@ def train_naming_a_full_disk(trainer, work: Path, resume: Path | None) -> None:
     try:
         trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     except BaseException:
-        saving = work / f"checkpoint-{trainer.state.global_step}"
+        saving = KIND.folder(work, trainer.state.global_step)
         if is_complete(saving):  # not inside a save
             raise
         with events.disk_full_exits(saving, RANK):
