@@ -32,13 +32,14 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import sandbox_child
 from .refusal import Refused
 
-CHILD = Path(__file__).with_name("sandbox_child.py")
+CHILD = Path(sandbox_child.__file__)
 RESULTS_READ = 1 << 20
 MAX_TESTS = 100
-ISOLATION = ("required", "limits_only")
-UNAVAILABLE = 3  # the child's exit status when a required layer failed
+ISOLATION = sandbox_child.ISOLATION
+UNAVAILABLE = sandbox_child.UNAVAILABLE
 
 
 class SandboxUnavailable(Refused):
@@ -47,9 +48,14 @@ class SandboxUnavailable(Refused):
 
 @dataclass(frozen=True)
 class Limits:
-    timeout_s: float = 5.0
-    memory_mb: int = 512
-    isolation: str = "required"
+    """From an rlhf.rewards entry (tasks/rlhf/config.py RewardConfig holds the defaults): none here."""
+    timeout_s: float
+    memory_mb: int
+    isolation: str
+
+
+# What the probe runs ("pass"): room enough to start Python, and a long wait on a loaded machine.
+PROBE_LIMITS = Limits(timeout_s=30, memory_mb=512, isolation="limits_only")
 
 
 @dataclass
@@ -128,24 +134,31 @@ def read_results(path: Path, nonce: str) -> tuple[set[int], list[str], list[str]
     return passed, layers, missing
 
 
-def run_tests(code: str, tests: list, limits: Limits = Limits()) -> Outcome:
+def child_job(code: str, tests: list, limits: Limits, nonce: str) -> dict:
+    """The child's whole spec (its stdin): checked here and again by the child, with the same function."""
+    job = {"memory_mb": limits.memory_mb, "cpu_s": math.ceil(limits.timeout_s) + 1, "isolation": limits.isolation,
+           "code": code, "tests": tests, "nonce": nonce}
+    if problem := sandbox_child.job_problem(job):
+        raise ValueError(f"sandbox: {problem}")
+    return job
+
+
+def run_tests(code: str, tests: list, limits: Limits) -> Outcome:
     """Run `code` against `tests` in the sandbox. Raises SandboxUnavailable when isolation is required and a layer
     is missing here."""
-    nonce = secrets.token_hex(16)
-    cpu_s = math.ceil(limits.timeout_s) + 1
+    job = child_job(code, tests, limits, secrets.token_hex(16))
     with tempfile.TemporaryDirectory(prefix="baton-sandbox-", ignore_cleanup_errors=True) as folder:
-        proc = subprocess.Popen([sys.executable, "-I", str(CHILD), str(limits.memory_mb), str(cpu_s),
-                                 limits.isolation], cwd=folder, env=child_env(folder), stdin=subprocess.PIPE,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen([sys.executable, "-I", str(CHILD)], cwd=folder, env=child_env(folder),
+                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
         timed_out = False
         try:
-            proc.communicate(json.dumps({"code": code, "tests": tests, "nonce": nonce}).encode(),
-                             timeout=limits.timeout_s)
+            proc.communicate(json.dumps(job).encode(), timeout=limits.timeout_s)
         except subprocess.TimeoutExpired:
             timed_out = True
         finally:
             kill_group(proc)
-        passed, layers, missing = read_results(Path(folder) / "results", nonce)
+        passed, layers, missing = read_results(Path(folder) / "results", job["nonce"])
     if proc.returncode == UNAVAILABLE and missing and limits.isolation == "required":
         raise SandboxUnavailable("the code sandbox cannot isolate code on this machine: " + "; ".join(missing) +
                                  " (isolation: limits_only runs it with the limits alone)")
@@ -154,7 +167,7 @@ def run_tests(code: str, tests: list, limits: Limits = Limits()) -> Outcome:
 
 def probe() -> list[str]:
     """The isolation layers this machine cannot give ('layer: why'); empty when the sandbox is whole."""
-    outcome = run_tests("", ["pass"], Limits(timeout_s=30, isolation="limits_only"))
+    outcome = run_tests("", ["pass"], PROBE_LIMITS)
     if not outcome.layers and not outcome.missing:
         return ["sandbox: the child started but reported nothing (python -I conversions/sandbox_child.py)"]
     return outcome.missing

@@ -1,15 +1,17 @@
-"""The sandboxed side of conversions/sandbox.py: started as `python -I sandbox_child.py MEMORY_MB CPU_S ISOLATION` in an
-empty temporary folder with a minimal environment, its own session, stdout and stderr on /dev/null. Standard library
-only (it runs before any isolation is known to work).
+"""The sandboxed side of conversions/sandbox.py: started as `python -I sandbox_child.py` in an empty temporary folder with
+a minimal environment, its own session, stdout and stderr on /dev/null. Standard library only (it runs before any
+isolation is known to work, once per completion scored).
 
-It reads its job (the code, the tests, a nonce) from stdin, then locks itself in before running anything it was given:
-    limits      RLIMIT_AS (MEMORY_MB), RLIMIT_CPU (CPU_S), RLIMIT_NOFILE, RLIMIT_FSIZE
+It reads its whole job from stdin, one JSON object (JOB_FIELDS: the limits, the code, the tests, a nonce; no field has
+a default, the values come from the rlhf.rewards entry), checks it with job_problem (the parent checked it with the
+same function), then locks itself in before running anything it was given:
+    limits      RLIMIT_AS (memory_mb), RLIMIT_CPU (cpu_s), RLIMIT_NOFILE, RLIMIT_FSIZE
     no_new_privs   prctl(PR_SET_NO_NEW_PRIVS): no setuid gain, and what Landlock and seccomp need
     network     unshare(CLONE_NEWUSER | CLONE_NEWNET): a network namespace with no interface up (not even loopback)
     landlock    writes, removals and new files only beneath the working folder; no ptrace of, no signal to, no abstract
                 Unix socket of a process outside (signals and sockets: Landlock ABI 6+)
     seccomp     socket(2) fails with EPERM: no socket at all, not even a path-named Unix one (a Docker socket, say)
-ISOLATION required: any layer that fails stops it before the code runs (exit 3, the layers it lacks in its results);
+isolation required: any layer that fails stops it before the code runs (exit 3, the layers it lacks in its results);
 limits_only: it runs with whatever layers worked (the limits always apply).
 
 Results go to the file `results` in the working folder, one line each, prefixed with the nonce: `<nonce> layers
@@ -23,6 +25,12 @@ import os
 import platform
 import resource
 import sys
+
+# The job on stdin: every field, its type (bool is not an int here), nothing else.
+JOB_FIELDS = {"memory_mb": int, "cpu_s": int, "isolation": str, "code": str, "tests": list, "nonce": str}
+ISOLATION = ("required", "limits_only")
+UNAVAILABLE = 3  # exit status: isolation required and a layer failed
+BAD_JOB = 4      # exit status: the job is not one JOB_FIELDS describes (nothing run)
 
 MIB = 1 << 20
 OPEN_FILES = 64
@@ -179,10 +187,33 @@ def same_output(printed: str, expected: str) -> bool:
     return lines(printed) == lines(expected)
 
 
+def job_problem(job) -> str | None:
+    """Why this is not a job the child runs (None when it is)."""
+    if not isinstance(job, dict):
+        return f"the job is a {type(job).__name__}, not an object"
+    if set(job) != set(JOB_FIELDS):
+        return f"the job's fields are {sorted(job)}, not {sorted(JOB_FIELDS)}"
+    wrong = [k for k, kind in JOB_FIELDS.items() if type(job[k]) is not kind]
+    if wrong:
+        return f"the job's {wrong[0]} is a {type(job[wrong[0]]).__name__}, not a {JOB_FIELDS[wrong[0]].__name__}"
+    if job["isolation"] not in ISOLATION:
+        return f"the job's isolation is {job['isolation']!r}, not one of {ISOLATION}"
+    return None
+
+
+def read_job() -> dict:
+    try:
+        job = json.loads(sys.stdin.buffer.read())
+    except (ValueError, RecursionError):
+        job = None
+    if job_problem(job):
+        os._exit(BAD_JOB)
+    return job
+
+
 def main() -> None:
-    memory_mb, cpu_s, isolation = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    job = json.loads(sys.stdin.buffer.read())
-    nonce = job["nonce"]
+    job = read_job()
+    memory_mb, cpu_s, isolation, nonce = job["memory_mb"], job["cpu_s"], job["isolation"], job["nonce"]
     results = os.open("results", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
 
     def write(line: str) -> None:
@@ -194,7 +225,7 @@ def main() -> None:
     if missing:
         write(f"missing {json.dumps(missing)}")
         if isolation == "required":
-            os._exit(3)
+            os._exit(UNAVAILABLE)
     asserts = [(i, t) for i, t in enumerate(job["tests"]) if isinstance(t, str)]
     run_asserts(job["code"], [t for _, t in asserts], lambda k: write(f"pass {asserts[k][0]}"))
     for i, test in enumerate(job["tests"]):
