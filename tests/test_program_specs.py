@@ -208,3 +208,22 @@ def test_the_sandbox_child_refuses_a_job_its_parent_would_not_send(tmp_path):
     r = subprocess.run([sys.executable, "-I", str(sandbox.CHILD)], input=json.dumps(job).encode(), cwd=tmp_path,
                        env=sandbox.child_env(str(tmp_path)), capture_output=True, timeout=60)
     assert r.returncode == 0 and "n pass 0" in (tmp_path / "results").read_text()
+
+
+def test_a_detached_server_takes_its_supervisor_s_values_from_the_config(tmp_path):
+    """The supervisor's spec is written by Server.start from serve.restarts and serve.health_timeout_s: Server has no
+    default of its own for either (its `restarts=0` once stood where the config says 2), and a detached server given
+    neither is refused before anything starts."""
+    import inspect
+
+    from tasks.serve.config import ServeConfig
+    from tasks.serve.server import Server
+
+    params = inspect.signature(Server).parameters
+    assert {k: params[k].default for k in ("restarts", "health_timeout")} == {"restarts": None, "health_timeout": None}
+    assert {"restarts", "health_timeout_s"} <= set(events.SupervisorSpec.model_fields) & set(ServeConfig.model_fields)
+    server = Server("engine", [sys.executable, "-c", "pass"], {}, "http://127.0.0.1:9", tmp_path / "s.log", str,
+                    managed=False, health_timeout=60)
+    with pytest.raises(ValueError, match=r"serve\.restarts"):
+        server.start()
+    assert server.proc is None and list(tmp_path.iterdir()) == []
