@@ -227,3 +227,21 @@ def test_a_detached_server_takes_its_supervisor_s_values_from_the_config(tmp_pat
     with pytest.raises(ValueError, match=r"serve\.restarts"):
         server.start()
     assert server.proc is None and list(tmp_path.iterdir()) == []
+
+
+def test_a_launch_takes_its_layout_launcher_and_port_from_the_stage_config():
+    """tasks.distributed.Launch once defaulted nnodes and nproc_per_node to 1, the launcher to torchrun (finetune's
+    config says deepspeed) and the port to 0: a field a training config sets has no default there."""
+    import dataclasses
+
+    from tasks.distributed import Launch
+    from tasks.finetune.config import FinetuneConfig
+    from tasks.pretrain.config import PretrainConfig
+    from tasks.rlhf.config import RlhfConfig
+
+    config_keys = {k for c in (FinetuneConfig, PretrainConfig, RlhfConfig) for k in c.model_fields}
+    launch_fields = {f.name: f for f in dataclasses.fields(Launch)}
+    assert {"nnodes", "nproc_per_node", "launcher", "master_port"} <= config_keys & set(launch_fields)
+    defaulted = {name for name, f in launch_fields.items() if name in config_keys and
+                 (f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING)}
+    assert defaulted == set()

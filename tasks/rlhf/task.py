@@ -211,7 +211,7 @@ def worker_command(ctx: StageContext, cfg: RlhfConfig, out: Path, template: Path
     if cfg.world_size() == 1 and runtime_kind(runtime) == "local":
         return [ctx.python("main"), str(WORKER), *args]
     launch = Launch(python=ctx.python("main"), script=str(WORKER), args=tuple(args), nnodes=cfg.nnodes,
-                    nproc_per_node=cfg.nproc_per_node)
+                    nproc_per_node=cfg.nproc_per_node, launcher="torchrun", master_port=0)
     try:
         return engine_command(launch, runtime, Path(ctx.work_dir))
     except LaunchConfigError as e:
