@@ -27,6 +27,7 @@ import sys
 MIB = 1 << 20
 OPEN_FILES = 64
 FILE_BYTES = 16 * MIB
+TOOL_OUTPUT_CHARS = 2000  # a tool call's printed output and error, each at most
 
 CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
 PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
@@ -173,6 +174,24 @@ def run_program(code: str, stdin: str) -> str | None:
     return printed
 
 
+def run_as_tool(code: str, write) -> None:
+    """The code as a tool call (rlhf.tools python): what it printed, or the exception it raised, reported."""
+    sys.stdin, sys.stdout = io.StringIO(""), io.StringIO()
+    raised = None
+    try:
+        exec(compile(code, "<tool call>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            raised = f"SystemExit: {e.code}"
+    except BaseException as e:
+        raised = f"{type(e).__name__}: {e}"
+    finally:
+        printed, sys.stdin, sys.stdout = sys.stdout.getvalue(), sys.__stdin__, sys.__stdout__
+    write(f"printed {json.dumps(printed[:TOOL_OUTPUT_CHARS])}")
+    if raised is not None:
+        write(f"raised {json.dumps(raised[:TOOL_OUTPUT_CHARS])}")
+
+
 def same_output(printed: str, expected: str) -> bool:
     def lines(text: str) -> list[str]:
         return [line.rstrip() for line in text.strip().splitlines()]
@@ -195,6 +214,9 @@ def main() -> None:
         write(f"missing {json.dumps(missing)}")
         if isolation == "required":
             os._exit(3)
+    if job.get("as_tool"):
+        run_as_tool(job["code"], write)
+        os._exit(0)
     asserts = [(i, t) for i, t in enumerate(job["tests"]) if isinstance(t, str)]
     run_asserts(job["code"], [t for _, t in asserts], lambda k: write(f"pass {asserts[k][0]}"))
     for i, test in enumerate(job["tests"]):
