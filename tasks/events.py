@@ -287,6 +287,9 @@ class RlhfSpec(ProgramSpec):
     max_completion_length: int
     dataset: str                               # preference or prompts
     rewards: list[RewardSpec]
+    tools: list[str]                           # rlhf.tools: multi-turn episodes when not empty
+    max_turns: int
+    tool_timeout_s: float
     clip_epsilon: float
     clip_epsilon_high: float | None
     loss_type: str
@@ -430,6 +433,7 @@ class RlhfResult(WorkerResult):
     steps: int | None = None
     seconds: float | None = None
     peak_mem_mib: float | None = None          # rank 0's peak RSS
+    episodes: dict | None = None               # rlhf.tools: training and held-out episodes' ends, turns, tool calls
 
 
 class InputParity(BaseModel):

@@ -13,7 +13,8 @@ from tasks.problems import ConfigProblem
 from tasks.rlhf.nemo_rl import NORMALIZE_REWARDS, TOKEN_LEVEL_LOSS
 
 GRPO_ONLY = ("num_generations", "max_completion_length", "rewards", "clip_epsilon", "clip_epsilon_high", "loss_type",
-             "scale_rewards")
+             "scale_rewards", "tools", "max_turns", "tool_timeout_s")
+TOOL_KEYS = ("max_turns", "tool_timeout_s")  # meaningful only with rlhf.tools
 DPO_ONLY = ("reference", "reference_model", "sft_weight")
 
 
@@ -144,10 +145,43 @@ def sandbox_errors(cfg) -> list[ConfigProblem]:
             for key in keys] if missing else []
 
 
+def python_tool_errors(cfg) -> list[ConfigProblem]:
+    """The python tool runs the model's code in the code_tests sandbox, isolation required: refused where this
+    machine cannot isolate it."""
+    if "python" not in cfg.tools:
+        return []
+    from conversions import sandbox
+
+    missing = sandbox.probe()
+    return [ConfigProblem("rlhf.tools", "rlhf.tools: python runs the model's code in the sandbox, and this machine "
+                          f"cannot isolate it: {'; '.join(missing)} (use the calculator only)")] if missing else []
+
+
+def tools_errors(cfg, backend: str) -> list[ConfigProblem]:
+    """rlhf.tools and its knobs: multi-turn episodes exist only in TRL's GRPO on rewarded prompts."""
+    set_keys = cfg.model_fields_set
+    if not cfg.tools:
+        return [ConfigProblem(f"rlhf.{k}", f"rlhf.{k}: only used with rlhf.tools (no tool is listed)")
+                for k in TOOL_KEYS if k in set_keys and cfg.algorithm == "grpo"]
+    errors = []
+    if len(set(cfg.tools)) != len(cfg.tools):
+        errors.append(ConfigProblem("rlhf.tools", f"rlhf.tools: a tool is listed twice ({', '.join(cfg.tools)})"))
+    if cfg.algorithm == "grpo" and not cfg.rewards:
+        errors.append(ConfigProblem("rlhf.tools", "rlhf.tools: episodes with tools are scored by rlhf.rewards on "
+                                    "data.prompts, and no reward is set"))
+    if backend == "nemo_rl":
+        errors.append(ConfigProblem("rlhf.tools", "rlhf.tools: baton's tool episodes run in its TRL worker; NeMo-RL's "
+                                    f"math environment has no tools ({USE_TRL})"))
+    if cfg.max_turns < 2:
+        errors.append(ConfigProblem("rlhf.max_turns", "rlhf.max_turns: with tools an episode needs at least 2 turns "
+                                    "(a tool call and the answer after its result)"))
+    return errors
+
+
 def host_errors(cfg, pipeline) -> list[ConfigProblem]:
     runtimes = getattr(pipeline, "runtimes", None) or {}
     if resolve_backend(cfg, runtimes) != "nemo_rl":
-        return sandbox_errors(cfg)
+        return sandbox_errors(cfg) + python_tool_errors(cfg)
     kind = nemo_rl_runtime(runtimes).get("kind", "venv")
     if runs_here_without_a_gpu(kind):
         return []  # validate's "needs an NVIDIA GPU" is decisive: nothing else matters on this machine
@@ -333,6 +367,7 @@ def validate(cfg, pipeline) -> list[ConfigProblem]:
     runtimes = getattr(pipeline, "runtimes", None) or {}
     backend = resolve_backend(cfg, runtimes)
     errors += packing_errors(cfg, backend)
+    errors += tools_errors(cfg, backend)
     if backend == "nemo_rl":
         errors += nemo_rl_errors(cfg, nemo_rl_runtime(runtimes), host=False)  # tools: host_errors
     return errors

@@ -1,0 +1,190 @@
+"""Multi-turn GRPO episodes with tools (rlhf.tools): the config refused before launch, the tool-call parser, each way
+an episode ends on real turns (the tiny tokenizer, the real calculator and the python tool in the real sandbox), and
+one short GRPO stage run with tools on the arithmetic task (TRL, tiny model)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conversions import tools as t
+from conversions.tools import EpisodeEnd
+from tasks.rlhf import episodes as ep
+from tasks.rlhf.config import RlhfConfig
+from test_rlhf_rewards import config_with, grpo
+
+CALC = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
+PY = '<tool_call>{"name": "python", "arguments": {"code": "%s"}}</tool_call>'
+
+
+# ---- the config: refused before launch, one message naming the key --------------------------------------------------
+@pytest.mark.fast
+@pytest.mark.parametrize("rlhf, key, words", [
+    ({**grpo([{"kind": "exact_match"}]), "tools": ["calculator", "calculator"]}, "rlhf.tools", "listed twice"),
+    ({**grpo([{"kind": "exact_match"}]), "tools": ["shell"]}, "rlhf.tools", "calculator"),
+    ({**grpo([]), "tools": ["calculator"]}, "rlhf.tools", "no reward is set"),
+    ({**grpo([{"kind": "exact_match"}]), "max_turns": 3}, "rlhf.max_turns", "only used with rlhf.tools"),
+    ({**grpo([{"kind": "exact_match"}]), "tool_timeout_s": 2}, "rlhf.tool_timeout_s", "only used with rlhf.tools"),
+    ({**grpo([{"kind": "exact_match"}]), "tools": ["calculator"], "max_turns": 1}, "rlhf.max_turns", "at least 2"),
+    ({**grpo([{"kind": "exact_match"}]), "tools": ["calculator"], "tool_timeout_s": 0}, "rlhf.tool_timeout_s", "0"),
+    ({"algorithm": "dpo", "tools": ["calculator"]}, "rlhf.tools", "only used by algorithm grpo"),
+    ({**grpo([{"kind": "exact_match"}]), "tools": ["calculator"], "backend": "nemo_rl"}, "rlhf.tools",
+     "NeMo-RL's math environment has no tools"),
+])
+def test_tool_settings_that_cannot_run_are_refused_naming_the_key(tmp_path, rlhf, key, words):
+    from flows.config import ConfigError, load
+
+    prompts = {"kind": "synthetic"} if rlhf.get("algorithm") == "grpo" else None
+    with pytest.raises(ConfigError) as e:
+        load(config_with(tmp_path, rlhf, prompts=prompts))
+    assert key in str(e.value) and words in str(e.value), str(e.value)
+
+
+@pytest.mark.fast
+def test_a_grpo_run_with_both_tools_loads(tmp_path):
+    from flows.config import load
+
+    cfg = load(config_with(tmp_path, {**grpo([{"kind": "exact_match"}]), "tools": ["calculator", "python"],
+                                      "max_turns": 3, "tool_timeout_s": 2}, prompts={"kind": "synthetic"}))
+    assert cfg.rlhf.tools == ["calculator", "python"] and cfg.rlhf.max_turns == 3
+
+
+# ---- the parser and the tools -----------------------------------------------------------------------------------------
+@pytest.mark.fast
+@pytest.mark.parametrize("text, call, problem", [
+    ("7", None, None),
+    ("the sum is " + CALC % "3+4", t.ToolCall("calculator", {"expression": "3+4"}), None),
+    (PY % "print(2)", t.ToolCall("python", {"code": "print(2)"}), None),
+    ('<tool_call>{"name": "calculator"', None, "not closed"),
+    ("<tool_call>{name: calculator}</tool_call>", None, "not JSON"),
+    ('<tool_call>["calculator"]</tool_call>', None, '{"name"'),
+    ('<tool_call>{"name": "shell", "arguments": {"cmd": "ls"}}</tool_call>', None, "unknown tool 'shell'"),
+    ('<tool_call>{"name": "calculator", "arguments": {"expression": 7}}</tool_call>', None, "string arguments"),
+    ('<tool_call>{"name": "python", "arguments": {"code": "1"}}</tool_call>', None, "unknown tool 'python'"),
+])
+def test_the_parser_reads_one_tool_call_or_says_why_not(text, call, problem):
+    tools = ("calculator",) if "python" in text and "print" not in text else t.BUILT_IN
+    parsed = t.parse_tool_call(text, tools)
+    assert parsed.call == call
+    assert (parsed.problem is None) if problem is None else (problem in parsed.problem), parsed
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("expression, result", [("3+4", "7"), ("7/2", "3.5"), ("2**10", "1024"), ("-(3*4)%5", "3"),
+                                                ("6/3", "2")])
+def test_the_calculator_does_arithmetic(expression, result):
+    assert t.calculator(expression) == result
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("expression", ["1/0", "9**9**9", "__import__('os')", "x+1", "(1,2)", "3+"])
+def test_the_calculator_refuses_everything_else(expression):
+    with pytest.raises(t.ToolRaised):
+        t.calculator(expression)
+
+
+# ---- each way an episode ends, on real turns -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    from tasks.data.tokenizer import train_tokenizer
+
+    texts = ["the sum is 3+4=7 and 12*3=36", 'calculator expression arguments name code print tool_call "{}"'] * 20
+    return train_tokenizer(texts, 400, tmp_path_factory.mktemp("tok"))
+
+
+def runner(tok, max_turns=4, max_tokens=200, timeout_s=1.0) -> ep.EpisodeRunner:
+    return ep.EpisodeRunner(tok, ep.Limits(t.BUILT_IN, max_turns, max_tokens, timeout_s))
+
+
+def turn(tok, text: str, closed: bool = True) -> list[int]:
+    return tok(text + ("<|im_end|>" if closed else ""), add_special_tokens=False)["input_ids"]
+
+
+def play(tok, texts: list[str], **limits) -> ep.Episode:
+    """Feed the model turns in order (as if generated) until the episode ends."""
+    r, e = runner(tok, **limits), ep.Episode(tok("<|im_start|>user\n3+4=<|im_end|>\n<|im_start|>assistant\n")["input_ids"])
+    for text in texts:
+        r.take_turn(e, turn(tok, text, closed=not text.endswith("...")))
+        if e.end is not None:
+            return e
+    raise AssertionError("the episode did not end")
+
+
+@pytest.mark.fast
+def test_an_answer_without_a_tool_call_finishes_the_episode(tok):
+    e = play(tok, ["7"])
+    assert e.end is EpisodeEnd.FINISHED and e.turns == 1 and e.tool_calls == 0 and e.reply == "7"
+
+
+@pytest.mark.fast
+def test_a_tool_result_becomes_a_masked_tool_turn_and_the_model_answers_after_it(tok):
+    e = play(tok, [CALC % "3+4", "it is 7"])
+    assert e.end is EpisodeEnd.FINISHED and e.turns == 2 and e.tool_calls == 1 and e.reply == "it is 7"
+    first, tool_ids = turn(tok, CALC % "3+4"), tok(ep.tool_turn_text(tok, "7"), add_special_tokens=False)["input_ids"]
+    assert e.ids == first + tool_ids + turn(tok, "it is 7")  # nothing lost: every model and tool token, in order
+    assert e.mask == [1] * len(first) + [0] * len(tool_ids) + [1] * len(turn(tok, "it is 7"))
+    assert tok.decode(tool_ids) == "\n<|im_start|>tool\n7<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.fast
+def test_the_python_tool_prints_its_result_into_the_episode(tok):
+    e = play(tok, [PY % "print(6*7)", "42"])
+    assert e.end is EpisodeEnd.FINISHED and "tool\n42\n" in tok.decode([i for i, m in zip(e.ids, e.mask) if not m])
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("texts, end, limits", [
+    (['<tool_call>{"name": "calculator", "arguments": {}}</tool_call>'], EpisodeEnd.MALFORMED_TOOL_CALL, {}),
+    (["<tool_call>not json</tool_call>"], EpisodeEnd.MALFORMED_TOOL_CALL, {}),
+    ([CALC % "1/0"], EpisodeEnd.TOOL_RAISED, {}),
+    ([PY % "raise KeyError(3)"], EpisodeEnd.TOOL_RAISED, {}),
+    ([PY % "while True: pass"], EpisodeEnd.TOOL_TIMED_OUT, {"timeout_s": 0.5}),
+    ([CALC % "1+1", CALC % "2+2"], EpisodeEnd.MAX_TURNS, {"max_turns": 2}),
+    (["3+4 is ..."], EpisodeEnd.LENGTH, {}),  # the turn hit the token budget before its end-of-turn token
+    ([CALC % "1+1"], EpisodeEnd.LENGTH, {"max_tokens": 40}),  # no room left after the tool turn
+])
+def test_each_way_an_episode_ends_is_named(tok, texts, end, limits):
+    e = play(tok, texts, **limits)
+    assert e.end is end, (e.end, e.reply)
+    assert len(e.ids) == len(e.mask) and e.turns == len(texts)
+
+
+@pytest.mark.fast
+def test_episode_summaries_count_every_end(tok):
+    played = [play(tok, ["7"]), play(tok, [CALC % "1/0"]), play(tok, [CALC % "1+1", "2"])]
+    s = ep.summary(played)
+    assert s["episodes"] == 3 and s["tool_calls"] == 2 and s["turns_per_episode"] == 4 / 3
+    assert s["ends"] == {**{end.value: 0 for end in EpisodeEnd}, "finished": 2, "tool_raised": 1}
+    assert ep.add_up(s, s)["ends"]["finished"] == 4 and ep.add_up({}, s) == s
+
+
+# ---- a real GRPO stage run with tools ---------------------------------------------------------------------------------
+def test_grpo_with_tools_runs_episodes_and_reports_how_they_ended(tmp_path, tiny_config, data_dir, hf_checkpoint):
+    """The random-init tiny model has never seen a tool call, so (measured) it calls none: every episode ends by
+    answering or by running out of tokens. What this shows is the plumbing: episodes through TRL's rollout_func, the
+    ends counted per step and in the summary, the held-out reward measured on greedy episodes before and after."""
+    from test_rlhf_trl import prompts_data, run_stage
+
+    data = prompts_data(data_dir, tmp_path / "data")
+    cfg = RlhfConfig(algorithm="grpo", steps=STEPS, micro_batch_size=8, num_generations=4, max_completion_length=6,
+                     lr=1e-3, beta=0.0, loss_type="dr_grpo", scale_rewards="none", checkpoint_every=1000,
+                     timeout_s=600, rewards=[{"kind": "exact_match"}], tools=["calculator", "python"], max_turns=3,
+                     tool_timeout_s=2)
+    (tmp_path / "run").mkdir()
+    out = run_stage(tmp_path / "run", tiny_config, data, hf_checkpoint, cfg)
+    m = out.metrics
+    ends = {end.value: m[f"episode_end_{end.value}"] for end in EpisodeEnd}
+    assert m["episodes_trained"] == STEPS * 8 == sum(ends.values()), m
+    assert 1 <= m["turns_per_episode"] <= 3 and m["tool_calls"] >= 0
+    held = out.extra["episodes"]
+    assert held["heldout_before"]["episodes"] == held["heldout_after"]["episodes"] == 22, held
+    assert out.eval["metric"] == "heldout_reward" and out.gate["passed"] is not None
+    log = (tmp_path / "run" / "engine.log").read_text()
+    logged = [json.loads(line[len("@@baton "):]) for line in log.splitlines() if line.startswith("@@baton ")]
+    steps = [e for e in logged if e["kind"] == "metric" and "train/episodes_finished" in e]
+    assert len(steps) == STEPS and all(0 <= e["train/episodes_length"] <= 1 for e in steps), steps
+    print(f"tools: heldout_reward {out.eval['before']:.3f} → {out.eval['after']:.3f}; training ends {ends}; tool calls "
+          f"{m['tool_calls']} training, {m['heldout_tool_calls_before']} → {m['heldout_tool_calls_after']} held out")
+
+
+STEPS = 3
