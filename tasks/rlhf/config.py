@@ -91,8 +91,8 @@ class RlhfConfig(TrainingConfig):
                                                                           "summed with their weights")
     tools: list[Literal["calculator", "python"]] = Field(
         default_factory=list, description="grpo with rewards: built-in tools the policy may call in multi-turn "
-                                          "episodes (<tool_call>{json}</tool_call>): calculator (arithmetic), python "
-                                          "(code run in the code_tests sandbox; what it prints is the result)")
+                                          "episodes (ChatML tool_call tags around JSON): calculator (arithmetic), "
+                                          "python (code run in the code_tests sandbox; what it prints is the result)")
     max_turns: int = Field(4, ge=1, le=32, description="grpo with tools: model turns per episode (each tool call "
                                                        "starts another)")
     tool_timeout_s: float = Field(5.0, gt=0, le=300, description="grpo with tools: wall-clock seconds of one tool "
