@@ -30,6 +30,8 @@ class EpisodeEnd(str, Enum):
     MALFORMED_TOOL_CALL = "malformed_tool_call"  # <tool_call> without valid JSON, a known tool or its arguments
     TOOL_RAISED = "tool_raised"                  # the tool (or the code it ran) raised
     TOOL_TIMED_OUT = "tool_timed_out"            # the tool ran past rlhf.tool_timeout_s and was killed
+    ENVIRONMENT_RAISED = "environment_raised"    # rlhf.environment's reset or step raised (or returned nonsense)
+    ENVIRONMENT_TIMED_OUT = "environment_timed_out"  # its call ran past rlhf.tool_timeout_s: its process killed
 
 
 BUILT_IN = ("calculator", "python")

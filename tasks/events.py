@@ -260,6 +260,14 @@ class RewardSpec(ProgramSpec):
     source: str | None
 
 
+class EnvironmentSpec(ProgramSpec):
+    """rlhf.environment as the worker runs it: the text of its file, read and checked once by the task."""
+
+    path: str
+    name: str
+    source: str
+
+
 class RlhfSpec(ProgramSpec):
     """tasks/rlhf/worker.py: TRL's run (or, evaluate, only the held-out measurement of an output trained elsewhere),
     every value from the rlhf config (tasks.rlhf.task.worker_spec)."""
@@ -288,6 +296,7 @@ class RlhfSpec(ProgramSpec):
     dataset: str                               # preference or prompts
     rewards: list[RewardSpec]
     tools: list[str]                           # rlhf.tools: multi-turn episodes when not empty
+    environment: EnvironmentSpec | None        # rlhf.environment: multi-turn episodes too
     max_turns: int
     tool_timeout_s: float
     clip_epsilon: float

@@ -92,8 +92,8 @@ def tok(tmp_path_factory):
     return train_tokenizer(texts, 400, tmp_path_factory.mktemp("tok"))
 
 
-def runner(tok, max_turns=4, max_tokens=200, timeout_s=1.0) -> ep.EpisodeRunner:
-    return ep.EpisodeRunner(tok, ep.Limits(t.BUILT_IN, max_turns, max_tokens, timeout_s))
+def runner(tok, max_turns=4, max_tokens=200, timeout_s=1.0, environment=None) -> ep.EpisodeRunner:
+    return ep.EpisodeRunner(tok, ep.Limits(t.BUILT_IN, max_turns, max_tokens, timeout_s, environment))
 
 
 def turn(tok, text: str, closed: bool = True) -> list[int]:
@@ -101,12 +101,21 @@ def turn(tok, text: str, closed: bool = True) -> list[int]:
 
 
 def play(tok, texts: list[str], **limits) -> ep.Episode:
-    """Feed the model turns in order (as if generated) until the episode ends."""
+    """Feed the model turns in order (as if generated) until the episode ends; with an environment, its instance
+    is reset first (the row: 3+4= → 7) and stopped after."""
     r, e = runner(tok, **limits), ep.Episode(tok("<|im_start|>user\n3+4=<|im_end|>\n<|im_start|>assistant\n")["input_ids"])
-    for text in texts:
-        r.take_turn(e, turn(tok, text, closed=not text.endswith("...")))
+    try:
+        if r.limits.environment is not None:
+            r.reset_environments([e], [("3+4=", {"answer": "7"})])
+        for text in texts:
+            if e.end is not None:
+                return e
+            r.take_turn(e, turn(tok, text, closed=not text.endswith("...")))
         if e.end is not None:
             return e
+    finally:
+        if e.environment is not None:
+            e.environment.close()
     raise AssertionError("the episode did not end")
 
 
@@ -158,18 +167,106 @@ def test_episode_summaries_count_every_end(tok):
     assert ep.add_up(s, s)["ends"]["finished"] == 4 and ep.add_up({}, s) == s
 
 
+# ---- a user's environment, in a child process per episode ----------------------------------------------------------
+QUIZ = """
+import time
+
+class Quiz:
+    def reset(self, prompt, **row):
+        print("reset", prompt)          # a print goes to stderr, not into the channel
+        self.answer = row["answer"]
+
+    def step(self, reply):
+        if reply == "hang":
+            time.sleep(60)
+        if reply == "boom":
+            raise KeyError(reply)
+        if reply == "odd":
+            return "a", "b"
+        if reply.strip() == self.answer:
+            return None, 1.0, True
+        return "Try again.", 0.25, False
+
+class Broken:
+    def __init__(self):
+        raise RuntimeError("no")
+    def reset(self, prompt, **row):
+        pass
+    def step(self, reply):
+        pass
+"""
+
+
+@pytest.fixture(scope="module")
+def quiz(tmp_path_factory):
+    from conversions.environment import EnvironmentCode
+
+    path = tmp_path_factory.mktemp("env") / "quiz.py"
+    path.write_text(QUIZ)
+    return lambda name="Quiz": EnvironmentCode(str(path), name, QUIZ)
+
+
+@pytest.mark.fast
+def test_the_environment_answers_with_a_user_turn_until_the_model_is_right(tok, quiz):
+    e = play(tok, ["6", "7"], environment=quiz())
+    assert e.end is EpisodeEnd.FINISHED and e.turns == 2 and e.environment_reward == 1.25 and e.reply == "7"
+    user_ids = tok(ep.tool_turn_text(tok, "Try again.", "user"), add_special_tokens=False)["input_ids"]
+    assert e.ids == turn(tok, "6") + user_ids + turn(tok, "7")
+    assert e.mask == [1] * len(turn(tok, "6")) + [0] * len(user_ids) + [1] * len(turn(tok, "7"))
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("texts, end, limits", [
+    (["boom"], EpisodeEnd.ENVIRONMENT_RAISED, {}),
+    (["odd"], EpisodeEnd.ENVIRONMENT_RAISED, {}),  # step returned two things, not (message, reward, done)
+    (["hang"], EpisodeEnd.ENVIRONMENT_TIMED_OUT, {"timeout_s": 0.5}),
+    (["1", "2"], EpisodeEnd.MAX_TURNS, {"max_turns": 2}),
+    ([CALC % "1/0"], EpisodeEnd.TOOL_RAISED, {}),  # tools still work beside an environment
+])
+def test_each_way_an_environment_episode_ends_is_named(tok, quiz, texts, end, limits):
+    e = play(tok, texts, environment=quiz(), **limits)
+    assert e.end is end and e.environment.proc.poll() is not None, (e.end, e.reply)
+
+
+@pytest.mark.fast
+def test_an_environment_that_cannot_be_made_ends_its_episode_before_any_turn(tok, quiz):
+    e = play(tok, ["7"], environment=quiz("Broken"))
+    assert e.end is EpisodeEnd.ENVIRONMENT_RAISED and e.turns == 0
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("env, words", [
+    ("{tmp}/missing.py:Quiz", "no such file"),
+    ("{tmp}/quiz.py:Nope", "defines no class 'Nope'"),
+    ("{tmp}/half.py:Half", "defines no step"),
+    ("{tmp}/quiz.py", "is not 'path/to/env.py:ClassName'"),
+])
+def test_an_environment_that_cannot_run_is_refused_naming_the_key(tmp_path, env, words):
+    from flows.config import ConfigError, load
+
+    (tmp_path / "quiz.py").write_text(QUIZ)
+    (tmp_path / "half.py").write_text("class Half:\n    def reset(self, prompt, **row):\n        pass\n")
+    rlhf = {**grpo([{"kind": "exact_match"}]), "environment": env.format(tmp=tmp_path)}
+    with pytest.raises(ConfigError) as e:
+        load(config_with(tmp_path, rlhf, prompts={"kind": "synthetic"}))
+    assert "rlhf.environment" in str(e.value) and words in str(e.value), str(e.value)
+
+
 # ---- a real GRPO stage run with tools ---------------------------------------------------------------------------------
 def test_grpo_with_tools_runs_episodes_and_reports_how_they_ended(tmp_path, tiny_config, data_dir, hf_checkpoint):
     """The random-init tiny model has never seen a tool call, so (measured) it calls none: every episode ends by
-    answering or by running out of tokens. What this shows is the plumbing: episodes through TRL's rollout_func, the
-    ends counted per step and in the summary, the held-out reward measured on greedy episodes before and after."""
+    answering or by running out of tokens. What this shows is the plumbing: episodes through TRL's rollout_func (with
+    a user environment in a child process per episode), the ends counted per step and in the summary, the
+    environment's reward beside the built-in one, the held-out reward measured on greedy episodes before and
+    after."""
     from test_rlhf_trl import prompts_data, run_stage
 
     data = prompts_data(data_dir, tmp_path / "data")
-    cfg = RlhfConfig(algorithm="grpo", steps=STEPS, micro_batch_size=8, num_generations=4, max_completion_length=6,
+    (tmp_path / "quiz.py").write_text(QUIZ)
+    cfg = RlhfConfig(algorithm="grpo", steps=STEPS, micro_batch_size=8, num_generations=4, max_completion_length=4,
                      lr=1e-3, beta=0.0, loss_type="dr_grpo", scale_rewards="none", checkpoint_every=1000,
                      timeout_s=600, rewards=[{"kind": "exact_match"}], tools=["calculator", "python"], max_turns=3,
-                     tool_timeout_s=2)
+                     tool_timeout_s=2, environment=f"{tmp_path}/quiz.py:Quiz")
     (tmp_path / "run").mkdir()
     out = run_stage(tmp_path / "run", tiny_config, data, hf_checkpoint, cfg)
     m = out.metrics
@@ -183,8 +280,9 @@ def test_grpo_with_tools_runs_episodes_and_reports_how_they_ended(tmp_path, tiny
     logged = [json.loads(line[len("@@baton "):]) for line in log.splitlines() if line.startswith("@@baton ")]
     steps = [e for e in logged if e["kind"] == "metric" and "train/episodes_finished" in e]
     assert len(steps) == STEPS and all(0 <= e["train/episodes_length"] <= 1 for e in steps), steps
+    assert all("train/rewards_environment_reward_mean" in e for e in steps)  # the environment's reward, beside
     print(f"tools: heldout_reward {out.eval['before']:.3f} → {out.eval['after']:.3f}; training ends {ends}; tool calls "
           f"{m['tool_calls']} training, {m['heldout_tool_calls_before']} → {m['heldout_tool_calls_after']} held out")
 
 
-STEPS = 3
+STEPS = 2

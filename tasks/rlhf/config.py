@@ -97,6 +97,11 @@ class RlhfConfig(TrainingConfig):
                                                        "starts another)")
     tool_timeout_s: float = Field(5.0, gt=0, le=300, description="grpo with tools: wall-clock seconds of one tool "
                                                                  "call (then it is killed and the episode ends)")
+    environment: str | None = Field(
+        None, description="grpo with rewards: 'path/to/env.py:ClassName', your environment, one instance per episode in "
+                          "a child process of its own: reset(prompt, **row) at the start, step(reply) -> (next user "
+                          "message or None, reward, done) after each model answer; its rewards add to rlhf.rewards",
+        json_schema_extra=paths.contents(paths.Contents.FUNCTION))
     clip_epsilon: float = Field(0.2, gt=0, description="grpo: the policy ratio is clipped to 1 ± clip_epsilon (TRL "
                                                       "epsilon)")
     clip_epsilon_high: float | None = Field(None, gt=0, description="grpo: upper clip (DAPO's clip-higher, e.g. 0.28; "

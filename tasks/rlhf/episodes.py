@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from conversions import chat
+from conversions.environment import EnvironmentCode, EpisodeEnvironment, Reply
 from conversions.tools import EpisodeEnd, parse_tool_call, run_tool
 
 
@@ -27,6 +28,8 @@ class Episode:
     tool_calls: int = 0
     reply: str = ""                                  # the last model turn, special tokens removed: what rewards score
     end: EpisodeEnd | None = None
+    environment_reward: float = 0.0                  # the sum of rlhf.environment's step rewards
+    environment: EpisodeEnvironment | None = None
 
 
 @dataclass(frozen=True)
@@ -34,15 +37,17 @@ class Limits:
     tools: tuple[str, ...]
     max_turns: int
     max_tokens: int        # max_completion_length: model and tool tokens of one episode
-    tool_timeout_s: float
+    tool_timeout_s: float  # and of one call of the environment
+    environment: EnvironmentCode | None = None
 
 
-def tool_turn_text(tok, result: str) -> str:
-    """What the chat template writes after a model turn that ends with its end-of-turn token, for a tool result,
-    through the next assistant header (ChatML: `\\n<|im_start|>tool\\n7<|im_end|>\\n<|im_start|>assistant\\n`)."""
+def tool_turn_text(tok, result: str, role: str = "tool") -> str:
+    """What the chat template writes after a model turn that ends with its end-of-turn token, for a tool result (or
+    the environment's user message), through the next assistant header (ChatML:
+    `\\n<|im_start|>tool\\n7<|im_end|>\\n<|im_start|>assistant\\n`)."""
     convo = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
     before = tok.apply_chat_template(convo, tokenize=False)
-    after = tok.apply_chat_template(convo + [{"role": "tool", "content": result}], tokenize=False,
+    after = tok.apply_chat_template(convo + [{"role": role, "content": result}], tokenize=False,
                                     add_generation_prompt=True)
     end_id = chat.end_of_turn_id(tok)
     end = tok.convert_ids_to_tokens(end_id) if end_id is not None else tok.eos_token
@@ -61,12 +66,27 @@ class EpisodeRunner:
                                                      else [])})
 
     @torch.no_grad()
-    def run(self, model, prompts: list[str], generation: dict) -> list[Episode]:
+    def run(self, model, prompts: list[str], generation: dict, rows: list[tuple[str, dict]] = ()) -> list[Episode]:
+        """One episode per rendered prompt; rows: each prompt's (user text, other columns), which the environment's
+        reset is given."""
         episodes = [Episode(self.tok(p)["input_ids"]) for p in prompts]  # as TRL tokenizes a string prompt
-        while live := [e for e in episodes if e.end is None]:
-            for episode, turn in zip(live, self.next_turns(model, live, generation)):
-                self.take_turn(episode, turn)
+        try:
+            if self.limits.environment is not None:
+                self.reset_environments(episodes, rows)
+            while live := [e for e in episodes if e.end is None]:
+                for episode, turn in zip(live, self.next_turns(model, live, generation)):
+                    self.take_turn(episode, turn)
+        finally:
+            for e in episodes:
+                if e.environment is not None:
+                    e.environment.close()
         return episodes
+
+    def reset_environments(self, episodes: list[Episode], rows: list[tuple[str, dict]]) -> None:
+        for e in episodes:  # the children start side by side
+            e.environment = EpisodeEnvironment(self.limits.environment, self.limits.tool_timeout_s)
+        for e, (text, fields) in zip(episodes, rows, strict=True):
+            e.end = environment_failure(e.environment.reset(text, fields))
 
     def next_turns(self, model, live: list[Episode], generation: dict) -> list[list[int]]:
         seqs = [e.prompt_ids + e.ids for e in live]
@@ -97,7 +117,7 @@ class EpisodeRunner:
             e.end = EpisodeEnd.MALFORMED_TOOL_CALL
             return
         if parsed.call is None:
-            e.end = EpisodeEnd.FINISHED
+            self.answer(e)
             return
         e.tool_calls += 1
         if e.turns >= self.limits.max_turns:
@@ -107,12 +127,40 @@ class EpisodeRunner:
         if result.end is not None:
             e.end = result.end
             return
-        tool_ids = self.tok(tool_turn_text(self.tok, result.text), add_special_tokens=False)["input_ids"]
-        if len(e.ids) + len(tool_ids) >= self.limits.max_tokens:  # no token left for the model after it
+        self.append_turn(e, result.text, "tool")
+
+    def answer(self, e: Episode) -> None:
+        """A model turn without a tool call: the end, unless the environment answers with the next user message."""
+        if e.environment is None:
+            e.end = EpisodeEnd.FINISHED
+            return
+        stepped = e.environment.step(e.reply)
+        if (failed := environment_failure(stepped)) is not None:
+            e.end = failed
+            return
+        message, reward, done = stepped.value
+        e.environment_reward += reward
+        if done or message is None:
+            e.end = EpisodeEnd.FINISHED
+        elif e.turns >= self.limits.max_turns:
+            e.end = EpisodeEnd.MAX_TURNS
+        else:
+            self.append_turn(e, message, "user")
+
+    def append_turn(self, e: Episode, text: str, role: str) -> None:
+        """A tool's or the environment's turn: context for the model's next turn, never trained on."""
+        ids = self.tok(tool_turn_text(self.tok, text, role), add_special_tokens=False)["input_ids"]
+        if len(e.ids) + len(ids) >= self.limits.max_tokens:  # no token left for the model after it
             e.end = EpisodeEnd.LENGTH
             return
-        e.ids += tool_ids
-        e.mask += [0] * len(tool_ids)
+        e.ids += ids
+        e.mask += [0] * len(ids)
+
+
+def environment_failure(reply: Reply) -> EpisodeEnd | None:
+    if reply.timed_out:
+        return EpisodeEnd.ENVIRONMENT_TIMED_OUT
+    return EpisodeEnd.ENVIRONMENT_RAISED if reply.raised is not None else None
 
 
 def summary(episodes: list[Episode]) -> dict:
@@ -134,13 +182,16 @@ def add_up(total: dict, part: dict) -> dict:
                                   part["turns_per_episode"] * part["episodes"]) / max(n, 1)}
 
 
-def rollout_func(runner: EpisodeRunner, totals: dict):
+def rollout_func(runner: EpisodeRunner, totals: dict, rows: dict[str, tuple[str, dict]]):
     """TRL's rollout_func: one episode per prompt it is given (TRL repeats each prompt num_generations times), sampled
-    as TRL samples (its generation kwargs). Each step's episodes are logged (train/episodes_*) and added to totals."""
+    as TRL samples (its generation kwargs); rows: each rendered prompt's (user text, other columns), for the
+    environment (TRL hands the function prompts only). Each step's episodes are logged (train/episodes_*) and added
+    to totals."""
     def rollout(prompts: list[str], trainer) -> dict:
         model = trainer.accelerator.unwrap_model(trainer.model)
         episodes = runner.run(model, prompts, {k: v for k, v in trainer.generation_kwargs.items()
-                                                if k not in ("max_new_tokens", "eos_token_id", "pad_token_id")})
+                                                if k not in ("max_new_tokens", "eos_token_id", "pad_token_id")},
+                              [rows[p] for p in prompts])
         part = summary(episodes)
         totals.update(add_up(dict(totals), part))
         metrics = trainer._metrics["train" if model.training else "eval"]
@@ -150,6 +201,7 @@ def rollout_func(runner: EpisodeRunner, totals: dict):
         metrics["episodes/turns"].append(part["turns_per_episode"])
         return {"prompt_ids": [e.prompt_ids for e in episodes], "completion_ids": [e.ids for e in episodes],
                 "logprobs": None, "env_mask": [e.mask for e in episodes],
-                "final_reply": [e.reply for e in episodes]}
+                "final_reply": [e.reply for e in episodes],
+                "environment_reward": [e.environment_reward for e in episodes]}
 
     return rollout

@@ -53,6 +53,16 @@ def reward_specs(cfg: RlhfConfig) -> list[events.RewardSpec]:
     return specs
 
 
+def environment_spec(cfg: RlhfConfig) -> events.EnvironmentSpec | None:
+    """rlhf.environment's file as the worker runs it: read and checked here once (what was checked is what runs)."""
+    if cfg.environment is None:
+        return None
+    path, name, source, problems = checks.class_source(cfg.environment, "rlhf.environment")
+    if problems:
+        raise RlhfInputError("; ".join(problems))
+    return events.EnvironmentSpec(path=path, name=name, source=source)
+
+
 def check_inputs(ctx: StageContext, cfg: RlhfConfig) -> None:
     problems = gates.lm_eval_errors(cfg.gate, "rlhf") + gates.lm_eval_path_errors(cfg.gate, "rlhf")
     if ctx.input is None or not (Path(ctx.input) / "config.json").exists():
@@ -195,6 +205,7 @@ def worker_spec(ctx: StageContext, cfg: RlhfConfig, out: Path, template: Path | 
         reference_model=cfg.reference_model, num_generations=cfg.num_generations,
         max_completion_length=cfg.max_completion_length, dataset=dataset_of(cfg), rewards=reward_specs(cfg),
         tools=list(cfg.tools), max_turns=cfg.max_turns, tool_timeout_s=cfg.tool_timeout_s,
+        environment=environment_spec(cfg),
         clip_epsilon=cfg.clip_epsilon, clip_epsilon_high=cfg.clip_epsilon_high, loss_type=cfg.loss_type,
         scale_rewards=cfg.scale_rewards, seed=ctx.seed, dataloader_workers=cfg.dataloader_workers,
         checkpoint_every=cfg.checkpoint_every, keep_checkpoints=cfg.keep_checkpoints, stage=ctx.stage,

@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 
 from conversions import chat, hf, manifest as mf, rewards as rw, sealed
+from conversions.environment import EnvironmentCode
 from conversions.manifest import Format
 from tasks import events
 from tasks.rlhf import episodes
@@ -571,27 +572,35 @@ def train_grpo_rewards(a, tok, rows: list[dict], work: Path):
 
     model = AutoModelForCausalLM.from_pretrained(str(a.input), dtype=torch.float32)
     rewards = [rw.build(spec.model_dump(), i) for i, spec in enumerate(a.rewards)]
+    funcs, weights = [trl_reward(r, rows) for r in rewards], [r.weight for r in rewards]
+    if a.environment is not None:
+        funcs, weights = funcs + [environment_reward], weights + [1.0]
     prompts = Dataset.from_list([{"prompt": r["prompt"], "row_index": i} for i, r in enumerate(rows)])
     args = GRPOConfig(**common_args(a, work), beta=a.beta, num_generations=a.num_generations,
                       max_completion_length=a.max_completion_length, temperature=1.0, use_vllm=False,
                       log_completions=False, epsilon=a.clip_epsilon, epsilon_high=a.clip_epsilon_high,
-                      loss_type=a.loss_type, scale_rewards=a.scale_rewards,
-                      reward_weights=[r.weight for r in rewards])
+                      loss_type=a.loss_type, scale_rewards=a.scale_rewards, reward_weights=weights)
     episodic = {}
-    if a.tools:  # multi-turn episodes with tools, through TRL's rollout_func (tasks/rlhf/episodes.py)
+    if a.tools or a.environment:  # multi-turn episodes, through TRL's rollout_func (tasks/rlhf/episodes.py)
         os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-        episodic["rollout_func"] = episodes.rollout_func(episode_runner(a, tok), TRAINING_EPISODES)
-    return timed_rollouts(GRPOTrainer)(model=model, reward_funcs=[trl_reward(r, rows) for r in rewards], args=args,
-                                       train_dataset=prompts, processing_class=tok, callbacks=[stream_callback()],
-                                       **episodic)
+        by_prompt = {r["prompt"]: (r["text"], r["fields"]) for r in rows}
+        episodic["rollout_func"] = episodes.rollout_func(episode_runner(a, tok), TRAINING_EPISODES, by_prompt)
+    return timed_rollouts(GRPOTrainer)(model=model, reward_funcs=funcs, args=args, train_dataset=prompts,
+                                       processing_class=tok, callbacks=[stream_callback()], **episodic)
+
+
+def environment_reward(prompts, completions, environment_reward, **kwargs) -> list[float]:
+    """rlhf.environment's reward of each episode (the sum of its steps' rewards), weight 1."""
+    return list(environment_reward)
 
 
 TRAINING_EPISODES: dict = {}  # the run's training episodes (episodes.summary), filled as the rollouts run
 
 
 def episode_runner(a, tok) -> episodes.EpisodeRunner:
+    code = EnvironmentCode(**a.environment.model_dump()) if a.environment is not None else None
     return episodes.EpisodeRunner(tok, episodes.Limits(tuple(a.tools), a.max_turns, a.max_completion_length,
-                                                       a.tool_timeout_s))
+                                                       a.tool_timeout_s, code))
 
 
 def timed_rollouts(trainer_cls):
@@ -641,17 +650,19 @@ def reward_facts(model, tok, rows: list[dict], rewards: list[rw.Reward], a, labe
     with rlhf.tools, of greedy episodes (their last model turn), and the episodes' ends and tool calls."""
     prompts = [r["prompt"] for r in rows]
     facts = {}
-    if a.tools:
-        played = episode_runner(a, tok).run(model.eval(), prompts, {"do_sample": False})
-        replies = [e.reply for e in played]
+    environment = [0.0] * len(rows)
+    if a.tools or a.environment:
+        played = episode_runner(a, tok).run(model.eval(), prompts, {"do_sample": False},
+                                            [(r["text"], r["fields"]) for r in rows])
+        replies, environment = [e.reply for e in played], [e.environment_reward for e in played]
         facts["episodes"] = episodes.summary(played)
     else:
         replies = greedy_replies(model, tok, prompts, a.max_completion_length)
     items = [(r["text"], reply, r["fields"], r["where"]) for r, reply in zip(rows, replies)]
     by_reward = [w.score_many(items) for w in rewards]
     total, solved = 0.0, 0
-    for scores in zip(*by_reward):
-        total += sum(w.weight * x for w, x in zip(rewards, scores))
+    for scores, env_reward in zip(zip(*by_reward), environment):
+        total += sum(w.weight * x for w, x in zip(rewards, scores)) + env_reward
         solved += rw.solved(scores)
     if replies:
         print(f"held-out {label}: {rows[0]['text']!r} → {replies[0]!r}", flush=True)
@@ -671,7 +682,7 @@ def evaluate_rewards(a, tok, held: list[dict], before: dict) -> dict:
     facts = {"metric": "heldout_reward", "before": before["heldout_reward"], "after": after["heldout_reward"],
              "solved_before": before["heldout_solved"], "solved_after": after["heldout_solved"],
              "heldout_prompts": len(held)}
-    if a.tools:
+    if a.tools or a.environment:
         facts["episodes"] = {"train": TRAINING_EPISODES or None, "heldout_before": before["episodes"],
                              "heldout_after": after["episodes"]}
     return _printed(facts)
