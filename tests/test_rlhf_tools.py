@@ -225,7 +225,21 @@ def test_the_environment_answers_with_a_user_turn_until_the_model_is_right(tok, 
 ])
 def test_each_way_an_environment_episode_ends_is_named(tok, quiz, texts, end, limits):
     e = play(tok, texts, environment=quiz(), **limits)
-    assert e.end is end and e.environment.proc.poll() is not None, (e.end, e.reply)
+    assert e.end is end, (e.end, e.reply)
+
+
+@pytest.mark.fast
+def test_a_hung_environment_call_kills_that_episodes_process_only(quiz):
+    from conversions.environment import EpisodeEnvironment
+
+    hung, other = EpisodeEnvironment(quiz(), 0.5), EpisodeEnvironment(quiz(), 0.5)
+    try:
+        assert hung.reset("3+4=", {"answer": "7"}).value is None and other.reset("3+4=", {"answer": "7"}).value is None
+        assert hung.step("hang").timed_out and hung.proc.poll() is not None  # killed at once, not at the end
+        assert other.step("7").value == [None, 1.0, True]  # the other episode's instance kept its state
+    finally:
+        hung.close()
+        other.close()
 
 
 @pytest.mark.fast
