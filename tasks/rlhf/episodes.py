@@ -199,6 +199,9 @@ def rollout_func(runner: EpisodeRunner, totals: dict, rows: dict[str, tuple[str,
             metrics[f"episodes/{end}"].append(count / max(part["episodes"], 1))
         metrics["episodes/tool_calls"].append(part["tool_calls"] / max(part["episodes"], 1))
         metrics["episodes/turns"].append(part["turns_per_episode"])
+        for e in episodes:
+            if not e.ids:  # ended before its first turn (its environment failed): TRL needs a token, train none
+                e.ids, e.mask = [runner.stop_ids[0]], [0]
         return {"prompt_ids": [e.prompt_ids for e in episodes], "completion_ids": [e.ids for e in episodes],
                 "logprobs": None, "env_mask": [e.mask for e in episodes],
                 "final_reply": [e.reply for e in episodes],
