@@ -2,9 +2,10 @@
 a minimal environment, its own session, stdout and stderr on /dev/null. Standard library only (it runs before any
 isolation is known to work, once per completion scored).
 
-It reads its whole job from stdin, one JSON object (JOB_FIELDS: the limits, the code, the tests, a nonce; no field has
-a default, the values come from the rlhf.rewards entry), checks it with job_problem (the parent checked it with the
-same function), then locks itself in before running anything it was given:
+It reads its whole job from stdin, one JSON object (JOB_FIELDS: the limits, the code, the tests, a nonce, whether it
+runs as rlhf's python tool; no field has a default, the values come from the rlhf.rewards entry or the tool's config),
+checks it with job_problem (the parent checked it with the same function), then locks itself in before running
+anything it was given:
     limits      RLIMIT_AS (memory_mb), RLIMIT_CPU (cpu_s), RLIMIT_NOFILE, RLIMIT_FSIZE
     no_new_privs   prctl(PR_SET_NO_NEW_PRIVS): no setuid gain, and what Landlock and seccomp need
     network     unshare(CLONE_NEWUSER | CLONE_NEWNET): a network namespace with no interface up (not even loopback)
@@ -27,7 +28,8 @@ import resource
 import sys
 
 # The job on stdin: every field, its type (bool is not an int here), nothing else.
-JOB_FIELDS = {"memory_mb": int, "cpu_s": int, "isolation": str, "code": str, "tests": list, "nonce": str}
+JOB_FIELDS = {"memory_mb": int, "cpu_s": int, "isolation": str, "code": str, "tests": list, "nonce": str,
+              "as_tool": bool}
 ISOLATION = ("required", "limits_only")
 UNAVAILABLE = 3  # exit status: isolation required and a layer failed
 BAD_JOB = 4      # exit status: the job is not one JOB_FIELDS describes (nothing run)
@@ -35,6 +37,7 @@ BAD_JOB = 4      # exit status: the job is not one JOB_FIELDS describes (nothing
 MIB = 1 << 20
 OPEN_FILES = 64
 FILE_BYTES = 16 * MIB
+TOOL_OUTPUT_CHARS = 2000  # a tool call's printed output and error, each at most
 
 CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
 PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
@@ -181,6 +184,24 @@ def run_program(code: str, stdin: str) -> str | None:
     return printed
 
 
+def run_as_tool(code: str, write) -> None:
+    """The code as a tool call (rlhf.tools python): what it printed, or the exception it raised, reported."""
+    sys.stdin, sys.stdout = io.StringIO(""), io.StringIO()
+    raised = None
+    try:
+        exec(compile(code, "<tool call>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            raised = f"SystemExit: {e.code}"
+    except BaseException as e:
+        raised = f"{type(e).__name__}: {e}"
+    finally:
+        printed, sys.stdin, sys.stdout = sys.stdout.getvalue(), sys.__stdin__, sys.__stdout__
+    write(f"printed {json.dumps(printed[:TOOL_OUTPUT_CHARS])}")
+    if raised is not None:
+        write(f"raised {json.dumps(raised[:TOOL_OUTPUT_CHARS])}")
+
+
 def same_output(printed: str, expected: str) -> bool:
     def lines(text: str) -> list[str]:
         return [line.rstrip() for line in text.strip().splitlines()]
@@ -226,6 +247,9 @@ def main() -> None:
         write(f"missing {json.dumps(missing)}")
         if isolation == "required":
             os._exit(UNAVAILABLE)
+    if job["as_tool"]:
+        run_as_tool(job["code"], write)
+        os._exit(0)
     asserts = [(i, t) for i, t in enumerate(job["tests"]) if isinstance(t, str)]
     run_asserts(job["code"], [t for _, t in asserts], lambda k: write(f"pass {asserts[k][0]}"))
     for i, test in enumerate(job["tests"]):
