@@ -114,6 +114,33 @@ def test_ep2_alltoall_dispatcher_trains_as_the_allgather_one(tmp_path, data_dir,
         assert alltoall[step] == pytest.approx(allgather[step], rel=1e-5), step
 
 
+EP2_TP2 = [*EP2, "pretrain.tensor_parallel=2", "pretrain.sequence_parallel=true", "pretrain.expert_tensor_parallel=1"]
+
+
+@pytest.fixture(scope="module")
+def ep2_tp2(tmp_path_factory, data_dir):
+    work = tmp_path_factory.mktemp("moe-ep2-tp2")
+    return work, run_stage(work, data_dir, *EP2_TP2)
+
+
+@pytest.mark.long  # ~35 s
+def test_ep2_with_tensor_parallel_2_trains_as_ep2_alone(ep2, ep2_tp2):
+    """EP2 × TP2 on the same 2 ranks (attention and the router split over TP with sequence parallel, each rank
+    holding two whole experts: expert tensor parallel 1): the same losses as EP2 over data parallel, step by step.
+    The norms' weights see half the sequence per rank; their gradients are summed over TP (sequence_parallel_norm),
+    without which the losses part from step 2 on."""
+    work, out = ep2_tp2
+    assert_trained(out)
+    assert out.backend.startswith("TP2×PP1×DP1×EP2(ETP1)"), out.backend
+    assert "TP=2 PP=1 DP=1 EP=2 ETP=1" in (work / "engine.log").read_text()
+    assert_expert_load(out, steps=12)
+    alone, with_tp = losses(ep2[0]), losses(work)
+    assert sorted(with_tp) == sorted(alone) == list(range(1, 13))
+    diff = max(abs(with_tp[s] - alone[s]) for s in alone)
+    print(f"EP2×TP2 vs EP2: max |Δloss| over 12 steps {diff:.3g}")
+    assert diff < 1e-5
+
+
 def convert_stage(src: Path, work: Path):
     """The pipeline's convert step from the pretrain stage's checkpoint to HF, its gate included."""
     from flows.config import load
