@@ -62,7 +62,7 @@ def test_ep2_allgather_trains_checkpoints_and_holds_every_expert(ep2):
     assert_trained(out)
     assert out.backend.startswith("TP1×PP1×DP2×EP2")
     log = (work / "engine.log").read_text()
-    assert "EP=2 (allgather dispatcher)" in log
+    assert "EP=2 ETP=1 (allgather dispatcher)" in log
     shapes = {k: tuple(v.shape) for k, v in dist_tensors(out.output).items()}
     # each rank trained two of the four experts; the checkpoint holds all four of every layer, and the router
     assert shapes["decoder.layers.mlp.experts.experts.linear_fc1.weight"] == (4, 4, 2 * 96, 128)
@@ -107,7 +107,7 @@ def test_ep2_alltoall_dispatcher_trains_as_the_allgather_one(tmp_path, data_dir,
     work, _ = ep2
     out = run_stage(tmp_path, data_dir, *EP2, "pretrain.moe_token_dispatcher=alltoall")
     assert_trained(out)
-    assert "EP=2 (alltoall dispatcher)" in (tmp_path / "engine.log").read_text()
+    assert "EP=2 ETP=1 (alltoall dispatcher)" in (tmp_path / "engine.log").read_text()
     allgather, alltoall = losses(work), losses(tmp_path)
     assert sorted(alltoall) == sorted(allgather) == list(range(1, 13))
     for step in alltoall:
