@@ -109,7 +109,8 @@ def plan_from_config(a):
     if stage is None:
         raise PlanInputError(f"{a.config}: no training stage ({', '.join(TRAINING_STAGES)}) in stages {cfg.stages}")
     sc = cfg.stage_config(stage)
-    refuse_expert_layout(stage, sc, cfg.model)
+    if problems := STAGES[stage].validate_layout(sc, cfg):  # e.g. an expert grid that fits no number of GPUs
+        raise PlanInputError("; ".join(problems))
     device = sc.resolved_device()
     hw = hardware_from_args(a, sc.nnodes, sc.nproc_per_node, device)
     shape = mp.shape_of_model(cfg.model)
@@ -122,17 +123,6 @@ def plan_from_config(a):
         return configured, None
     search = mp.plan(shape, hw, stage, seq, sc.micro_batch_size, sc.global_batch_size, precision, a.headroom)
     return configured, search
-
-
-def refuse_expert_layout(stage: str, sc, model) -> None:
-    """A mixture's expert layout Megatron cannot lay out (or baton does not run) has no memory to plan, on any
-    hardware: refused as the run would refuse it."""
-    if stage != "pretrain":
-        return
-    from tasks.pretrain.config import expert_errors
-
-    if problems := expert_errors(sc, model):
-        raise PlanInputError("; ".join(problems))
 
 
 def cmd_plan(a) -> int:
