@@ -1,6 +1,7 @@
 """Megatron-Core mixture-of-experts pretraining for real: torchrun on CPU (gloo), 4 experts top-2 in every layer,
 expert parallel 2 with the all-gather and the all-to-all token dispatchers, a resume under another expert-parallel
-size, and the conversion to HF Mixtral with its gate (logits parity against Megatron's own)."""
+size, EP combined with tensor parallel (EP2 × TP2 on 2 ranks) and pipeline parallel (EP2 × PP2 on 4 ranks), and the
+conversion to HF Mixtral with its gate (logits parity against Megatron's own)."""
 from __future__ import annotations
 
 import json
