@@ -47,7 +47,7 @@ def run_layout(work: Path, data: Path, name: str, steps: int) -> dict:
     t0 = time.time()
     out = run_pretrain.fn(ctx, cfg.pretrain)
     return {"layout": out.backend, "tokens_per_s": round(out.metrics["tokens_per_s"]),
-            "parameters": int(out.metrics.get("parameters") or 0), "loss_last": round(out.metrics["loss_last"], 4),
+            "train_time_s": round(out.metrics["train_time_s"], 1), "loss_last": round(out.metrics["loss_last"], 4),
             "wall_s": round(time.time() - t0, 1)}
 
 
