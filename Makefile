@@ -130,6 +130,7 @@ gpu-check:
 # not part of `make test`; `--no-overhead` skips that part, and `benchmarks/overhead_bench.py WORK OUT.json --quick`
 # runs it alone):
 # writes benchmarks/results/bench.{json,md}, the README's Performance table and an MLflow run in `baton-benchmarks`.
+# Then MoE pretraining tokens/s by layout, dense / EP1 / EP2 / EP2×TP2 on 2 ranks (benchmarks/moe_bench.py, ~2 min).
 BENCH_ARGS ?=
 # On a real model too: SmolLM2-135M-Instruct (`make real-models`), imported once into $(BATON_HOME)/models (~1 min):
 # packing (17.5 min at load ~5 on the 2 shared cores, 2026-12-03; the tiny model's 27 s); rlhf and finetune tokens/s
@@ -139,6 +140,7 @@ BENCH_REAL_MODEL = $(BATON_HOME)/models/smollm2-135m-instruct
 bench: setup
 	$(VENV)/bin/python benchmarks/bench.py $(BENCH_ARGS)
 	$(VENV)/bin/python benchmarks/packing_bench.py
+	$(VENV)/bin/python benchmarks/moe_bench.py
 	@test -f $(BENCH_REAL_MODEL)/baton_manifest.json || $(VENV)/bin/baton import \
 		gguf:$$($(PYTHON) infra/models/real_models.py smollm2-135m-instruct) $(BENCH_REAL_MODEL)
 	$(VENV)/bin/python benchmarks/packing_bench.py --model $(BENCH_REAL_MODEL) --window 256 --steps 5 \

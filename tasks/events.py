@@ -319,6 +319,7 @@ class PretrainTraining(ProgramSpec):
     pipeline_parallel: int
     virtual_pipeline_parallel: int | None
     expert_parallel: int
+    expert_tensor_parallel: int                # resolved: tensor_parallel when the config leaves it out
     moe_token_dispatcher: str
     micro_batch_size: int
     global_batch_size: int

@@ -170,6 +170,10 @@ class Layout:
     recompute: str = "none"             # none | selective | full
     offload_optimizer: bool = False
     offload_params: bool = False
+    etp: int | None = None              # Megatron's expert tensor parallel (None: tp, Megatron's default)
+
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
 
     def describe(self) -> str:
         if memory_model(self.stage).parallelism == Parallelism.MEGATRON:
@@ -177,6 +181,7 @@ class Layout:
             extra += ["distributed optimizer"] if self.distributed_optimizer else []
             extra += ["sequence parallel"] if self.sequence_parallel else []
             experts = f" (EP{self.ep})" if self.ep > 1 else ""
+            experts = f" (EP{self.ep}, ETP{self.etp})" if self.ep > 1 and self.etp not in (None, self.tp) else experts
             return f"TP{self.tp} × PP{self.pp} × DP{self.dp}{experts}, " + ", ".join(extra)
         off = [n for n, on in (("optimizer", self.offload_optimizer), ("params", self.offload_params)) if on]
         return (f"ZeRO-{self.zero_stage} × DP{self.dp}, recompute {self.recompute}"
@@ -209,11 +214,12 @@ BYTES_OF_PRECISION = {"fp32": FP32_BYTES, "bf16": 2, "fp16": 2}  # a value of ea
 def state_bytes_per_param(layout: Layout, precision: str, expert: bool = False) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes per parameter on one rank, after the layout's sharding. Megatron's
     distributed optimizer shards a routed expert's state over the ranks holding the same experts, DP / EP (Megatron-Core
-    keeps expert-parallel parameters in their own buffers, reduced over the expert data-parallel group)."""
+    keeps expert-parallel parameters in their own buffers, reduced over the expert data-parallel group: TP × DP /
+    (ETP × EP) ranks, DP / EP at Megatron's default ETP = TP)."""
     w = BYTES_OF_PRECISION[precision]
     o = 2 * FP32_BYTES + (FP32_BYTES if w < FP32_BYTES else 0)  # Adam's two moments, plus an fp32 master copy if 16-bit
     if memory_model(layout.stage).parallelism == Parallelism.MEGATRON:  # fp32 main grads; sharded optimizer only
-        shards = layout.dp // layout.ep if expert else layout.dp
+        shards = layout.tp * layout.dp // (layout.expert_tp() * layout.ep) if expert else layout.dp
         return w, FP32_BYTES, o / shards if layout.distributed_optimizer else o
     g = w                                            # ZeRO paper: 2Ψ + 2Ψ + KΨ
     n = layout.dp
@@ -238,10 +244,10 @@ def params_per_rank(shape: Shape, layout: Layout) -> float:
 
 
 def expert_params_per_rank(shape: Shape, layout: Layout) -> float:
-    """The routed experts' parameters among params_per_rank: Megatron's expert tensor parallel size is TP's."""
+    """The routed experts' parameters among params_per_rank, split over expert tensor parallel (TP's by default)."""
     if memory_model(layout.stage).parallelism != Parallelism.MEGATRON:
         return float(shape.layers * shape.routed_expert_params())
-    return shape.layers / layout.pp * shape.routed_expert_params() / (layout.tp * layout.ep)
+    return shape.layers / layout.pp * shape.routed_expert_params() / (layout.expert_tp() * layout.ep)
 
 
 # ---- activations -----------------------------------------------------------------------------------------------------
@@ -505,6 +511,7 @@ def layout_of_stage(stage: str, cfg, device: str) -> Layout:
     dp, gb, mb = cfg.data_parallel(), cfg.global_batch(), cfg.micro_batch_size
     if memory_model(stage).parallelism == Parallelism.MEGATRON:
         return Layout(stage, cfg.tensor_parallel, cfg.pipeline_parallel, dp, cfg.expert_parallel, mb, gb,
+                      etp=cfg.expert_tensor_parallel,
                       distributed_optimizer=cfg.distributed_optimizer, sequence_parallel=cfg.sequence_parallel,
                       recompute=cfg.recompute_granularity)
     zero = getattr(cfg, "zero", None)

@@ -147,6 +147,8 @@ class StageSpec:
     input_required: bool = True                 # False: runs without an input checkpoint (e.g. pretrain from scratch)
     validate: Callable[[Any, Any], list[ConfigProblem]] = lambda cfg, pipeline: []  # found before anything launches
     validate_host: Callable[[Any, Any], list[ConfigProblem]] = lambda cfg, pipeline: []  # what this machine lacks
+    validate_layout: Callable[[Any, Any], list[ConfigProblem]] = lambda cfg, pipeline: []  # a layout no hardware runs
+    # ^ a subset of `validate`, asked by `baton plan` too (it skips the rest: it plans for other hardware)
     cacheable: bool = True                      # False: side effects (serving, promotion) make every run count
     trains: bool = False                        # a training stage: optimizer states in its checkpoints, memory and disk plans
     role: StageRole = StageRole.MODEL

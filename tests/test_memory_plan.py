@@ -184,6 +184,27 @@ def test_expert_parallel_divides_the_routed_experts_weights_and_optimizer_per_ra
     assert "TP1 × PP1 × DP2 (EP2)" in capsys.readouterr().out
 
 
+def test_expert_tensor_parallel_1_keeps_whole_experts_under_tp():
+    """EP2 × TP2 on tiny-moe's 2 ranks: with ETP 1 a rank holds 2 whole experts (TP splits only the dense part); at
+    Megatron's default ETP = TP it would hold half of each, 1/(TP × EP). Routed experts per layer (see above):
+    264,192, of which a rank holds half."""
+    from flows.config import load
+
+    cfg = load("configs/tiny-moe.yaml", ["pretrain.tensor_parallel=2", "pretrain.sequence_parallel=true",
+                                         "pretrain.expert_tensor_parallel=1"])
+    shape = mp.shape_of_model(cfg.model)
+    layout = mp.layout_of_stage("pretrain", cfg.pretrain, "cpu")
+    assert (layout.tp, layout.dp, layout.ep, layout.expert_tp()) == (2, 1, 2, 1)
+    whole = mp.expert_params_per_rank(shape, layout)
+    assert whole == 4 * 264_192 / 2
+    assert mp.expert_params_per_rank(shape, replace(layout, etp=None)) == whole / 2
+    assert "TP2 × PP1 × DP1 (EP2, ETP1)" in layout.describe()
+    # the experts' Adam state is sharded over their data-parallel ranks: TP × DP / (ETP × EP) = 1, none to shard over
+    b = mp.breakdown(shape, replace(layout, distributed_optimizer=True), 128, "fp32", "cpu")
+    dense = b.extra["params_per_rank"] - whole
+    assert b.optimizer == 8 * dense / 1 + 8 * whole
+
+
 def test_the_search_splits_experts_before_it_splits_matrices():
     """An 8-layer, 4-expert model on one node of 4 GPUs (DP 4, distributed optimizer, bf16: weights 2 B, fp32 grads 4 B,
     Adam 12 B sharded). By hand: per layer attention 4096·48·128 + 4096² = 41.9M, experts 4·3·4096·14336 = 704.6M;

@@ -1,6 +1,7 @@
 """Megatron-Core mixture-of-experts pretraining for real: torchrun on CPU (gloo), 4 experts top-2 in every layer,
 expert parallel 2 with the all-gather and the all-to-all token dispatchers, a resume under another expert-parallel
-size, and the conversion to HF Mixtral with its gate (logits parity against Megatron's own)."""
+size, EP combined with tensor parallel (EP2 × TP2 on 2 ranks) and pipeline parallel (EP2 × PP2 on 4 ranks), and the
+conversion to HF Mixtral with its gate (logits parity against Megatron's own)."""
 from __future__ import annotations
 
 import json
@@ -62,7 +63,7 @@ def test_ep2_allgather_trains_checkpoints_and_holds_every_expert(ep2):
     assert_trained(out)
     assert out.backend.startswith("TP1×PP1×DP2×EP2")
     log = (work / "engine.log").read_text()
-    assert "EP=2 (allgather dispatcher)" in log
+    assert "EP=2 ETP=1 (allgather dispatcher)" in log
     shapes = {k: tuple(v.shape) for k, v in dist_tensors(out.output).items()}
     # each rank trained two of the four experts; the checkpoint holds all four of every layer, and the router
     assert shapes["decoder.layers.mlp.experts.experts.linear_fc1.weight"] == (4, 4, 2 * 96, 128)
@@ -107,11 +108,114 @@ def test_ep2_alltoall_dispatcher_trains_as_the_allgather_one(tmp_path, data_dir,
     work, _ = ep2
     out = run_stage(tmp_path, data_dir, *EP2, "pretrain.moe_token_dispatcher=alltoall")
     assert_trained(out)
-    assert "EP=2 (alltoall dispatcher)" in (tmp_path / "engine.log").read_text()
+    assert "EP=2 ETP=1 (alltoall dispatcher)" in (tmp_path / "engine.log").read_text()
     allgather, alltoall = losses(work), losses(tmp_path)
     assert sorted(alltoall) == sorted(allgather) == list(range(1, 13))
     for step in alltoall:
         assert alltoall[step] == pytest.approx(allgather[step], rel=1e-5), step
+
+
+EP2_TP2 = [*EP2, "pretrain.tensor_parallel=2", "pretrain.sequence_parallel=true", "pretrain.expert_tensor_parallel=1"]
+
+
+@pytest.fixture(scope="module")
+def ep2_tp2(tmp_path_factory, data_dir):
+    work = tmp_path_factory.mktemp("moe-ep2-tp2")
+    return work, run_stage(work, data_dir, *EP2_TP2)
+
+
+@pytest.mark.long  # ~35 s
+def test_ep2_with_tensor_parallel_2_trains_as_ep2_alone(ep2, ep2_tp2):
+    """EP2 × TP2 on the same 2 ranks (attention and the router split over TP with sequence parallel, each rank
+    holding two whole experts: expert tensor parallel 1): the same losses as EP2 over data parallel, step by step.
+    The norms' weights see half the sequence per rank; their gradients are summed over TP (sequence_parallel_norm),
+    without which the losses part from step 2 on."""
+    work, out = ep2_tp2
+    assert_trained(out)
+    assert out.backend.startswith("TP2×PP1×DP1×EP2(ETP1)"), out.backend
+    assert "TP=2 PP=1 DP=1 EP=2 ETP=1" in (work / "engine.log").read_text()
+    assert_expert_load(out, steps=12)
+    alone, with_tp = losses(ep2[0]), losses(work)
+    assert sorted(with_tp) == sorted(alone) == list(range(1, 13))
+    diff = max(abs(with_tp[s] - alone[s]) for s in alone)
+    print(f"EP2×TP2 vs EP2: max |Δloss| over 12 steps {diff:.3g}")
+    assert diff < 1e-5
+    assert_exports_to_mixtral(out.output, work / "convert")
+
+
+def run_on_more_ranks_than_cores(work: Path, data: Path, *overrides: str):
+    """The stage as run_stage runs it, on 4 ranks: more than this 2-core machine's one rank per core (the check
+    against this machine is skipped; the ranks share the cores, slower, the same arithmetic)."""
+    from flows.config import load
+    from tasks.pretrain.task import run_pretrain
+    from tasks.stage import StageContext
+    from conftest import TINY
+    from test_pretrain_megatron import SHORT
+
+    cfg = load(TINY, [*SHORT, *overrides], stages=["data", "pretrain"], host=False)
+    ctx = StageContext(stage="pretrain", run_id="test", run_dir=work, work_dir=work, model=cfg.model.model_dump(),
+                       seed=0, data_dir=data)
+    return run_pretrain.fn(ctx, cfg.pretrain)
+
+
+EP2_PP2 = [*MOE, "pretrain.nproc_per_node=4", "pretrain.expert_parallel=2", "pretrain.pipeline_parallel=2"]
+
+
+def from_step_8_of(ep2, work: Path) -> None:
+    (work / "checkpoints").mkdir()
+    shutil.copytree(ep2[0] / "checkpoints" / "iter_0000008", work / "checkpoints" / "iter_0000008")
+
+
+def assert_continues_ep2(ep2, work: Path, resumed, weights_within: float) -> float:
+    """Steps 9-12 of a run resumed from the EP2 run's step 8 train as the EP2 run did: the same losses and, after
+    them, the same weights (not bit for bit: the layouts sum the same products in other orders)."""
+    assert resumed.metrics["resumed_from_step"] == 8
+    assert_expert_load(resumed, steps=12)
+    before, after = losses(ep2[0]), losses(work)
+    assert sorted(after) == [9, 10, 11, 12]
+    for step in after:
+        assert after[step] == pytest.approx(before[step], rel=1e-5), (step, after[step], before[step])
+    a, b = dist_tensors(resumed.output), dist_tensors(ep2[1].output)
+    weights = [k for k in b if not k.startswith("chained_")]
+    assert set(weights) <= set(a)
+    diff = max((a[k] - b[k]).abs().max().item() for k in weights)
+    assert diff < weights_within, diff
+    return diff
+
+
+@pytest.fixture(scope="module")
+def ep2_pp2(tmp_path_factory, data_dir, ep2):
+    """The EP2 run's checkpoint of step 8, resumed as EP2 × PP2 on 4 ranks. From a checkpoint, not from scratch:
+    Megatron initialises each pipeline stage's layers from its own seed, so a fresh PP2 model is another model."""
+    work = tmp_path_factory.mktemp("moe-ep2-pp2")
+    from_step_8_of(ep2, work)
+    return work, run_on_more_ranks_than_cores(work, data_dir, *EP2_PP2)
+
+
+@pytest.mark.long  # ~60 s: 4 ranks on 2 cores
+def test_ep2_checkpoint_resumes_as_ep2_with_pipeline_parallel_2_on_4_ranks(ep2, ep2_pp2):
+    """EP2 × PP2 (2 layers per stage, each stage's 2 data-parallel ranks splitting its layers' experts) continues the
+    EP2 run: Megatron reshards its checkpoint over the stages, steps 9-12 train as on 2 ranks, and the checkpoint it
+    writes holds every expert of the 4 layers."""
+    work, out = ep2_pp2
+    assert_trained(out)
+    assert out.backend.startswith("TP1×PP2×DP2×EP2"), out.backend
+    assert "TP=1 PP=2 DP=2 EP=2 ETP=1" in (work / "engine.log").read_text()
+    shapes = {k: tuple(v.shape) for k, v in dist_tensors(out.output).items()}
+    assert shapes["decoder.layers.mlp.experts.experts.linear_fc1.weight"] == (4, 4, 2 * 96, 128)
+    diff = assert_continues_ep2(ep2, work, out, weights_within=1e-6)
+    print(f"EP2 → EP2×PP2 resume: max |Δweight| after 4 steps {diff:.3g}")
+    assert_exports_to_mixtral(out.output, work / "convert")
+
+
+def test_ep2_checkpoint_resumes_as_ep2_with_tensor_parallel_2(tmp_path, data_dir, ep2):
+    """The EP2 checkpoint of step 8 resumed as EP2 × TP2 on the same 2 ranks (attention split over TP, whole experts
+    per rank): steps 9-12 as the uninterrupted EP2 run."""
+    from_step_8_of(ep2, tmp_path)
+    resumed = run_stage(tmp_path, data_dir, *EP2_TP2)
+    assert resumed.backend.startswith("TP2×PP1×DP1×EP2(ETP1)"), resumed.backend
+    diff = assert_continues_ep2(ep2, tmp_path, resumed, weights_within=1e-6)
+    print(f"EP2 → EP2×TP2 resume: max |Δweight| after 4 steps {diff:.3g}")
 
 
 def convert_stage(src: Path, work: Path):
@@ -127,6 +231,14 @@ def convert_stage(src: Path, work: Path):
                        seed=0, input=src, input_format="megatron-dist",
                        extra={"from_format": "megatron-dist", "to_format": "hf-safetensors", "source_stage": "pretrain"})
     return run_convert.fn(ctx, ConvertConfig())
+
+
+def assert_exports_to_mixtral(checkpoint: Path, work: Path) -> None:
+    """A layout's checkpoint goes through the convert step to HF Mixtral with every gate check passed."""
+    work.mkdir()
+    out = convert_stage(checkpoint, work)
+    assert out.gate["passed"], json.dumps(out.gate, indent=1)
+    assert {"L1.source_tensors", "L2.logits_parity"} <= {c["name"] for c in out.gate["checks"]}
 
 
 @pytest.fixture(scope="module")

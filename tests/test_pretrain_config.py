@@ -31,6 +31,10 @@ def test_tiny_pretrain_config_is_valid():
     assert cfg.pretrain.data_parallel() == 1 and cfg.pretrain.world_size() == 1
 
 
+EP2_TP2_ON_2 = ["model.moe.num_experts=4", "pretrain.expert_parallel=2", "pretrain.tensor_parallel=2",
+                "pretrain.sequence_parallel=true", "pretrain.nproc_per_node=2"]
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["pretrain.tensor_parallel=3"], "num_attention_heads 4 is not divisible"),
     (["model.num_query_groups=1", "pretrain.tensor_parallel=2", "pretrain.nproc_per_node=2"],
@@ -53,19 +57,45 @@ def test_tiny_pretrain_config_is_valid():
     (["model.moe.num_experts=3", "pretrain.expert_parallel=2", "pretrain.nproc_per_node=2"],
      "pretrain.expert_parallel 2: model.moe.num_experts 3 is not divisible by it"),
     (["model.moe.num_experts=4", "pretrain.expert_parallel=2"],
-     "pretrain.expert_parallel 2: data parallel 1 (= 1 ranks / (tensor_parallel 1 × pipeline_parallel 1)) is not "
-     "divisible by it"),
+     "pretrain.expert_parallel 2: 1 ranks are not a multiple of expert_parallel 2 × expert_tensor_parallel 1 "
+     "(tensor_parallel, the default) × pipeline_parallel 1 = 2"),
     (["model.moe.num_experts=4", "model.moe.expert_ffn_hidden_size=45", "pretrain.tensor_parallel=2",
-      "pretrain.nproc_per_node=2"], "the experts' FFN width 45 is not divisible by it"),
+      "pretrain.nproc_per_node=2"], "pretrain.expert_tensor_parallel 2: the experts' FFN width 45 is not divisible"),
     (["model.moe.num_experts=4", "pretrain.tensor_parallel=2", "pretrain.nproc_per_node=2"],
      "pretrain.sequence_parallel must be true with model.moe and tensor_parallel 2"),
-    (["model.moe.num_experts=4", "pretrain.tensor_parallel=2", "pretrain.nproc_per_node=2",
-      "pretrain.sequence_parallel=true"], "pretrain.tensor_parallel 2 with model.moe on CPU: Megatron trains an MoE "
-                                          "under TP only with sequence parallel, which the local layer spec's torch "
-                                          "RMSNorm refuses"),
+    (EP2_TP2_ON_2, "pretrain.expert_tensor_parallel 2: 2 ranks are not a multiple of expert_parallel 2 × "
+                   "expert_tensor_parallel 2 (tensor_parallel, the default) × pipeline_parallel 1 = 4"),
+    ([*EP2_TP2_ON_2, "pretrain.nproc_per_node=4", "pretrain.expert_tensor_parallel=2"],
+     "pretrain.expert_tensor_parallel 2 with expert_parallel 2: not supported here"),
+    ([*EP2_TP2_ON_2, "pretrain.expert_tensor_parallel=3"],
+     "pretrain.expert_tensor_parallel 3: not supported here; 1 or tensor_parallel 2"),
+    (["pretrain.expert_tensor_parallel=2"], "pretrain.expert_tensor_parallel 2 needs model.moe"),
+    (["model.moe.num_experts=4", "pretrain.expert_parallel=2", "pretrain.pipeline_parallel=2",
+      "pretrain.nproc_per_node=2"], "pretrain.expert_parallel 2: 2 ranks are not a multiple of expert_parallel 2 × "
+                                    "expert_tensor_parallel 1 (tensor_parallel, the default) × pipeline_parallel 2"),
 ])
 def test_bad_layouts_are_named_before_launch(overrides, message):
     assert message in _errors(*overrides)
+
+
+def test_ep2_tp2_on_2_ranks_with_whole_experts_is_valid():
+    from flows.config import load
+
+    cfg = load(TINY, [*EP2_TP2_ON_2, "pretrain.expert_tensor_parallel=1"], stages=["data", "pretrain"])
+    assert cfg.pretrain.data_parallel() == 1 and cfg.pretrain.expert_tensor_parallel == 1
+
+
+def test_plan_refuses_an_expert_layout_megatron_cannot_lay_out(baton_home):
+    """`baton plan` skips the run's host checks (it plans for other hardware) but not an expert grid that cannot
+    exist: exit 2, the key named, as `baton run` would refuse it."""
+    args = [f"--set={o}" for o in EP2_TP2_ON_2]
+    r = baton("plan", str(TINY), "--stage", "pretrain", *args, home=baton_home, timeout=120)
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert "baton plan: pretrain.expert_tensor_parallel 2: 2 ranks are not a multiple of expert_parallel 2" in r.stderr
+    ok = baton("plan", str(TINY), "--stage", "pretrain", *args, "--set=pretrain.expert_tensor_parallel=1",
+               "--cpu", home=baton_home, timeout=120)
+    assert ok.returncode == 0, (ok.stdout, ok.stderr)
+    assert "TP2 × PP1 × DP1 (EP2, ETP1)" in ok.stdout, ok.stdout
 
 
 def test_cli_rejects_a_bad_layout_in_about_a_second(baton_home):

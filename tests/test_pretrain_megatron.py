@@ -354,3 +354,17 @@ def test_sdpa_attention_trains_as_megatrons_unfused_attention(tmp_path, data_dir
     ours, megatrons = losses(base_work), losses(tmp_path / "unfused")
     assert ours.keys() == megatrons.keys()
     assert max(abs(ours[s] - megatrons[s]) / megatrons[s] for s in ours) < 1e-5
+
+
+@pytest.mark.long  # ~25 s, and the one-rank run it compares with
+def test_sequence_parallel_with_the_local_spec_trains_as_one_rank(tmp_path, data_dir, world1):
+    """TP2 with sequence parallel on CPU: Megatron's torch norm wrapper refuses sequence parallel, so the local spec's
+    norms are torch RMSNorms marked for the TP sum of their gradients (sequence_parallel_norm); the losses are the
+    one-rank run's, step by step."""
+    out = run_stage(tmp_path, data_dir, *TWO_RANKS, "pretrain.tensor_parallel=2", "pretrain.sequence_parallel=true")
+    assert_trained(out)
+    one, sp = losses(world1[0]), losses(tmp_path)
+    assert sorted(sp) == sorted(one) == list(range(1, 13))
+    diff = max(abs(sp[s] - one[s]) for s in one)
+    print(f"TP2 + sequence parallel vs one rank: max |Δloss| over 12 steps {diff:.3g}")
+    assert diff < 1e-5

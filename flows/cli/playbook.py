@@ -109,6 +109,8 @@ def plan_from_config(a):
     if stage is None:
         raise PlanInputError(f"{a.config}: no training stage ({', '.join(TRAINING_STAGES)}) in stages {cfg.stages}")
     sc = cfg.stage_config(stage)
+    if problems := STAGES[stage].validate_layout(sc, cfg):  # e.g. an expert grid that fits no number of GPUs
+        raise PlanInputError("; ".join(problems))
     device = sc.resolved_device()
     hw = hardware_from_args(a, sc.nnodes, sc.nproc_per_node, device)
     shape = mp.shape_of_model(cfg.model)

@@ -1,5 +1,5 @@
 from conversions.manifest import Format
-from tasks.pretrain.config import PretrainConfig, host_errors, validate
+from tasks.pretrain.config import PretrainConfig, expert_errors, host_errors, validate
 from tasks.memory_model import MemoryModel, Parallelism
 from tasks.stage import StageSpec
 
@@ -22,6 +22,7 @@ STAGE = StageSpec(
     input_required=False,
     validate=validate,
     validate_host=host_errors,
+    validate_layout=lambda cfg, pipeline: expert_errors(cfg, pipeline.model),
     smoke=lambda cfg: {"tensor_parallel": 1, "pipeline_parallel": 1, "sequence_parallel": False,
                        "distributed_optimizer": False, "overlap_param_gather": False, "overlap_grad_reduce": False,
                        "eval_interval": cfg.steps, "eval_iters": 1},

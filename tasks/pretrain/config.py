@@ -26,7 +26,10 @@ class PretrainConfig(TrainingConfig):
                                 "1F1B, a smaller bubble); needs pipeline_parallel > 1")
     expert_parallel: int = Field(
         1, ge=1, description="--expert-model-parallel-size: ranks each MoE layer's experts are split over (model.moe); "
-                             "divides data parallel and model.moe.num_experts")
+                             "divides model.moe.num_experts; EP × expert_tensor_parallel × PP divides the ranks")
+    expert_tensor_parallel: int | None = Field(
+        None, ge=1, description="--expert-tensor-parallel-size: ranks each expert's matrices are split over "
+                                "(model.moe; default: tensor_parallel, as Megatron's); 1 with expert_parallel > 1")
     moe_token_dispatcher: Literal["allgather", "alltoall"] = Field(
         "allgather", description="--moe-token-dispatcher-type: how tokens reach their experts' ranks (model.moe)")
     micro_batch_size: int = Field(8, ge=1, description="sequences per rank per forward/backward pass")
@@ -117,13 +120,23 @@ def validate(cfg: PretrainConfig, pipeline) -> list[ConfigProblem]:
     return e
 
 
+def expert_tensor_parallel(cfg: PretrainConfig) -> int:
+    """The experts' own tensor parallel size: the config's, else tensor_parallel (Megatron's default)."""
+    return cfg.tensor_parallel if cfg.expert_tensor_parallel is None else cfg.expert_tensor_parallel
+
+
 def expert_errors(cfg: PretrainConfig, model) -> list[ConfigProblem]:
-    """Expert parallel: each MoE layer's experts are split evenly over EP ranks, which Megatron carves out of the data
-    parallel ranks (the expert tensor parallel size is TP's)."""
+    """Expert parallel: Megatron lays the experts out over the same ranks as the dense layers, but in their own
+    grid: each pipeline stage's TP × DP ranks are regrouped as expert tensor parallel (ETP) × expert parallel (EP) ×
+    expert data parallel, so EP × ETP × PP must divide the ranks, and EP must divide the experts."""
     ep, moe = cfg.expert_parallel, getattr(model, "moe", None)
     if moe is None:
-        return [] if ep == 1 else [ConfigProblem("pretrain.expert_parallel", f"pretrain.expert_parallel {ep} needs "
-                                                 "model.moe (a dense model has no experts to split)")]
+        e = [] if ep == 1 else [ConfigProblem("pretrain.expert_parallel", f"pretrain.expert_parallel {ep} needs "
+                                              "model.moe (a dense model has no experts to split)")]
+        if cfg.expert_tensor_parallel not in (None, 1):
+            e.append(ConfigProblem("pretrain.expert_tensor_parallel", "pretrain.expert_tensor_parallel "
+                                   f"{cfg.expert_tensor_parallel} needs model.moe (a dense model has no experts)"))
+        return e
     e = []
     if moe.shared_expert_ffn_hidden_size:
         e.append(ConfigProblem("model.moe.shared_expert_ffn_hidden_size", "model.moe.shared_expert_ffn_hidden_size "
@@ -133,18 +146,30 @@ def expert_errors(cfg: PretrainConfig, model) -> list[ConfigProblem]:
     if moe.num_experts % ep:
         e.append(ConfigProblem("pretrain.expert_parallel", f"pretrain.expert_parallel {ep}: model.moe.num_experts "
                                f"{moe.num_experts} is not divisible by it", involves=("model.moe.num_experts",)))
-    world, tp, pp = cfg.world_size(), cfg.tensor_parallel, cfg.pipeline_parallel
-    if world % (tp * pp) == 0 and cfg.data_parallel() % ep:
-        e.append(ConfigProblem("pretrain.expert_parallel", f"pretrain.expert_parallel {ep}: data parallel "
-                               f"{cfg.data_parallel()} (= {world} ranks / (tensor_parallel {tp} × pipeline_parallel "
-                               f"{pp})) is not divisible by it; expert parallel ranks are data parallel ranks"))
+    world, tp, pp, etp = cfg.world_size(), cfg.tensor_parallel, cfg.pipeline_parallel, expert_tensor_parallel(cfg)
+    key = "pretrain.expert_tensor_parallel" if etp > 1 else "pretrain.expert_parallel"
+    if world % (tp * pp) == 0 and world % (ep * etp * pp):
+        e.append(ConfigProblem(key, f"{key} {etp if etp > 1 else ep}: {world} ranks are not a multiple of "
+                               f"expert_parallel {ep} × expert_tensor_parallel {etp}"
+                               f"{' (tensor_parallel, the default)' if cfg.expert_tensor_parallel is None else ''} × "
+                               f"pipeline_parallel {pp} = {ep * etp * pp}; the experts' grid is carved out of each "
+                               "pipeline stage's ranks", involves=("pretrain.expert_parallel",)))
+    elif ep > 1 and etp > 1:
+        e.append(ConfigProblem("pretrain.expert_tensor_parallel", f"pretrain.expert_tensor_parallel {etp}"
+                               f"{' (tensor_parallel, the default)' if cfg.expert_tensor_parallel is None else ''} "
+                               f"with expert_parallel {ep}: not supported here (the Mixtral export and resume are "
+                               "tested with whole experts per rank); set expert_tensor_parallel: 1",
+                               involves=("pretrain.expert_parallel",)))
+    if etp not in (1, tp):
+        e.append(ConfigProblem("pretrain.expert_tensor_parallel", f"pretrain.expert_tensor_parallel {etp}: not "
+                               f"supported here; 1 or tensor_parallel {tp}", involves=("pretrain.tensor_parallel",)))
     if tp > 1 and not cfg.sequence_parallel:
         e.append(ConfigProblem("pretrain.sequence_parallel", f"pretrain.sequence_parallel must be true with "
                                f"model.moe and tensor_parallel {tp} (Megatron's MoE layer refuses to train under "
                                "tensor parallel without it)", involves=("pretrain.tensor_parallel",)))
-    if moe.expert_ffn(model) % tp:
-        e.append(ConfigProblem("pretrain.tensor_parallel", f"pretrain.tensor_parallel {tp}: the experts' FFN width "
-                               f"{moe.expert_ffn(model)} is not divisible by it",
+    if moe.expert_ffn(model) % etp:
+        e.append(ConfigProblem("pretrain.expert_tensor_parallel", f"pretrain.expert_tensor_parallel {etp}: the "
+                               f"experts' FFN width {moe.expert_ffn(model)} is not divisible by it",
                                involves=("model.moe.expert_ffn_hidden_size",)))
     return e
 
@@ -167,11 +192,6 @@ def host_errors(cfg: PretrainConfig, pipeline=None) -> list[ConfigProblem]:
         if cfg.transformer_impl == "transformer_engine":
             e.append(ConfigProblem("pretrain.transformer_impl", "pretrain.transformer_impl transformer_engine needs "
                                    "a GPU"))
-        if pipeline is not None and getattr(pipeline.model, "moe", None) and cfg.tensor_parallel > 1:
-            e.append(ConfigProblem("pretrain.tensor_parallel", f"pretrain.tensor_parallel {cfg.tensor_parallel} "
-                                   "with model.moe on CPU: Megatron trains an MoE under TP only with sequence "
-                                   "parallel, which the local layer spec's torch RMSNorm refuses; split the experts "
-                                   "with expert_parallel instead (TP × EP runs on a GPU with Transformer Engine)"))
     return e + fp8_errors(cfg, device)
 
 

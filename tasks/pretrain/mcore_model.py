@@ -3,6 +3,8 @@ built from the pipeline's architecture dict and the stage config (the spec's Pre
 worker program (imported by worker.py)."""
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state as ps
@@ -13,10 +15,13 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
 from conversions.megatron import expert_ffn, has_qk_norm, has_qkv_bias, moe, moe_transformer_fields
 from tasks.events import PretrainTraining
 from sdpa_attention import SdpaAttention
+from sequence_parallel_norm import with_sequence_parallel_norms
 
 # Peak dense TFLOP/s of one rank, for MFU when the config does not state it. GPU numbers are the vendor's dense
 # tensor-core figures (bf16; tf32 for fp32); the CPU number is nominal for one single-threaded rank
@@ -92,6 +97,7 @@ def moe_fields(arch: dict, cfg: PretrainTraining) -> dict:
         return {}
     fields = moe_transformer_fields(arch)
     return {**fields, "expert_model_parallel_size": cfg.expert_parallel,
+            "expert_tensor_parallel_size": cfg.expert_tensor_parallel,
             "moe_token_dispatcher_type": cfg.moe_token_dispatcher, "moe_router_pre_softmax": False,
             "moe_router_load_balancing_type": "aux_loss" if fields.get("moe_aux_loss_coeff") else "none",
             "moe_grouped_gemm": False}
@@ -103,13 +109,21 @@ def gpt_chunks(config: TransformerConfig, spec, arch: dict, padded_vocab: int, s
     vp = config.virtual_pipeline_model_parallel_size
     stages = [None] if vp is None else list(range(vp))
     return [GPTModel(
-        config=config, transformer_layer_spec=spec, vocab_size=padded_vocab,
+        config=config, transformer_layer_spec=block_spec(spec, config, i), vocab_size=padded_vocab,
         max_sequence_length=max(seq_length, arch["seq_length"]),
         pre_process=ps.is_pipeline_first_stage(ignore_virtual=vp is None, vp_stage=i),
         post_process=ps.is_pipeline_last_stage(ignore_virtual=vp is None, vp_stage=i),
         share_embeddings_and_output_weights=arch["tie_word_embeddings"], parallel_output=True,
         position_embedding_type="rope", rotary_base=int(arch["rope_theta"]), vp_stage=i,
     ) for i in stages]
+
+
+def block_spec(spec, config: TransformerConfig, vp_stage: int | None):
+    """The layer spec as Megatron builds it, except under sequence parallel with the local spec: its torch norms
+    refuse sequence parallel, so this stage's block gets norms marked for it (sequence_parallel_norm)."""
+    if not (config.sequence_parallel and spec.submodules.input_layernorm is WrappedTorchNorm):
+        return spec
+    return with_sequence_parallel_norms(copy.deepcopy(spec), get_num_layers_to_build(config, vp_stage=vp_stage))
 
 
 def experts_apart(chunks: list[GPTModel]) -> None:

@@ -14,7 +14,7 @@ from conversions import durable, folder, manifest as mf, megatron, probe, sealed
 from conversions.manifest import Format
 from conversions.megatron import architecture as checkpoint_architecture, padded_vocab_size
 from conversions.refusal import Refused
-from tasks.pretrain.config import PretrainConfig, resolved_device
+from tasks.pretrain.config import PretrainConfig, expert_tensor_parallel, resolved_device
 from tasks import events
 from tasks.distributed import Launch, LaunchConfigError, engine_command, stage_runtime
 from tasks.stage import StageContext, StageOutput, training_engine_env
@@ -97,8 +97,9 @@ def build_spec(ctx: StageContext, cfg: PretrainConfig, vocab: int | None = None,
 
 def training_spec(cfg: PretrainConfig) -> events.PretrainTraining:
     """The config's values the worker reads, under their config names; the global batch resolved."""
-    read = set(events.PretrainTraining.model_fields) - {"global_batch_size"}
-    return events.PretrainTraining(**cfg.model_dump(include=read), global_batch_size=cfg.global_batch())
+    read = set(events.PretrainTraining.model_fields) - {"global_batch_size", "expert_tensor_parallel"}
+    return events.PretrainTraining(**cfg.model_dump(include=read), global_batch_size=cfg.global_batch(),
+                                   expert_tensor_parallel=expert_tensor_parallel(cfg))
 
 
 def loadable_input(ctx: StageContext) -> tuple[Path, str | None]:
@@ -176,7 +177,9 @@ def gate(out: Path, r: events.PretrainResult, dtype: str = "float32") -> dict:
 def backend(cfg: PretrainConfig, device: str) -> str:
     vp = f"(VP{cfg.virtual_pipeline_parallel} interleaved)" if cfg.virtual_pipeline_parallel else ""
     fp8 = f" fp8 {cfg.fp8}" if cfg.fp8 != "none" else ""
+    etp = expert_tensor_parallel(cfg)
     ep = f"×EP{cfg.expert_parallel}" if cfg.expert_parallel > 1 else ""
+    ep += f"(ETP{etp})" if cfg.expert_parallel > 1 and etp != cfg.tensor_parallel else ""
     return f"TP{cfg.tensor_parallel}×PP{cfg.pipeline_parallel}{vp}×DP{cfg.data_parallel()}{ep} {device}{fp8}"
 
 

@@ -90,15 +90,16 @@ class Run:
 
         cfg, spec = self.cfg, self.spec
         tp, pp, vp = cfg.tensor_parallel, cfg.pipeline_parallel, cfg.virtual_pipeline_parallel
-        ep = cfg.expert_parallel
+        ep, etp = cfg.expert_parallel, cfg.expert_tensor_parallel
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                     virtual_pipeline_model_parallel_size=vp, expert_model_parallel_size=ep)
+                                     virtual_pipeline_model_parallel_size=vp, expert_model_parallel_size=ep,
+                                     expert_tensor_parallel_size=etp)
         self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         self.is_last = ps.is_pipeline_last_stage()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         torch.manual_seed(spec.seed)
         model_parallel_cuda_manual_seed(spec.seed)
-        experts = f" EP={ep} ({cfg.moe_token_dispatcher} dispatcher)" if self.arch.get("moe") else ""
+        experts = f" EP={ep} ETP={etp} ({cfg.moe_token_dispatcher} dispatcher)" if self.arch.get("moe") else ""
         self.log(f"world {dist.get_world_size()}: TP={tp} PP={pp}{f' (VP={vp}, interleaved)' if vp else ''} "
                  f"DP={self.dp}{experts}, device {self.device.type}, {cfg.precision}, fp8 {cfg.fp8}, seq "
                  f"{spec.seq_length}, micro {cfg.micro_batch_size}, global {cfg.global_batch_size}, "
