@@ -182,16 +182,39 @@ def _report_run(out, run_dir: Path, error: Exception | None) -> int:
 
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {"stages": []}
+    error = _unless_only_prefect_lost(error, summary)
     lines = views.summary_lines(summary, _terminal_width(out))
     failed = [s for s in summary["stages"] if s.get("status") == Status.FAILED]
     for entry in failed:
         lines += [""] + views.failure_report(entry)
     if error is not None and not failed:
         lines += ["", f"baton: {str(error).splitlines()[0]}"]
-    lines += _tracking_missing_lines(summary)
+    lines += _tracking_missing_lines(summary) + _orchestration_lost_lines(summary)
     out.write("\n".join(lines + [str(run_dir)]) + "\n")
     out.flush()
     return 1 if error is not None else 0
+
+
+def _unless_only_prefect_lost(error: Exception | None, summary: dict) -> Exception | None:
+    """With the Prefect server gone, the pipeline flow run's own end fails after the run has ended: its summary,
+    written before, is final and says how it went. None when that is completed."""
+    from tasks import orchestration
+
+    if error is None or not orchestration.lost() or not orchestration.is_outage(error):
+        return error
+    return None if summary.get("status") == Status.COMPLETED else error
+
+
+def _orchestration_lost_lines(summary: dict) -> list[str]:
+    """One line: the Prefect server went away; what it never got is in summary.json."""
+    from tasks import orchestration
+
+    lost = [*summary.get(orchestration.ORCHESTRATION_LOST, []),
+            *(f"{s['label']}: {m}" for s in summary["stages"] for m in s.get(orchestration.ORCHESTRATION_LOST, []))]
+    if not lost:
+        return []
+    return ["", f"the Prefect server {orchestration.api_url()} went away during the run, which went on without it; "
+                f"not recorded there: {'; '.join(lost)} (summary.json has everything)"]
 
 
 def _tracking_missing_lines(summary: dict) -> list[str]:
