@@ -228,7 +228,7 @@ def _close_run(run: RunInfo, summary: dict, failed: str | None) -> None:
 def _note_orchestration_lost(summary: dict) -> None:
     """With the Prefect server gone, the run's own end (its final state, the summary artifact) never reaches it."""
     if orchestration.lost():
-        summary[orchestration.ORCHESTRATION_LOST] = ["the run's end", "the summary artifact"]
+        summary[orchestration.ORCHESTRATION_LOST] = list(orchestration.RUN_END)
 
 
 def _close_cancelled(run: RunInfo, steps: list, summary: dict, e: BaseException) -> None:

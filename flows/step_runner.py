@@ -654,7 +654,7 @@ def run_step(step: Step, cfg: PipelineConfig, run: RunInfo, position: int, input
     after it run as plain calls. What the server missed is listed in the entry (ORCHESTRATION_LOST)."""
     args = (step, cfg, run, position, input_path, input_format, data_dir, use_cache)
     if orchestration.lost():
-        return _without_subflow(step, args, "the stage's subflow")
+        return _without_subflow(args, orchestration.STAGE_SUBFLOW)
     _outcomes.pop(step.fingerprint, None)
     try:
         return STAGE_FLOWS[step.name](*args)
@@ -662,28 +662,33 @@ def run_step(step: Step, cfg: PipelineConfig, run: RunInfo, position: int, input
         if not orchestration.is_outage(e):
             raise
         outcome = _outcomes.pop(step.fingerprint, None)
-        what = "the stage's subflow" if outcome is None else "the end of the stage's subflow"
+        what = orchestration.STAGE_SUBFLOW if outcome is None else orchestration.STAGE_SUBFLOW_END
         orchestration.mark_lost(f"{step.label}: {what}", e)
         if outcome is None:  # Prefect could not start the subflow: the step was not run
-            return _without_subflow(step, args, what)
-        return _with_lost(outcome, step, what)
+            return _without_subflow(args, what)
+        if isinstance(outcome, BaseException):
+            _note_lost(getattr(outcome, "entry", None), what)
+            raise outcome from None
+        _note_lost(outcome, what)
+        return outcome
+    finally:
+        _outcomes.pop(step.fingerprint, None)  # an exception's frames are not kept past the step
 
 
-def _without_subflow(step: Step, args: tuple, what: str) -> dict:
+def _without_subflow(args: tuple, what: str) -> dict:
     try:
         entry = execute_step(*args)
     except StageFailed as e:
-        raise _with_lost(e, step, what) from None
-    return _with_lost(entry, step, what)
+        _note_lost(e.entry, what)
+        raise
+    _note_lost(entry, what)
+    return entry
 
 
-def _with_lost(outcome: dict | BaseException, step: Step, what: str):
-    """The step's entry (or its failure, raised) noting what the Prefect server never got."""
-    entry = outcome.entry if isinstance(outcome, StageFailed) else outcome
-    if isinstance(entry, dict):
-        entry[orchestration.ORCHESTRATION_LOST] = [what]
-        if what == "the stage's subflow":
-            entry["prefect_flow_run_id"] = None  # it ran in the pipeline's flow run: no flow run of its own
-    if isinstance(outcome, BaseException):
-        raise outcome
-    return outcome
+def _note_lost(entry: dict | None, what: str) -> None:
+    """What the Prefect server never got of this step, in its summary entry."""
+    if entry is None:
+        return
+    entry[orchestration.ORCHESTRATION_LOST] = [what]
+    if what == orchestration.STAGE_SUBFLOW:
+        entry["prefect_flow_run_id"] = None  # it ran in the pipeline's flow run: no flow run of its own

@@ -11,6 +11,9 @@ import logging
 import os
 
 ORCHESTRATION_LOST = "orchestration_lost"  # summary.json (the run and each step): what the Prefect server never got
+STAGE_SUBFLOW = "the stage's subflow"  # it could not start: the step ran as a plain call
+STAGE_SUBFLOW_END = "the end of the stage's subflow"  # the step ran in it, its final state never arrived
+RUN_END = ["the run's end", "the summary artifact"]  # the pipeline flow run's final state and its summary artifact
 
 # Prefect's default (5 retries, backoff 2, 4, ... 32 s) holds every call to a gone server over a minute, and a stage
 # subflow's end makes two. 2 retries ride out a blip (a reset connection, a 503) in about 6 s; the environment wins.
@@ -59,6 +62,7 @@ def mark_lost(what: str, error: BaseException) -> None:
 
     get_settings_context().settings.client.max_retries = 0  # the settings Prefect's clients read at each call
     _keep_logs_local()
+    _drop_new_events()
     logging.getLogger("baton.orchestration").warning("Prefect server %s unreachable (%s) at %s; the run goes on "
                                                      "without it", api_url(), type(error).__name__, what)
 
@@ -75,6 +79,14 @@ def _keep_logs_local() -> None:
                                       if isinstance(lg, logging.Logger))]
     for handler in {h for lg in loggers for h in lg.handlers if isinstance(h, APILogHandler)}:
         handler.addFilter(_NotToTheServer())
+
+
+def _drop_new_events() -> None:
+    """Prefect's events client tries each event ten times (seconds each) against a gone server."""
+    from prefect.events.clients import NullEventsClient
+    from prefect.events.worker import EventsWorker
+
+    EventsWorker.set_client_override(NullEventsClient)
 
 
 def found_lost() -> list[str]:

@@ -84,10 +84,10 @@ def test_a_run_finishes_when_its_prefect_server_is_gone_mid_stage(prefect_server
     statuses = {s["label"]: s["status"] for s in summary["stages"]}
     assert summary["status"] == "completed" and set(statuses.values()) == {"completed"}, statuses
     (finetune, convert) = [s for s in summary["stages"] if s["label"] != "data"]
-    assert finetune[orchestration.ORCHESTRATION_LOST] == ["the end of the stage's subflow"], finetune
-    assert convert[orchestration.ORCHESTRATION_LOST] == ["the stage's subflow"], convert
+    assert finetune[orchestration.ORCHESTRATION_LOST] == [orchestration.STAGE_SUBFLOW_END], finetune
+    assert convert[orchestration.ORCHESTRATION_LOST] == [orchestration.STAGE_SUBFLOW], convert
     assert convert["prefect_flow_run_id"] is None and Path(convert["output"]).is_dir()
-    assert summary[orchestration.ORCHESTRATION_LOST] == ["the run's end", "the summary artifact"], summary
+    assert summary[orchestration.ORCHESTRATION_LOST] == orchestration.RUN_END, summary
     assert tracking.client().get_run(summary["mlflow_run_id"]).info.status == "FINISHED"
     assert "went away during the run" in output and "Connection refused" not in output, output[-3000:]
     assert after_engine < 90, f"baton exited {after_engine:.0f}s after the engine's result"
