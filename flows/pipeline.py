@@ -297,6 +297,7 @@ def pipeline(config: PipelineConfig, from_ref: str | None = None, use_cache: boo
              run_id: str | None = None, doctor: list | None = None) -> dict:
     """Run the configured stages (data → pretrain → rlhf → finetune → serve by default) and gate every hand-off."""
     cfg = config
+    orchestration.reset()
     refuse_launch_parameters(cfg)
     input_path, input_format, steps = prepare(cfg, from_ref)
     run, summary = _open_run(cfg, steps, run_id or _run_id_from_flow_run(cfg), doctor)

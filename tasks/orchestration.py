@@ -22,6 +22,7 @@ CLIENT_DEFAULTS = {"PREFECT_CLIENT_MAX_RETRIES": "2"}
 OUTAGE_STATUS = (502, 503, 504)  # the server (or a proxy before it) is there but cannot answer
 
 _lost: list[str] = []  # what this process found the server gone at, in order
+_retries_before: list[int] = []  # Prefect's client retries before the loss (reset() puts them back)
 
 
 def set_client_defaults() -> None:
@@ -60,7 +61,9 @@ def mark_lost(what: str, error: BaseException) -> None:
         return
     from prefect.context import get_settings_context
 
-    get_settings_context().settings.client.max_retries = 0  # the settings Prefect's clients read at each call
+    client_settings = get_settings_context().settings.client  # what Prefect's clients read at each call
+    _retries_before[:] = [client_settings.max_retries]
+    client_settings.max_retries = 0
     _keep_logs_local()
     _drop_new_events()
     logging.getLogger("baton.orchestration").warning("Prefect server %s unreachable (%s) at %s; the run goes on "
@@ -72,12 +75,16 @@ class _NotToTheServer(logging.Filter):
         return False
 
 
-def _keep_logs_local() -> None:
+def _api_log_handlers() -> set:
     from prefect.logging.handlers import APILogHandler
 
     loggers = [logging.getLogger(), *(lg for lg in logging.Logger.manager.loggerDict.values()
                                       if isinstance(lg, logging.Logger))]
-    for handler in {h for lg in loggers for h in lg.handlers if isinstance(h, APILogHandler)}:
+    return {h for lg in loggers for h in lg.handlers if isinstance(h, APILogHandler)}
+
+
+def _keep_logs_local() -> None:
+    for handler in _api_log_handlers():
         handler.addFilter(_NotToTheServer())
 
 
@@ -89,6 +96,17 @@ def _drop_new_events() -> None:
     EventsWorker.set_client_override(NullEventsClient)
 
 
-def found_lost() -> list[str]:
-    """What this process found the server gone at (for the terminal's one line)."""
-    return list(_lost)
+def reset() -> None:
+    """A new run in this process (a test runs several) starts with the server counted as there."""
+    if not _lost:
+        return
+    from prefect.context import get_settings_context
+    from prefect.events.worker import EventsWorker
+
+    _lost.clear()
+    get_settings_context().settings.client.max_retries = _retries_before[0]
+    EventsWorker.set_client_override(None)
+    for handler in _api_log_handlers():
+        for f in [f for f in handler.filters if isinstance(f, _NotToTheServer)]:
+            handler.removeFilter(f)
+

@@ -109,3 +109,30 @@ def test_an_outage_is_told_by_type_and_status_never_by_text(record_property):
     assert orchestration.is_outage(httpx.ReadTimeout("", request=request))
     assert orchestration.is_outage(status(503)) and not orchestration.is_outage(status(401))
     assert not orchestration.is_outage(RuntimeError("[Errno 111] Connection refused"))
+
+
+@pytest.mark.fast
+def test_once_the_server_is_lost_prefect_is_not_retried_until_the_next_run(record_property):
+    """mark_lost: Prefect's calls are no longer retried, no log goes to the server, new events are dropped; reset()
+    (a pipeline flow's start) puts all of it back."""
+    import logging
+
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogHandler
+    from prefect.settings import PREFECT_CLIENT_MAX_RETRIES
+
+    record_property("fault", "Prefect server lost: later calls not retried")
+    handler = APILogHandler()
+    logging.getLogger("prefect.flow_runs").addHandler(handler)
+    before = PREFECT_CLIENT_MAX_RETRIES.value()
+    try:
+        orchestration.mark_lost("a test", ConnectionRefusedError())
+        record = logging.LogRecord("prefect.flow_runs", logging.INFO, __file__, 1, "x", None, None)
+        assert orchestration.lost() and PREFECT_CLIENT_MAX_RETRIES.value() == 0
+        assert not handler.filter(record) and EventsWorker._client_override is not None
+        orchestration.reset()
+        assert not orchestration.lost() and PREFECT_CLIENT_MAX_RETRIES.value() == before
+        assert handler.filter(record) and EventsWorker._client_override is None
+    finally:
+        orchestration.reset()
+        logging.getLogger("prefect.flow_runs").removeHandler(handler)
