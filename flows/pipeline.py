@@ -13,8 +13,8 @@ from conversions import manifest as mf
 from conversions.manifest import Format
 from flows import chain_planner as planning, checkpoint_refs, report, runs
 from flows.config import ConfigError, PipelineConfig, launch_parameter_error
-from flows.step_runner import STAGE_FLOWS, RunInfo, StageFailed, describe_stop, stopped_from_outside
-from tasks import tracking
+from flows.step_runner import RunInfo, StageFailed, describe_stop, run_step, stopped_from_outside
+from tasks import orchestration, tracking
 from tasks.paths import check_run_id
 from tasks.registry import CONVERT_STAGE, DATA_STAGE, STAGES
 from tasks.secrets import redact
@@ -178,7 +178,7 @@ def _run_steps(cfg: PipelineConfig, steps: list, run: RunInfo, summary: dict, in
                                       "fingerprint": step.fingerprint})
             continue
         try:
-            entry = STAGE_FLOWS[step.name](step, cfg, run, i, current, current_fmt, data_dir, use_cache)
+            entry = run_step(step, cfg, run, i, current, current_fmt, data_dir, use_cache)
         except StageFailed as e:
             failed = str(e)
             entry = e.entry or {"name": step.name, "label": step.label, "error": failed}
@@ -212,14 +212,23 @@ def _lineage_markdown(summary: dict) -> str:
 def _close_run(run: RunInfo, summary: dict, failed: str | None) -> None:
     """summary.json and summary.md, the MLflow parent run's end, the Prefect summary artifact."""
     summary["status"] = Status.FAILED if failed else Status.COMPLETED
+    _note_orchestration_lost(summary)
     runs.write_summary(run.run_dir, summary)
     _end_parent_run(run, summary, "FAILED" if failed else "FINISHED")
     md = report.markdown(summary) + _lineage_markdown(summary)
     (run.run_dir / "summary.md").write_text(md)
+    if orchestration.lost():
+        return
     try:
         create_markdown_artifact(markdown=md, key="baton-run-summary", description=f"baton run {run.run_id}")
     except Exception as e:
         get_run_logger().warning("could not create the summary artifact: %s", e)
+
+
+def _note_orchestration_lost(summary: dict) -> None:
+    """With the Prefect server gone, the run's own end (its final state, the summary artifact) never reaches it."""
+    if orchestration.lost():
+        summary[orchestration.ORCHESTRATION_LOST] = list(orchestration.RUN_END)
 
 
 def _close_cancelled(run: RunInfo, steps: list, summary: dict, e: BaseException) -> None:
@@ -237,10 +246,13 @@ def _close_cancelled(run: RunInfo, steps: list, summary: dict, e: BaseException)
             entry = rec["entry"] if ours else {**entry, "status": Status.CANCELLED, "error": reason}
         summary["stages"].append(entry)
     summary.update(status=Status.CANCELLED, error=reason)
+    _note_orchestration_lost(summary)
     runs.write_summary(run.run_dir, summary)
     (run.run_dir / "summary.md").write_text(report.markdown(summary))
     _end_parent_run(run, summary, "KILLED")
     get_run_logger().warning("baton run %s %s; run dir %s", run.run_id, reason, run.run_dir)
+    if orchestration.lost():
+        return
     try:
         create_markdown_artifact(markdown=report.markdown(summary), key="baton-run-summary",
                                  description=f"baton run {run.run_id}")
@@ -285,6 +297,7 @@ def pipeline(config: PipelineConfig, from_ref: str | None = None, use_cache: boo
              run_id: str | None = None, doctor: list | None = None) -> dict:
     """Run the configured stages (data → pretrain → rlhf → finetune → serve by default) and gate every hand-off."""
     cfg = config
+    orchestration.reset()
     refuse_launch_parameters(cfg)
     input_path, input_format, steps = prepare(cfg, from_ref)
     run, summary = _open_run(cfg, steps, run_id or _run_id_from_flow_run(cfg), doctor)

@@ -84,8 +84,10 @@ def link_mlflow_run(mlflow_run_id: str, text: str) -> None:
     """A Prefect link artifact from the current flow run to its MLflow run (the MLflow run links back by its tags)."""
     from prefect.artifacts import create_link_artifact
 
-    from tasks import tracking
+    from tasks import orchestration, tracking
 
+    if orchestration.lost():
+        return
     try:
         create_link_artifact(link=f"{tracking.tracking_uri()}#/experiments/-/runs/{mlflow_run_id}", link_text=text,
                              description=f"MLflow run {mlflow_run_id}")

@@ -20,7 +20,7 @@ from flows import chain_planner as planning
 from flows.chain_planner import Step
 from flows.runs import Index, StepLock
 from flows import report
-from tasks import chat_template, events, streaming, tracking
+from tasks import chat_template, events, orchestration, streaming, tracking
 from tasks.launch import LaunchError
 from tasks import memory_plan as mp
 from tasks.registry import CONVERT_STAGE, STAGES, TRAINING_STAGES
@@ -208,6 +208,8 @@ def _run_with_retries(step: Step, ctx: StageContext, stage_cfg) -> StageOutput:
     retries = int(os.environ.get("BATON_INFRA_RETRIES", "2"))
     delay = float(os.environ.get("BATON_INFRA_RETRY_DELAY_S", "10"))
     task = STAGES[step.name].load_task()
+    if orchestration.lost():  # a Prefect task run first asks the server for its tags' concurrency slots
+        task = getattr(task, "fn", task)
     for attempt in range(retries + 1):
         before = oom_kills()
         try:
@@ -623,7 +625,70 @@ def _step_run_name() -> str:
     return getattr(step, "label", None) or (step.get("label") if isinstance(step, dict) else None) or "step"
 
 
+_outcomes: dict[str, dict | BaseException] = {}  # step fingerprint -> what its subflow's body returned or raised
+
+
+def _execute_in_subflow(step: Step, cfg: PipelineConfig, run: RunInfo, position: int, input_path: str | None,
+                        input_format: str | None, data_dir: str | None, use_cache: bool = True) -> dict:
+    """execute_step, its outcome kept: when Prefect's bookkeeping around the body fails (the server gone), what the
+    step did is still known."""
+    try:
+        entry = execute_step(step, cfg, run, position, input_path, input_format, data_dir, use_cache)
+    except BaseException as e:
+        _outcomes[step.fingerprint] = e
+        raise
+    _outcomes[step.fingerprint] = entry
+    return entry
+
+
 STAGE_FLOWS = {
-    name: flow(name=f"stage-{name}", flow_run_name=_step_run_name, validate_parameters=False)(execute_step)
+    name: flow(name=f"stage-{name}", flow_run_name=_step_run_name, validate_parameters=False)(_execute_in_subflow)
     for name in STAGES
 }
+
+
+def run_step(step: Step, cfg: PipelineConfig, run: RunInfo, position: int, input_path: str | None,
+             input_format: str | None, data_dir: str | None, use_cache: bool = True) -> dict:
+    """The step as its stage's Prefect subflow. With the Prefect server gone the step still runs and counts: a subflow
+    whose start or end the server missed gives what its body did (or runs it now, if it never started), and the steps
+    after it run as plain calls. What the server missed is listed in the entry (ORCHESTRATION_LOST)."""
+    args = (step, cfg, run, position, input_path, input_format, data_dir, use_cache)
+    if orchestration.lost():
+        return _without_subflow(args, orchestration.STAGE_SUBFLOW)
+    _outcomes.pop(step.fingerprint, None)
+    try:
+        return STAGE_FLOWS[step.name](*args)
+    except Exception as e:
+        if not orchestration.is_outage(e):
+            raise
+        outcome = _outcomes.pop(step.fingerprint, None)
+        what = orchestration.STAGE_SUBFLOW if outcome is None else orchestration.STAGE_SUBFLOW_END
+        orchestration.mark_lost(f"{step.label}: {what}", e)
+        if outcome is None:  # Prefect could not start the subflow: the step was not run
+            return _without_subflow(args, what)
+        if isinstance(outcome, BaseException):
+            _note_lost(getattr(outcome, "entry", None), what)
+            raise outcome from None
+        _note_lost(outcome, what)
+        return outcome
+    finally:
+        _outcomes.pop(step.fingerprint, None)  # an exception's frames are not kept past the step
+
+
+def _without_subflow(args: tuple, what: str) -> dict:
+    try:
+        entry = execute_step(*args)
+    except StageFailed as e:
+        _note_lost(e.entry, what)
+        raise
+    _note_lost(entry, what)
+    return entry
+
+
+def _note_lost(entry: dict | None, what: str) -> None:
+    """What the Prefect server never got of this step, in its summary entry."""
+    if entry is None:
+        return
+    entry[orchestration.ORCHESTRATION_LOST] = [what]
+    if what == orchestration.STAGE_SUBFLOW:
+        entry["prefect_flow_run_id"] = None  # it ran in the pipeline's flow run: no flow run of its own

@@ -141,8 +141,12 @@ class _Progress:
             from prefect.artifacts import create_progress_artifact, update_progress_artifact
             from prefect.context import FlowRunContext, TaskRunContext
 
+            from tasks import orchestration
+
             if FlowRunContext.get() is None and TaskRunContext.get() is None:
                 return  # outside a run an artifact would start a temporary Prefect server (~20 s)
+            if orchestration.lost():
+                return
             if self.artifact_id is None:
                 self.artifact_id = create_progress_artifact(
                     progress=pct, key=f"{self.stage}-progress", description=f"{self.stage} training progress")

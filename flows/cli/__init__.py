@@ -21,8 +21,11 @@ QUIET_ENV = {
 
 
 def _env_defaults() -> None:
+    from tasks import orchestration
+
     for k, v in QUIET_ENV.items():
         os.environ.setdefault(k, v)
+    orchestration.set_client_defaults()
     home = home_path().resolve()
     os.environ[HOME_ENV] = str(home)
     stack = home / "stack.env"  # written by `make up`: use the running Prefect and MLflow servers

@@ -42,20 +42,24 @@ def _exit_on_sigterm() -> None:
 
 
 EXIT_GRACE_S = 60
+EXIT_GRACE_WITHOUT_PREFECT_S = 10  # Prefect's workers would only keep trying a server that is gone
 
 
-def _bound_the_exit(code: int) -> None:
+def _bound_the_exit(code: int, grace_s: float | None = None, since: str = "the signal") -> None:
     """The exit hooks (Prefect's log and event workers draining, its temporary server stopping, MLflow) take seconds,
     but once, in five whole suite runs, baton was still exiting a minute after a SIGTERM with the run already recorded
     cancelled. Whoever sent the signal (a stopping container, a scheduler) must not wait on that: after EXIT_GRACE_S the
-    stacks of every thread go to the run log (to find the cause), the processes below us are stopped, and we exit."""
+    stacks of every thread go to the run log (to find the cause), the processes below us are stopped, and we exit.
+    After a run whose Prefect server went away, its workers would only retry that server: EXIT_GRACE_WITHOUT_PREFECT_S."""
     import faulthandler
     import threading
     import time
 
+    grace_s = EXIT_GRACE_S if grace_s is None else grace_s
+
     def watchdog():
-        time.sleep(EXIT_GRACE_S)
-        print(f"baton: exit hooks still running {EXIT_GRACE_S}s after the signal; their stacks:", file=sys.stderr,
+        time.sleep(grace_s)
+        print(f"baton: exit hooks still running {grace_s:.0f}s after {since}; their stacks:", file=sys.stderr,
               flush=True)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         _stop_children()
@@ -120,7 +124,12 @@ def cmd_run(args) -> int:
         from flows import smoke
 
         out.write(f"smoke passed; recorded {smoke.record(full, json.loads((run_dir / 'summary.json').read_text()))}\n")
-    return _report_run(out, run_dir, error)
+    code = _report_run(out, run_dir, error)
+    from tasks import orchestration
+
+    if orchestration.lost():  # the run has ended, its records are written: nothing left to wait for
+        _bound_the_exit(code, EXIT_GRACE_WITHOUT_PREFECT_S, "the run's end (the Prefect server is gone)")
+    return code
 
 
 def _busy_step(steps) -> str | None:
@@ -182,16 +191,39 @@ def _report_run(out, run_dir: Path, error: Exception | None) -> int:
 
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {"stages": []}
+    error = _unless_only_prefect_lost(error, summary)
     lines = views.summary_lines(summary, _terminal_width(out))
     failed = [s for s in summary["stages"] if s.get("status") == Status.FAILED]
     for entry in failed:
         lines += [""] + views.failure_report(entry)
     if error is not None and not failed:
         lines += ["", f"baton: {str(error).splitlines()[0]}"]
-    lines += _tracking_missing_lines(summary)
+    lines += _tracking_missing_lines(summary) + _orchestration_lost_lines(summary)
     out.write("\n".join(lines + [str(run_dir)]) + "\n")
     out.flush()
     return 1 if error is not None else 0
+
+
+def _unless_only_prefect_lost(error: Exception | None, summary: dict) -> Exception | None:
+    """With the Prefect server gone, the pipeline flow run's own end fails after the run has ended: its summary,
+    written before, is final and says how it went. None when that is completed."""
+    from tasks import orchestration
+
+    if error is None or not orchestration.lost() or not orchestration.is_outage(error):
+        return error
+    return None if summary.get("status") == Status.COMPLETED else error
+
+
+def _orchestration_lost_lines(summary: dict) -> list[str]:
+    """One line: the Prefect server went away; what it never got is in summary.json."""
+    from tasks import orchestration
+
+    lost = [*summary.get(orchestration.ORCHESTRATION_LOST, []),
+            *(f"{s['label']}: {m}" for s in summary["stages"] for m in s.get(orchestration.ORCHESTRATION_LOST, []))]
+    if not lost:
+        return []
+    return ["", f"the Prefect server {orchestration.api_url()} went away during the run, which went on without it; "
+                f"not recorded there: {'; '.join(lost)} (summary.json has everything)"]
 
 
 def _tracking_missing_lines(summary: dict) -> list[str]:
