@@ -46,7 +46,7 @@ def test_q8_0_is_smaller_and_looser_than_f16(exports):
 
     f16, q8 = (mf.read(exports[k][1])["extra"] for k in ("f16", "q8_0"))
     assert q8["size"] < 0.7 * f16["size"]
-    assert f16["max_logit_error"] < q8["max_logit_error"] and f16["top1_agreement"] == 1.0
+    assert f16["logit_rms"] < q8["logit_rms"] and f16["argmax_agreement"] == 1.0
 
 
 def test_baton_verify_reruns_the_gate_and_catches_a_changed_byte(exports, home, tmp_path):
@@ -109,7 +109,7 @@ def test_a_changed_chat_template_is_named(exports, hf_checkpoint, tmp_path):
 
 def test_a_too_lossy_export_is_refused_and_nothing_published(hf_checkpoint, home, tmp_path):
     dest = tmp_path / "q8"
-    r = cli("export", str(hf_checkpoint), str(dest), "--type", "q8_0", "--max-logit-error", "1e-4", home=home)
+    r = cli("export", str(hf_checkpoint), str(dest), "--type", "q8_0", "--max-logit-rms", "1e-4", home=home)
     assert r.returncode == 1 and "[FAIL] gguf.logits" in r.stdout and "the gate failed" in r.stderr, r.stdout + r.stderr
     assert not dest.exists() and (tmp_path / "q8.partial" / "model.gguf").exists()
 

@@ -22,7 +22,7 @@ def cmd_export(args) -> int:
         return 2
     if dest.exists():
         dest.rmdir()  # empty, checked above
-    outcome = run.export(src, dest, args.type, args.max_logit_error)  # a Refused (k-quant, not HF) is main's line
+    outcome = run.export(src, dest, args.type, args.max_logit_rms)  # a Refused (k-quant, not HF) is main's line
     if outcome.detail:
         print(f"baton export: {outcome.detail}; {dest} was not written", file=sys.stderr)
         return 1
@@ -43,7 +43,7 @@ def add_parsers(sub) -> None:
     ex.add_argument("dest", help="the folder to write: model.gguf and its manifest")
     ex.add_argument("--type", default="f16", help=f"the GGUF type: {', '.join(TYPES)} (k-quants such as q4_K_M are "
                                                   "refused with the llama-quantize recipe)")
-    ex.add_argument("--max-logit-error", type=float, default=None,
-                    help="the gate's bound on max |logit difference| in units of the source logits' std "
+    ex.add_argument("--max-logit-rms", type=float, default=None,
+                    help="the gate's bound on the rms logit difference, in units of the source logits' std "
                          "(default: the type's, docs/export.md)")
     ex.set_defaults(fn=cmd_export)

@@ -16,6 +16,7 @@ from tasks.stage import REPO_ROOT
 
 WORKER = Path(__file__).with_name("worker.py")
 TIMEOUT_S = 3600
+LOGIT_MEASURES = ("logit_rms", "argmax_agreement", "argmax_lead", "mean_kl")
 
 
 @dataclass
@@ -50,7 +51,7 @@ def convert(src: Path, out: Path, type_name: str) -> tuple[events.ExportResult |
     return events.ExportResult.model_validate({k: v for k, v in found[0].items() if k != "kind"}), ""
 
 
-def export(src: Path, dest: Path, type_name: str, max_logit_error: float | None = None) -> Outcome:
+def export(src: Path, dest: Path, type_name: str, max_logit_rms: float | None = None) -> Outcome:
     """Export src (an HF folder) to DEST/model.gguf; published with its manifest only when the gate passed."""
     gguf_export.export_type(type_name)  # a k-quant is refused before anything runs
     refuse_source(src)
@@ -61,7 +62,7 @@ def export(src: Path, dest: Path, type_name: str, max_logit_error: float | None 
     if result is None:
         shutil.rmtree(partial, ignore_errors=True)
         return Outcome({"passed": False, "checks": []}, None, None, f"the converter failed ({why})")
-    rep = gguf_export.gate(out, src, type_name, max_logit_error)
+    rep = gguf_export.gate(out, src, type_name, max_logit_rms)
     if not rep["passed"]:
         return Outcome(rep, None, partial)
     write_manifest(src, partial, type_name, result, rep)
@@ -77,6 +78,5 @@ def write_manifest(src: Path, folder: Path, type_name: str, result: events.Expor
                  architecture=dict(src_m.get("architecture") or {}), parameter_count=src_m.get("parameter_count"),
                  dtype=type_name, parent=mf.parent_ref(src),
                  extra={"gguf_type": type_name, "seconds": result.seconds, "size": result.size,
-                        "source": str(src.resolve()), "notes": result.notes, "max_logit_error": logits["max_logit_error"],
-                        "top1_agreement": logits["top1_agreement"]})
+                        "source": str(src.resolve()), "notes": result.notes, **{k: logits[k] for k in LOGIT_MEASURES}})
     mf.write(folder, m)
