@@ -119,3 +119,10 @@ def test_a_k_quant_is_refused_with_the_llama_quantize_recipe(hf_checkpoint, home
     r = cli("export", str(hf_checkpoint), str(tmp_path / "q4"), "--type", "q4_K_M", home=home)
     assert r.returncode == 2 and "llama-quantize" in r.stderr and "Q4_K_M" in r.stderr, r.stderr
     assert not (tmp_path / "q4").exists() and not (tmp_path / "q4.partial").exists()
+
+
+@pytest.mark.fast
+def test_a_source_that_is_not_hf_is_refused_before_anything_runs(data_dir, home, tmp_path):
+    r = cli("export", str(data_dir), str(tmp_path / "out"), home=home)
+    assert r.returncode == 2 and "export reads hf-safetensors" in r.stderr and "baton convert" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()

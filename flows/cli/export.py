@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def cmd_export(args) -> int:
-    from conversions import folder, verify
+    from conversions import folder, gguf_export, verify
     from flows.cli.checkpoint import _checkpoint
     from tasks.export import run
 
@@ -20,9 +20,11 @@ def cmd_export(args) -> int:
     if unsafe := folder.unsafe_entries(src):
         print(f"baton export: {src}: {'; '.join(unsafe[:5])}; nothing written", file=sys.stderr)
         return 2
+    gguf_export.export_type(args.type)  # a Refused (a k-quant, not an HF source) is main's one line, before any write
+    run.refuse_source(src)
     if dest.exists():
         dest.rmdir()  # empty, checked above
-    outcome = run.export(src, dest, args.type, args.max_logit_rms)  # a Refused (k-quant, not HF) is main's line
+    outcome = run.export(src, dest, args.type, args.max_logit_rms)
     if outcome.detail:
         print(f"baton export: {outcome.detail}; {dest} was not written", file=sys.stderr)
         return 1
