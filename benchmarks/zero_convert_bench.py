@@ -68,7 +68,8 @@ def build_at(out: Path, arch: dict) -> tuple[Path, float]:
 
     if (out / "latest").exists():
         return out, 0.0
-    launch = with_port(Launch(python=sys.executable, script=str(Path(__file__)), launcher="deepspeed", nproc_per_node=2,
+    launch = with_port(Launch(python=sys.executable, script=str(Path(__file__)), launcher="deepspeed", nnodes=1,
+                              nproc_per_node=2, master_port=0,
                               args=("--make-checkpoint", str(out), "--arch", json.dumps(arch))))
     port = launch.master_port
     cmd = engine_command(launch)

@@ -2,11 +2,11 @@
 
 Built-ins (0.0 or 1.0, but code_tests: a fraction):
     exact_match   the completion's final answer (extract: last_number | boxed | regex group 1 | full) equals the row's
-                  reference (`answer_field`, default answer); numbers compare as numbers ("7.0" = "7")
+                  reference (column `answer_field`); numbers compare as numbers ("7.0" = "7")
     regex         the pattern is found in the completion (re.search; anchor it with ^ and $ for a whole-reply format)
     json_schema   the completion, stripped, is JSON that the schema accepts
     length        min_chars <= characters of the stripped completion <= max_chars
-    code_tests    the fraction of the row's test cases (column `tests_field`, default tests) that the completion's code
+    code_tests    the fraction of the row's test cases (column `tests_field`) that the completion's code
                   (its last ```python block, or the whole reply: `code`) passes, run in conversions/sandbox.py's
                   sandboxed subprocess (timeout_s, memory_mb, isolation); no code block scores 0
 A user function (`kind: function`, `function: path/to/rewards.py:fn`) is called as fn(prompt, completion, **row): prompt
@@ -14,6 +14,7 @@ is the text of the row's last user message, completion the generated text, row e
 (answer, and any column of its own); it returns a float.
 
 Pure: no torch, no trainer. The worker (tasks/rlhf/worker.py) scores with these, the config check reads the same specs.
+A spec is a whole rlhf.rewards entry (tasks.events.RewardSpec): every key present, the defaults are the config's.
 """
 from __future__ import annotations
 
@@ -89,11 +90,10 @@ def same_answer(found: str | None, reference: str) -> bool:
 
 # ---- the built-ins --------------------------------------------------------------------------------------------------
 def exact_match(completion: str, row: dict, spec: dict) -> float:
-    field = spec.get("answer_field") or "answer"
+    field = spec["answer_field"]
     if field not in row:
         raise KeyError(f"the row has no column {field!r} (answer_field)")
-    return float(same_answer(extract(completion, spec.get("extract") or "last_number", spec.get("pattern")),
-                             row[field]))
+    return float(same_answer(extract(completion, spec["extract"], spec["pattern"]), row[field]))
 
 
 def regex(completion: str, row: dict, spec: dict) -> float:
@@ -112,7 +112,7 @@ def json_schema(completion: str, row: dict, spec: dict) -> float:
 
 def length(completion: str, row: dict, spec: dict) -> float:
     n = len(completion.strip())
-    low, high = spec.get("min_chars"), spec.get("max_chars")
+    low, high = spec["min_chars"], spec["max_chars"]
     return float((low is None or n >= low) and (high is None or n <= high))
 
 
@@ -126,16 +126,15 @@ def code_of(completion: str, how: str) -> str | None:
 
 
 def code_tests(completion: str, row: dict, spec: dict) -> float:
-    field = spec.get("tests_field") or "tests"
+    field = spec["tests_field"]
     if field not in row:
         raise KeyError(f"the row has no column {field!r} (tests_field)")
     if problem := sandbox.tests_problem(row[field]):
         raise ValueError(f"column {field!r}: {problem}")
-    code = code_of(completion, spec.get("code") or "last_block")
+    code = code_of(completion, spec["code"])
     if code is None:
         return 0.0
-    limits = sandbox.Limits(timeout_s=spec.get("timeout_s") or 5.0, memory_mb=spec.get("memory_mb") or 512,
-                            isolation=spec.get("isolation") or "required")
+    limits = sandbox.Limits(timeout_s=spec["timeout_s"], memory_mb=spec["memory_mb"], isolation=spec["isolation"])
     return sandbox.run_tests(code, row[field], limits).fraction
 
 

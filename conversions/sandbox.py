@@ -32,13 +32,14 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import sandbox_child
 from .refusal import Refused
 
-CHILD = Path(__file__).with_name("sandbox_child.py")
+CHILD = Path(sandbox_child.__file__)
 RESULTS_READ = 1 << 20
 MAX_TESTS = 100
-ISOLATION = ("required", "limits_only")
-UNAVAILABLE = 3  # the child's exit status when a required layer failed
+ISOLATION = sandbox_child.ISOLATION
+UNAVAILABLE = sandbox_child.UNAVAILABLE
 
 
 class SandboxUnavailable(Refused):
@@ -47,9 +48,14 @@ class SandboxUnavailable(Refused):
 
 @dataclass(frozen=True)
 class Limits:
-    timeout_s: float = 5.0
-    memory_mb: int = 512
-    isolation: str = "required"
+    """From an rlhf.rewards entry (tasks/rlhf/config.py RewardConfig holds the defaults): none here."""
+    timeout_s: float
+    memory_mb: int
+    isolation: str
+
+
+# What the probe runs ("pass"): room enough to start Python, and a long wait on a loaded machine.
+PROBE_LIMITS = Limits(timeout_s=30, memory_mb=512, isolation="limits_only")
 
 
 @dataclass
@@ -108,19 +114,26 @@ def kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def read_results(path: Path, nonce: str) -> tuple[set[int], list[str], list[str]]:
-    """(passed test indexes, layers, missing layers) from the lines that carry the nonce."""
-    passed, layers, missing = set(), [], []
+def read_lines(path: Path, nonce: str) -> list[tuple[str, str]]:
+    """(what, value) of the result lines that carry the nonce."""
     try:
         with open(path, "rb") as f:
             text = f.read(RESULTS_READ).decode("utf-8", "replace")
     except FileNotFoundError:
-        return passed, layers, missing
+        return []
+    out = []
     for line in text.splitlines():
         head, _, rest = line.partition(" ")
-        if head != nonce:
-            continue
-        what, _, value = rest.partition(" ")
+        if head == nonce:
+            what, _, value = rest.partition(" ")
+            out.append((what, value))
+    return out
+
+
+def read_results(lines: list[tuple[str, str]]) -> tuple[set[int], list[str], list[str]]:
+    """(passed test indexes, layers, missing layers)."""
+    passed, layers, missing = set(), [], []
+    for what, value in lines:
         if what == "pass" and value.isdigit():
             passed.add(int(value))
         elif what in ("layers", "missing"):
@@ -128,33 +141,66 @@ def read_results(path: Path, nonce: str) -> tuple[set[int], list[str], list[str]
     return passed, layers, missing
 
 
-def run_tests(code: str, tests: list, limits: Limits = Limits()) -> Outcome:
-    """Run `code` against `tests` in the sandbox. Raises SandboxUnavailable when isolation is required and a layer
-    is missing here."""
-    nonce = secrets.token_hex(16)
-    cpu_s = math.ceil(limits.timeout_s) + 1
+def child_job(code: str, tests: list, limits: Limits, nonce: str, as_tool: bool = False) -> dict:
+    """The child's whole spec (its stdin): checked here and again by the child, with the same function."""
+    job = {"memory_mb": limits.memory_mb, "cpu_s": math.ceil(limits.timeout_s) + 1, "isolation": limits.isolation,
+           "code": code, "tests": tests, "nonce": nonce, "as_tool": as_tool}
+    if problem := sandbox_child.job_problem(job):
+        raise ValueError(f"sandbox: {problem}")
+    return job
+
+
+def run_child(job: dict, limits: Limits) -> tuple[list[tuple[str, str]], bool]:
+    """One sandboxed child on the job (child_job's): (its result lines, whether it ran past the timeout). Raises
+    SandboxUnavailable when isolation is required and a layer is missing here."""
     with tempfile.TemporaryDirectory(prefix="baton-sandbox-", ignore_cleanup_errors=True) as folder:
-        proc = subprocess.Popen([sys.executable, "-I", str(CHILD), str(limits.memory_mb), str(cpu_s),
-                                 limits.isolation], cwd=folder, env=child_env(folder), stdin=subprocess.PIPE,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen([sys.executable, "-I", str(CHILD)], cwd=folder, env=child_env(folder),
+                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
         timed_out = False
         try:
-            proc.communicate(json.dumps({"code": code, "tests": tests, "nonce": nonce}).encode(),
-                             timeout=limits.timeout_s)
+            proc.communicate(json.dumps(job).encode(), timeout=limits.timeout_s)
         except subprocess.TimeoutExpired:
             timed_out = True
         finally:
             kill_group(proc)
-        passed, layers, missing = read_results(Path(folder) / "results", nonce)
+        lines = read_lines(Path(folder) / "results", job["nonce"])
+    _, _, missing = read_results(lines)
     if proc.returncode == UNAVAILABLE and missing and limits.isolation == "required":
         raise SandboxUnavailable("the code sandbox cannot isolate code on this machine: " + "; ".join(missing) +
                                  " (isolation: limits_only runs it with the limits alone)")
+    return lines, timed_out
+
+
+def run_tests(code: str, tests: list, limits: Limits) -> Outcome:
+    """Run `code` against `tests` in the sandbox. Raises SandboxUnavailable when isolation is required and a layer
+    is missing here."""
+    lines, timed_out = run_child(child_job(code, tests, limits, secrets.token_hex(16)), limits)
+    passed, layers, missing = read_results(lines)
     return Outcome({i for i in passed if i < len(tests)}, len(tests), timed_out, layers, missing)
+
+
+@dataclass
+class ToolRun:
+    """The python tool's call (rlhf.tools): what the code printed, the exception it raised, or that it timed out."""
+
+    printed: str
+    raised: str | None
+    timed_out: bool
+
+
+def run_tool_code(code: str, limits: Limits) -> ToolRun:
+    """Run `code` once as a program (no stdin) in the sandbox, keeping what it printed (rlhf.tools: python)."""
+    lines, timed_out = run_child(child_job(code, [], limits, secrets.token_hex(16), as_tool=True), limits)
+    found = {what: json.loads(value) for what, value in lines if what in ("printed", "raised")}
+    if not timed_out and "printed" not in found:  # killed by a limit before it reported (memory, CPU)
+        found["raised"] = "the code was stopped by a resource limit of the sandbox"
+    return ToolRun(found.get("printed", ""), found.get("raised"), timed_out)
 
 
 def probe() -> list[str]:
     """The isolation layers this machine cannot give ('layer: why'); empty when the sandbox is whole."""
-    outcome = run_tests("", ["pass"], Limits(timeout_s=30, isolation="limits_only"))
+    outcome = run_tests("", ["pass"], PROBE_LIMITS)
     if not outcome.layers and not outcome.missing:
         return ["sandbox: the child started but reported nothing (python -I conversions/sandbox_child.py)"]
     return outcome.missing

@@ -1,15 +1,18 @@
-"""The sandboxed side of conversions/sandbox.py: started as `python -I sandbox_child.py MEMORY_MB CPU_S ISOLATION` in an
-empty temporary folder with a minimal environment, its own session, stdout and stderr on /dev/null. Standard library
-only (it runs before any isolation is known to work).
+"""The sandboxed side of conversions/sandbox.py: started as `python -I sandbox_child.py` in an empty temporary folder with
+a minimal environment, its own session, stdout and stderr on /dev/null. Standard library only (it runs before any
+isolation is known to work, once per completion scored).
 
-It reads its job (the code, the tests, a nonce) from stdin, then locks itself in before running anything it was given:
-    limits      RLIMIT_AS (MEMORY_MB), RLIMIT_CPU (CPU_S), RLIMIT_NOFILE, RLIMIT_FSIZE
+It reads its whole job from stdin, one JSON object (JOB_FIELDS: the limits, the code, the tests, a nonce, whether it
+runs as rlhf's python tool; no field has a default, the values come from the rlhf.rewards entry or the tool's config),
+checks it with job_problem (the parent checked it with the same function), then locks itself in before running
+anything it was given:
+    limits      RLIMIT_AS (memory_mb), RLIMIT_CPU (cpu_s), RLIMIT_NOFILE, RLIMIT_FSIZE
     no_new_privs   prctl(PR_SET_NO_NEW_PRIVS): no setuid gain, and what Landlock and seccomp need
     network     unshare(CLONE_NEWUSER | CLONE_NEWNET): a network namespace with no interface up (not even loopback)
     landlock    writes, removals and new files only beneath the working folder; no ptrace of, no signal to, no abstract
                 Unix socket of a process outside (signals and sockets: Landlock ABI 6+)
     seccomp     socket(2) fails with EPERM: no socket at all, not even a path-named Unix one (a Docker socket, say)
-ISOLATION required: any layer that fails stops it before the code runs (exit 3, the layers it lacks in its results);
+isolation required: any layer that fails stops it before the code runs (exit 3, the layers it lacks in its results);
 limits_only: it runs with whatever layers worked (the limits always apply).
 
 Results go to the file `results` in the working folder, one line each, prefixed with the nonce: `<nonce> layers
@@ -24,9 +27,17 @@ import platform
 import resource
 import sys
 
+# The job on stdin: every field, its type (bool is not an int here), nothing else.
+JOB_FIELDS = {"memory_mb": int, "cpu_s": int, "isolation": str, "code": str, "tests": list, "nonce": str,
+              "as_tool": bool}
+ISOLATION = ("required", "limits_only")
+UNAVAILABLE = 3  # exit status: isolation required and a layer failed
+BAD_JOB = 4      # exit status: the job is not one JOB_FIELDS describes (nothing run)
+
 MIB = 1 << 20
 OPEN_FILES = 64
 FILE_BYTES = 16 * MIB
+TOOL_OUTPUT_CHARS = 2000  # a tool call's printed output and error, each at most
 
 CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
 PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
@@ -173,16 +184,57 @@ def run_program(code: str, stdin: str) -> str | None:
     return printed
 
 
+def run_as_tool(code: str, write) -> None:
+    """The code as a tool call (rlhf.tools python): what it printed, or the exception it raised, reported."""
+    sys.stdin, sys.stdout = io.StringIO(""), io.StringIO()
+    raised = None
+    try:
+        exec(compile(code, "<tool call>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            raised = f"SystemExit: {e.code}"
+    except BaseException as e:
+        raised = f"{type(e).__name__}: {e}"
+    finally:
+        printed, sys.stdin, sys.stdout = sys.stdout.getvalue(), sys.__stdin__, sys.__stdout__
+    write(f"printed {json.dumps(printed[:TOOL_OUTPUT_CHARS])}")
+    if raised is not None:
+        write(f"raised {json.dumps(raised[:TOOL_OUTPUT_CHARS])}")
+
+
 def same_output(printed: str, expected: str) -> bool:
     def lines(text: str) -> list[str]:
         return [line.rstrip() for line in text.strip().splitlines()]
     return lines(printed) == lines(expected)
 
 
+def job_problem(job) -> str | None:
+    """Why this is not a job the child runs (None when it is)."""
+    if not isinstance(job, dict):
+        return f"the job is a {type(job).__name__}, not an object"
+    if set(job) != set(JOB_FIELDS):
+        return f"the job's fields are {sorted(job)}, not {sorted(JOB_FIELDS)}"
+    wrong = [k for k, kind in JOB_FIELDS.items() if type(job[k]) is not kind]
+    if wrong:
+        return f"the job's {wrong[0]} is a {type(job[wrong[0]]).__name__}, not a {JOB_FIELDS[wrong[0]].__name__}"
+    if job["isolation"] not in ISOLATION:
+        return f"the job's isolation is {job['isolation']!r}, not one of {ISOLATION}"
+    return None
+
+
+def read_job() -> dict:
+    try:
+        job = json.loads(sys.stdin.buffer.read())
+    except (ValueError, RecursionError):
+        job = None
+    if job_problem(job):
+        os._exit(BAD_JOB)
+    return job
+
+
 def main() -> None:
-    memory_mb, cpu_s, isolation = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    job = json.loads(sys.stdin.buffer.read())
-    nonce = job["nonce"]
+    job = read_job()
+    memory_mb, cpu_s, isolation, nonce = job["memory_mb"], job["cpu_s"], job["isolation"], job["nonce"]
     results = os.open("results", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
 
     def write(line: str) -> None:
@@ -194,7 +246,10 @@ def main() -> None:
     if missing:
         write(f"missing {json.dumps(missing)}")
         if isolation == "required":
-            os._exit(3)
+            os._exit(UNAVAILABLE)
+    if job["as_tool"]:
+        run_as_tool(job["code"], write)
+        os._exit(0)
     asserts = [(i, t) for i, t in enumerate(job["tests"]) if isinstance(t, str)]
     run_asserts(job["code"], [t for _, t in asserts], lambda k: write(f"pass {asserts[k][0]}"))
     for i, test in enumerate(job["tests"]):

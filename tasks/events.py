@@ -268,6 +268,14 @@ class RewardSpec(ProgramSpec):
     source: str | None
 
 
+class EnvironmentSpec(ProgramSpec):
+    """rlhf.environment as the worker runs it: the text of its file, read and checked once by the task."""
+
+    path: str
+    name: str
+    source: str
+
+
 class RlhfSpec(ProgramSpec):
     """tasks/rlhf/worker.py: TRL's run (or, evaluate, only the held-out measurement of an output trained elsewhere),
     every value from the rlhf config (tasks.rlhf.task.worker_spec)."""
@@ -295,6 +303,10 @@ class RlhfSpec(ProgramSpec):
     max_completion_length: int
     dataset: str                               # preference or prompts
     rewards: list[RewardSpec]
+    tools: list[str]                           # rlhf.tools: multi-turn episodes when not empty
+    environment: EnvironmentSpec | None        # rlhf.environment: multi-turn episodes too
+    max_turns: int
+    tool_timeout_s: float
     clip_epsilon: float
     clip_epsilon_high: float | None
     loss_type: str
@@ -438,6 +450,7 @@ class RlhfResult(WorkerResult):
     steps: int | None = None
     seconds: float | None = None
     peak_mem_mib: float | None = None          # rank 0's peak RSS
+    episodes: dict | None = None               # rlhf.tools: training and held-out episodes' ends, turns, tool calls
 
 
 class InputParity(BaseModel):

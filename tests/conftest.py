@@ -241,3 +241,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(FAMILIES[module])
         if not any(item.get_closest_marker(k) for k in KINDS):
             item.add_marker("fast" if module in FAST_MODULES else "slow")
+
+
+def reward_spec(**fields) -> dict:
+    """One rlhf.rewards entry as the rlhf worker hands it to conversions.rewards.build: the config's defaults for every
+    key not given (tasks/rlhf/task.py reward_specs, for a built-in kind)."""
+    from tasks import events
+    from tasks.rlhf.config import RewardConfig
+
+    entry = RewardConfig(**fields).model_dump(exclude={"function"})
+    return events.RewardSpec(**entry, path=None, name=None, source=None).model_dump()

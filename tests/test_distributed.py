@@ -25,7 +25,9 @@ def _env():
 def test_local_torchrun_runs_two_ranks(tmp_path):
     script = tmp_path / "w.py"
     script.write_text(RANK_SCRIPT)
-    cmd = engine_command(Launch(python=sys.executable, script=str(script), nproc_per_node=2), {"kind": "venv"})
+    launch = Launch(python=sys.executable, script=str(script), nnodes=1, nproc_per_node=2, launcher="torchrun",
+                    master_port=0)
+    cmd = engine_command(launch, {"kind": "venv"})
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=_env())
     assert out.returncode == 0, out.stderr
     assert "rank 0 of 2" in out.stdout and "rank 1 of 2" in out.stdout
@@ -36,7 +38,8 @@ def test_two_node_launchers_meet_at_the_first_node(tmp_path):
     """Two `tasks.distributed.node` processes (what srun or Ray start, one per node) form one world of 2 ranks."""
     script = tmp_path / "w.py"
     script.write_text(RANK_SCRIPT)
-    launch = Launch(python=sys.executable, script=str(script), nnodes=2, nproc_per_node=1)
+    launch = Launch(python=sys.executable, script=str(script), nnodes=2, nproc_per_node=1, launcher="torchrun",
+                    master_port=0)
     port = free_port()
     procs = [subprocess.Popen([sys.executable, "-m", "tasks.distributed.node", json.dumps(
         {"launch": json.loads(launch.to_json()), "node_rank": r, "master_addr": "127.0.0.1", "master_port": port})],
@@ -49,11 +52,12 @@ def test_two_node_launchers_meet_at_the_first_node(tmp_path):
 
 @pytest.mark.fast
 def test_deepspeed_launcher_single_and_multi_node():
-    one = with_port(Launch(python="py", script="w.py", args=("--spec", "s"), nproc_per_node=2, launcher="deepspeed"))
+    one = with_port(Launch(python="py", script="w.py", args=("--spec", "s"), nnodes=1, nproc_per_node=2,
+                           launcher="deepspeed", master_port=0))
     cmd = engine_command(one)
     assert cmd[:5] == ["py", "-m", "deepspeed.launcher.runner", "--num_gpus", "2"]
     assert cmd[-3:] == ["w.py", "--spec", "s"] and str(one.master_port) in cmd
-    two = Launch(python="py", script="w.py", nnodes=2, nproc_per_node=4, launcher="deepspeed")
+    two = Launch(python="py", script="w.py", nnodes=2, nproc_per_node=4, launcher="deepspeed", master_port=0)
     cmd = node_command(two, node_rank=1, master_addr="10.0.0.1", master_port=29500, hostfile=Path("hf"))
     assert cmd[3:] == ["--hostfile", "hf", "--no_ssh", "--node_rank", "1", "--master_addr", "10.0.0.1",
                        "--master_port", "29500", "w.py"]
@@ -63,7 +67,7 @@ def test_deepspeed_launcher_single_and_multi_node():
 def test_slurm_in_an_allocation_starts_one_node_launcher_per_node(monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "7")
     launch = Launch(python="/shared/venv/bin/python", script="/shared/baton/tasks/pretrain/worker.py",
-                    args=("--spec", "s.json"), nnodes=4, nproc_per_node=8)
+                    args=("--spec", "s.json"), nnodes=4, nproc_per_node=8, launcher="torchrun", master_port=0)
     cmd = engine_command(launch, {"kind": "slurm", "srun_args": ["--partition=gpu"], "env": {"NCCL_DEBUG": "WARN"}})
     assert cmd[:6] == ["srun", "--nodes", "4", "--ntasks-per-node", "1", "--kill-on-bad-exit=1"]
     assert "--partition=gpu" in cmd and cmd[-3:-1] == ["-m", "tasks.distributed.node"]
@@ -76,7 +80,7 @@ def test_slurm_in_an_allocation_starts_one_node_launcher_per_node(monkeypatch):
 @pytest.mark.fast
 def test_slurm_outside_an_allocation_submits_an_sbatch_script(monkeypatch, tmp_path):
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
-    launch = Launch(python="py", script="w.py", nnodes=2, nproc_per_node=1, launcher="deepspeed")
+    launch = Launch(python="py", script="w.py", nnodes=2, nproc_per_node=1, launcher="deepspeed", master_port=0)
     runtime = {"kind": "slurm", "sbatch_args": ["--time=01:00:00"]}
     cmd = engine_command(launch, runtime, tmp_path)
     assert cmd[1:3] == ["-m", "tasks.distributed.slurm"] and json.loads(cmd[3])["work_dir"] == str(tmp_path)
@@ -88,7 +92,7 @@ def test_slurm_outside_an_allocation_submits_an_sbatch_script(monkeypatch, tmp_p
 
 @pytest.mark.fast
 def test_ray_target_runs_the_driver_against_the_address():
-    launch = Launch(python="py", script="w.py", nnodes=2)
+    launch = Launch(python="py", script="w.py", nnodes=2, nproc_per_node=1, launcher="torchrun", master_port=0)
     cmd = engine_command(launch, {"kind": "ray", "address": "head:6379", "resources_per_node": {"CPU": 2, "GPU": 8}})
     assert cmd[1:3] == ["-m", "tasks.distributed.ray_driver"]
     spec = json.loads(cmd[3])
@@ -102,10 +106,14 @@ def test_ray_target_runs_the_driver_against_the_address():
 @pytest.mark.fast
 def test_refusals(monkeypatch):
     with pytest.raises(LaunchConfigError, match="container image"):
-        engine_command(Launch(python="py", script="w.py"), {"kind": "kubernetes"})
+        engine_command(Launch(python="py", script="w.py", nnodes=1, nproc_per_node=1, launcher="torchrun",
+                              master_port=0),
+                       {"kind": "kubernetes"})
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     with pytest.raises(LaunchConfigError, match="MASTER_ADDR"):
-        engine_command(Launch(python="py", script="w.py", nnodes=2), {"kind": "local"})
+        engine_command(Launch(python="py", script="w.py", nnodes=2, nproc_per_node=1, launcher="torchrun",
+                              master_port=0),
+                       {"kind": "local"})
 
 
 @pytest.mark.fast
@@ -126,7 +134,8 @@ def test_ray_secrets_stay_out_of_the_runtime_env(monkeypatch, record_property):
     monkeypatch.setenv("HF_TOKEN", "hf_secret_value")
     monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "mlflow-secret-value")
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
-    launch = Launch(python="py", script="w.py", nnodes=2, env={"WANDB_API_KEY": "wandb-secret-value"},
+    launch = Launch(python="py", script="w.py", nnodes=2, nproc_per_node=1, launcher="torchrun", master_port=0,
+                    env={"WANDB_API_KEY": "wandb-secret-value"},
                     inherit=("HF_TOKEN",))
     plain, secret = ray_driver.split_secrets(ray_driver.forwarded_env(launch))
     assert "secret-value" not in json.dumps(plain) and "hf_secret" not in json.dumps(plain), plain

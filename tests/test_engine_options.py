@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from conversions import sealed
+from tasks import resuming
 
 from conftest import TINY
 
@@ -152,7 +153,9 @@ def test_rlhf_resumes_only_from_a_checkpoint_marked_complete(tmp_path, monkeypat
     unmarked = checkpoint(6, b"x" * 10, mark=False)  # killed before the marker
     assert worker.is_complete(done) and not worker.is_complete(torn) and not worker.is_complete(unmarked)
     assert worker.is_complete(flipped)
-    assert worker.newest_complete(tmp_path) == done
+    point = resuming.resume_point(tmp_path, worker.KIND)
+    assert point.checkpoint == done and point.step == 2
+    assert [r.folder for r in point.rejected] == [flipped] and set(point.unfinished) == {torn, unmarked}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"]  # the others are deleted
     assert worker.checkpoint_args(argparse.Namespace(checkpoint_every=0, keep_checkpoints=2)) == {"save_strategy": "no"}
 
@@ -175,14 +178,14 @@ def test_with_no_complete_checkpoint_left_training_starts_fresh(tmp_path, monkey
     trl = tmp_path / "trl"
     for step in (2, 4):
         corrupted(trl / f"checkpoint-{step}", rlhf_worker.mark_complete)
-    assert len([p for p in rlhf_worker.checkpoints(trl) if rlhf_worker.is_complete(p)]) == 2
-    assert rlhf_worker.newest_complete(trl) is None and list(trl.iterdir()) == []
+    assert len(resuming.complete(trl, rlhf_worker.KIND)) == 2
+    point = resuming.resume_point(trl, rlhf_worker.KIND)
+    assert point.checkpoint is None and point.step == 0 and len(point.rejected) == 2 and list(trl.iterdir()) == []
 
     ds = tmp_path / "ds"
-    tags = [(step, f"{finetune_worker.TAG_PREFIX}{step}") for step in (3, 6)]
-    for step, tag in tags:
-        corrupted(ds / tag, lambda d, step=step: sealed.seal(d, finetune_worker.COMPLETE, step=step))
-    assert finetune_worker.verified_tags(ds, tags) == [] and list(ds.iterdir()) == []
+    for step in (3, 6):
+        corrupted(ds / f"global_step{step}", lambda d, step=step: sealed.seal(d, finetune_worker.COMPLETE, step=step))
+    assert resuming.resume_point(ds, finetune_worker.KIND).checkpoint is None and list(ds.iterdir()) == []
     assert f"{ds}: no checkpoint whose contents verify; starting fresh" in capsys.readouterr().out
 
 

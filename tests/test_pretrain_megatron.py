@@ -166,8 +166,20 @@ def test_resume_after_sigkill_is_bit_exact_with_the_plain_optimizer(tmp_path, da
     shutil.copytree(done, torn)
     shard = max(torn.glob("*.distcp"), key=lambda f: f.stat().st_size)
     shard.write_bytes(shard.read_bytes()[:-100])
+    # and a newer one whose seal holds but one byte flipped: rejected, removed and reported (tasks/resuming.py)
+    flipped = work / "checkpoints" / "iter_0000011"
+    shutil.copytree(done, flipped)
+    shard = max(flipped.glob("*.distcp"), key=lambda f: f.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
     resumed = run_stage(work, data_dir)
     assert resumed.metrics["resumed_from_step"] == int(done.name[len("iter_"):]) >= 4
+    assert not flipped.exists()  # else, being the newest sealed, it would stay among the kept three
+    rejected = [json.loads(line[len("@@baton "):]) for line in (work / "engine.log").read_text().splitlines()
+                if line.startswith("@@baton ") and '"checkpoint_rejected"' in line]
+    assert rejected == [{"kind": "checkpoint_rejected", "tag": flipped.name,
+                         "reason": f"{shard.name} differs from the sha256 recorded at save time"}]
     assert_trained(resumed)
     assert resumed.metrics["loss_first"] == base.metrics["loss_first"]  # carried over from the first attempt
     assert losses(work) == losses(base_work)  # the whole trajectory, step by step

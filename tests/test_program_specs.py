@@ -151,3 +151,97 @@ def test_a_training_worker_refuses_a_spec_naming_the_field(tmp_path, stage, wher
     assert r.returncode != 0
     assert r.stderr.strip().splitlines()[-1] == f"{path}: {message}"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["written.json"]
+
+
+# ---- the code sandbox's child (conversions/sandbox_child.py): its whole job on stdin, checked on both sides --------
+def positional_argv_reads(path) -> list[int]:
+    """Lines that read a positional `sys.argv[i]` other than as one JSON document (`json.loads(sys.argv[1])`)."""
+    tree = ast.parse(path.read_text())
+    as_json = {id(c.args[0]) for c in ast.walk(tree) if isinstance(c, ast.Call) and c.args
+               and getattr(c.func, "attr", None) == "loads"}
+    return [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Attribute)
+            and n.value.attr == "argv" and id(n) not in as_json]
+
+
+def test_no_launched_program_reads_positional_arguments():
+    """The sandbox child once took MEMORY_MB CPU_S ISOLATION as argv beside its JSON job: values with no model."""
+    assert REPO / "conversions/sandbox_child.py" in launched_programs()
+    positional = {str(p.relative_to(REPO)): lines for p in launched_programs() if (lines := positional_argv_reads(p))}
+    assert positional == {}, f"these programs take positional arguments, not one spec: {positional}"
+
+
+def test_the_scan_finds_a_positional_argument(tmp_path):
+    planted = tmp_path / "child.py"
+    planted.write_text("import json, sys\nmemory = int(sys.argv[1])\nspec = json.loads(sys.argv[2])\n")
+    assert positional_argv_reads(planted) == [2]
+
+
+def test_the_sandbox_takes_its_limits_from_the_config_alone():
+    """No default of its own in the limits, nor in the reward code that reads an rlhf.rewards entry (`spec.get(k) or
+    5.0` once stood for rlhf.rewards[].timeout_s): the entry is whole, the config model holds the defaults."""
+    import dataclasses
+
+    from conversions import sandbox
+
+    defaulted = [f.name for f in dataclasses.fields(sandbox.Limits) if f.default is not dataclasses.MISSING]
+    assert defaulted == []
+    spec_gets = [c.lineno for c in calls_named(REPO / "conversions/rewards.py", "get")
+                 if getattr(getattr(c.func, "value", None), "id", None) == "spec"]
+    assert spec_gets == [], f"conversions/rewards.py reads a reward spec with a default of its own at {spec_gets}"
+
+
+def test_the_sandbox_child_refuses_a_job_its_parent_would_not_send(tmp_path):
+    """The parent builds the job and checks it with the child's own job_problem; the child checks it again and runs
+    nothing of a job with a field misspelt (exit BAD_JOB, no results written)."""
+    from conversions import sandbox, sandbox_child
+
+    limits = sandbox.Limits(timeout_s=10, memory_mb=256, isolation="limits_only")
+    job = sandbox.child_job("print('ran')", ["assert True"], limits, nonce="n")
+    assert sandbox_child.job_problem(job) is None and job["cpu_s"] == 11
+    with pytest.raises(ValueError, match="the job's isolation is 'maybe'"):
+        sandbox.child_job("", ["pass"], sandbox.Limits(timeout_s=1, memory_mb=256, isolation="maybe"), nonce="n")
+    job["memory"] = job.pop("memory_mb")
+    r = subprocess.run([sys.executable, "-I", str(sandbox.CHILD)], input=json.dumps(job).encode(), cwd=tmp_path,
+                       env=sandbox.child_env(str(tmp_path)), capture_output=True, timeout=60)
+    assert r.returncode == sandbox_child.BAD_JOB and list(tmp_path.iterdir()) == []
+    job["memory_mb"] = job.pop("memory")
+    r = subprocess.run([sys.executable, "-I", str(sandbox.CHILD)], input=json.dumps(job).encode(), cwd=tmp_path,
+                       env=sandbox.child_env(str(tmp_path)), capture_output=True, timeout=60)
+    assert r.returncode == 0 and "n pass 0" in (tmp_path / "results").read_text()
+
+
+def test_a_detached_server_takes_its_supervisor_s_values_from_the_config(tmp_path):
+    """The supervisor's spec is written by Server.start from serve.restarts and serve.health_timeout_s: Server has no
+    default of its own for either (its `restarts=0` once stood where the config says 2), and a detached server given
+    neither is refused before anything starts."""
+    import inspect
+
+    from tasks.serve.config import ServeConfig
+    from tasks.serve.server import Server
+
+    params = inspect.signature(Server).parameters
+    assert {k: params[k].default for k in ("restarts", "health_timeout")} == {"restarts": None, "health_timeout": None}
+    assert {"restarts", "health_timeout_s"} <= set(events.SupervisorSpec.model_fields) & set(ServeConfig.model_fields)
+    server = Server("engine", [sys.executable, "-c", "pass"], {}, "http://127.0.0.1:9", tmp_path / "s.log", str,
+                    managed=False, health_timeout=60)
+    with pytest.raises(ValueError, match=r"serve\.restarts"):
+        server.start()
+    assert server.proc is None and list(tmp_path.iterdir()) == []
+
+
+def test_a_launch_takes_its_layout_launcher_and_port_from_the_stage_config():
+    """tasks.distributed.Launch once defaulted nnodes and nproc_per_node to 1, the launcher to torchrun (finetune's
+    config says deepspeed) and the port to 0: a field a training config sets has no default there."""
+    import dataclasses
+
+    from tasks.distributed import Launch
+    from tasks.finetune.config import FinetuneConfig
+    from tasks.pretrain.config import PretrainConfig
+    from tasks.rlhf.config import RlhfConfig
+
+    config_keys = {k for c in (FinetuneConfig, PretrainConfig, RlhfConfig) for k in c.model_fields}
+    launch_fields = {f.name: f for f in dataclasses.fields(Launch)}
+    assert {"nnodes", "nproc_per_node", "launcher", "master_port"} <= config_keys & set(launch_fields)
+    defaulted = {name for name, f in launch_fields.items() if name in config_keys and
+                 (f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING)}
+    assert defaulted == set()

@@ -113,12 +113,14 @@ def test_free_space_is_checked_before_converting(hf_checkpoint, tmp_path, baton_
 
 
 @pytest.mark.fast
-def test_flipped_byte_in_a_training_checkpoint_is_not_resumed(tmp_path, monkeypatch, record_property):
-    """Two complete pretrain checkpoints; a byte of the newer one flips on disk (same size): resume takes the older."""
+def test_flipped_byte_in_a_training_checkpoint_is_not_resumed(tmp_path, monkeypatch, capsys, record_property):
+    """Two complete pretrain checkpoints; a byte of the newer one flips on disk (same size): resume takes the older,
+    and removes and reports the newer (a log line and a `checkpoint_rejected` event), as every stage does."""
     record_property("fault", "bit flip in a checkpoint")
     monkeypatch.setenv("BATON_HOME", str(tmp_path / "home"))  # where the seal key is made
     pytest.importorskip("megatron.core")
     from conversions import sealed
+    from tasks import events, resuming
     from tasks.pretrain import mcore_checkpoint as ckpt
 
     for it in (1, 2):
@@ -130,7 +132,12 @@ def test_flipped_byte_in_a_training_checkpoint_is_not_resumed(tmp_path, monkeypa
     data = bytearray(newest.read_bytes())
     data[100] ^= 0xFF
     newest.write_bytes(bytes(data))
-    assert ckpt.latest(tmp_path).name == f"{ckpt.PREFIX}0000001"
+    point = resuming.resume_point(tmp_path, ckpt.KIND)
+    assert point.checkpoint.name == f"{ckpt.PREFIX}0000001" and point.step == 1
+    assert not newest.parent.exists() and [r.folder for r in point.rejected] == [newest.parent]
+    rejected = [e for line in capsys.readouterr().out.splitlines() if (e := events.parse(line))]
+    assert rejected == [{"kind": "checkpoint_rejected", "tag": newest.parent.name,
+                         "reason": "__0_0.distcp differs from the sha256 recorded at save time"}]
 
 
 @pytest.mark.fast

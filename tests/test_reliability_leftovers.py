@@ -112,7 +112,7 @@ def test_detached_server_log_is_redacted(tmp_path, record_property):
     code = (f'import os; print("server_args api_key={key!r}", flush=True); '
             'print("env", "BATON_REDACT" in os.environ)')
     server = Server("vllm", [sys.executable, "-c", code], {}, "http://127.0.0.1:9", log, redactor(key), managed=False,
-                    health_timeout=60)
+                    restarts=0, health_timeout=60)
     server.start()
     try:
         server.proc.wait(60)

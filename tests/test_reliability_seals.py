@@ -61,12 +61,15 @@ def test_a_seal_from_another_baton_home_is_refused(home, tmp_path, monkeypatch, 
 def test_megatron_resume_skips_a_forged_checkpoint(home, tmp_path, record_property):
     record_property("fault", "checkpoint files and seal replaced together")
     pytest.importorskip("megatron.core")
+    from tasks import resuming
     from tasks.pretrain import mcore_checkpoint as ckpt
 
     for it in (1, 2):
         _sealed_folder(tmp_path / f"{ckpt.PREFIX}{it:07d}", ckpt.STATE_FILE, bytes([it]) * 4096, iteration=it)
     _forge(tmp_path / f"{ckpt.PREFIX}0000002", ckpt.STATE_FILE, b"\x66" * 4096)
-    assert ckpt.latest(tmp_path).name == f"{ckpt.PREFIX}0000001"
+    point = resuming.resume_point(tmp_path, ckpt.KIND)
+    assert point.checkpoint.name == f"{ckpt.PREFIX}0000001"
+    assert "HMAC does not verify" in point.rejected[0].reason and not (tmp_path / f"{ckpt.PREFIX}0000002").exists()
 
 
 def test_the_convert_step_refuses_a_forged_deepspeed_checkpoint(home, tmp_path, record_property):

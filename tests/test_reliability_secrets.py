@@ -73,14 +73,16 @@ def test_runtime_env_secrets_stay_out_of_prefect_mlflow_and_the_run_folder(baton
     probe.write_text("import hashlib, os\nfrom tasks.events import emit\n"
                      "emit('result', token_sha256=hashlib.sha256(os.environ['HF_TOKEN'].encode()).hexdigest(), "
                      "threads=os.environ['OMP_NUM_THREADS'])\n")
-    cmd = engine_command(Launch(python=sys.executable, script=str(probe)), ctx.runtimes["main"], tmp_path)
+    cmd = engine_command(Launch(python=sys.executable, script=str(probe), nnodes=1, nproc_per_node=1,
+                                launcher="torchrun", master_port=0), ctx.runtimes["main"], tmp_path)
     assert TOKEN not in " ".join(cmd)
     res = ctx.launch(cmd, name="probe", timeout=300)
     assert res.returncode == 0, res.tail
     assert res.results() == {"token_sha256": hashlib.sha256(TOKEN.encode()).hexdigest(), "threads": "1"}
     assert TOKEN not in (tmp_path / "engine.log").read_text()
-    ray = engine_command(Launch(python="py", script="w.py"), {"kind": "ray", "address": "head:6379",
-                                                               "env": {"HF_TOKEN": TOKEN}})
+    ray = engine_command(Launch(python="py", script="w.py", nnodes=1, nproc_per_node=1, launcher="torchrun",
+                                master_port=0),
+                         {"kind": "ray", "address": "head:6379", "env": {"HF_TOKEN": TOKEN}})
     assert TOKEN not in " ".join(ray) and json.loads(ray[-1])["launch"]["inherit"] == ["HF_TOKEN"]
 
 

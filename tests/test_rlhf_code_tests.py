@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import TINY
+from conftest import TINY, reward_spec
 from conversions import rewards as rw, sandbox
 from flows.config import ConfigError, load
 
@@ -23,11 +23,11 @@ pytestmark = pytest.mark.fast
 ADD = "def add(a, b):\n    return a + b\n"
 ADD_TESTS = ["assert add(2, 3) == 5", "assert add(-1, 1) == 0", "assert add(10, 5) == 15"]
 SUM_STDIN = "a, b = map(int, input().split())\nprint(a + b)\n"
-QUICK = sandbox.Limits(timeout_s=10, memory_mb=256)
+QUICK = sandbox.Limits(timeout_s=10, memory_mb=256, isolation="required")
 
 
 def code_tests(completion: str, tests, **spec) -> float:
-    reward = rw.build({"kind": "code_tests", "weight": 1.0, "timeout_s": 10, "memory_mb": 256, **spec}, 0)
+    reward = rw.build(reward_spec(kind="code_tests", timeout_s=10, memory_mb=256, **spec), 0)
     return reward.score("Write add(a, b).", completion, {"answer": "", "tests": tests}, "prompts/train.jsonl:1")
 
 
@@ -65,7 +65,7 @@ def test_the_worker_scores_a_batch_through_trl_reward():
     """As TRL calls it: a batch of completions with the dataset's row indexes; a bad row names its file:line."""
     from tasks.rlhf.worker import trl_reward
 
-    reward = rw.build({"kind": "code_tests", "weight": 1.0, "timeout_s": 10, "memory_mb": 256}, 0)
+    reward = rw.build(reward_spec(kind="code_tests", timeout_s=10, memory_mb=256), 0)
     rows = [{"text": "Write add.", "fields": {"answer": "", "tests": ADD_TESTS}, "where": "prompts/train.jsonl:1"},
             {"text": "Write add.", "fields": {"answer": "", "tests": []}, "where": "prompts/train.jsonl:2"}]
     score = trl_reward(reward, rows)
@@ -81,7 +81,7 @@ def test_the_worker_scores_a_batch_through_trl_reward():
 def test_an_infinite_loop_is_stopped_by_the_timeout_and_its_group_killed():
     started = time.monotonic()
     outcome = sandbox.run_tests("import os\nos.fork()\nwhile True:\n    pass\n", ["assert True"],
-                                sandbox.Limits(timeout_s=1.5))
+                                sandbox.Limits(timeout_s=1.5, memory_mb=512, isolation="required"))
     assert outcome.timed_out and outcome.fraction == 0.0
     assert time.monotonic() - started < 6
 

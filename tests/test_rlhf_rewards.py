@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import TINY
+from conftest import TINY, reward_spec
 from conversions import rewards as rw
 from flows.config import ConfigError, load
 
@@ -127,7 +127,7 @@ def test_the_arithmetic_task_only_when_asked_and_its_held_out_sums_are_new():
 
 # ---- the built-in rewards on real replies (values by hand) ---------------------------------------------------------
 def score(spec: dict, completion: str, **row) -> float:
-    return rw.build({"weight": 1.0, **spec}, 0).score("prompt", completion, row, "test:1")
+    return rw.build(reward_spec(**spec), 0).score("prompt", completion, row, "test:1")
 
 
 @pytest.mark.parametrize("extract, pattern, completion, answer, expected", [

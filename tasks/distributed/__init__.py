@@ -32,15 +32,17 @@ class LaunchConfigError(Refused):
 
 @dataclass(frozen=True)
 class Launch:
-    """What one training stage starts on every node."""
+    """What one training stage starts on every node. The layout, the launcher and the port come from the stage's
+    config (TrainingConfig.nnodes, nproc_per_node; finetune.launcher, finetune.master_port), so none has a default
+    here: the stage spells every one (pretrain and rlhf: torchrun on a free port)."""
 
     python: str
     script: str
+    nnodes: int
+    nproc_per_node: int
+    launcher: Literal["torchrun", "deepspeed"]
+    master_port: int                             # 0: a free port, picked where the first node can see it
     args: tuple[str, ...] = ()
-    nnodes: int = 1
-    nproc_per_node: int = 1
-    launcher: Literal["torchrun", "deepspeed"] = "torchrun"
-    master_port: int = 0                         # 0: a free port, picked where the first node can see it
     env: dict = field(default_factory=dict)      # set on every node (values travel on command lines: no secrets)
     inherit: tuple[str, ...] = ()                # names only: every node takes these from the launching process's
     #                                              env (the runtime's env holds tokens; a command line is public)

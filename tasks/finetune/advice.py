@@ -21,7 +21,7 @@ def advice(cfg) -> list[Finding]:
     if cfg.launcher == "deepspeed":
         from tasks.distributed import Launch, local_command
 
-        argv = local_command(Launch(python="python", script="worker.py", nproc_per_node=cfg.nproc_per_node,
+        argv = local_command(Launch(python="python", script="worker.py", nnodes=1, nproc_per_node=cfg.nproc_per_node,
                                     launcher="deepspeed", master_port=29500))
         found += deepspeed_without_num_gpus(argv, cfg.resolved_device())
     if cfg.zero.stage == 3 and not cfg.zero.init:

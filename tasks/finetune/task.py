@@ -17,7 +17,7 @@ from prefect.cache_policies import NO_CACHE
 from conversions import chat, folder, hf, manifest as mf, verify
 from conversions.manifest import Format
 from conversions.refusal import Refused
-from tasks import chat_template, events, gates
+from tasks import chat_template, events, gates, resuming
 from tasks.distributed import (Launch, LaunchConfigError, engine_command, remove_shm_segments, runtime_kind,
                                stage_runtime, with_port)
 from tasks.finetune import ds_config, engine_env
@@ -25,7 +25,6 @@ from tasks.finetune.config import FinetuneConfig, validate
 from tasks.stage import StageContext, StageOutput
 
 WORKER = Path(__file__).with_name("worker.py")
-TAG_PREFIX = "global_step"
 
 
 class FinetuneInputError(Refused):
@@ -128,7 +127,7 @@ def prepare(ctx: StageContext, cfg: FinetuneConfig, probe: bool = False) -> tupl
 def finalize(out: Path, ctx: StageContext, cfg: FinetuneConfig, r: events.FinetuneResult) -> dict:
     """Keep only the final tag (earlier ones served resumption), then write the manifest."""
     final = (out / "latest").read_text().strip()
-    for d in out.glob(f"{TAG_PREFIX}*"):
+    for d in resuming.checkpoints(out, resuming.CheckpointKind.DEEPSPEED):
         if d.name != final:
             shutil.rmtree(d)
     config = json.loads((out / "config.json").read_text())

@@ -28,11 +28,10 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoTokenizer
 
 from conversions import chat, durable, hf, hf_layout, probe, sealed
-from conversions.manifest import Format
-from tasks import collectives, events
+from tasks import collectives, events, resuming
 
-COMPLETE = sealed.MARKERS[Format.DEEPSPEED_ZERO]
-TAG_PREFIX = "global_step"
+KIND = resuming.CheckpointKind.DEEPSPEED
+COMPLETE = KIND.marker
 IGNORE = chat.IGNORE
 
 
@@ -188,7 +187,7 @@ def finish(engine, tok, heldout: list, held_ids: list, spec: events.FinetuneSpec
     ckpt_dir, dev, device = spec.output, engine.device, spec.device
     after, samples = evaluate(engine, tok, heldout, held_ids, spec, stage == 3)
     ids, logits = probe_logits(engine.module, engine.module.config.vocab_size, dev)
-    final_tag = complete_tags(ckpt_dir)[-1][1]
+    final_tag = resuming.complete(ckpt_dir, KIND)[-1].name
     if rank == 0:
         probe.save_reference(ckpt_dir, ids, logits, source=f"deepspeed ZeRO-{stage} engine, {final_tag}")
         if spec.lora["enabled"]:  # how the converter merges the adapters (r, lora_alpha, ...)
@@ -439,21 +438,8 @@ def stop_if_not_finite(loss: float, rank: int, step: int, micro: int) -> None:
 
 
 # ---- checkpoints -----------------------------------------------------------------------------------------------------
-def complete_tags(ckpt_dir: Path) -> list[tuple[int, str]]:
-    """(step, tag) of every checkpoint whose save finished on all ranks, oldest first."""
-    out = []
-    for d in ckpt_dir.glob(f"{TAG_PREFIX}*"):
-        if (d / COMPLETE).exists():
-            out.append((json.loads((d / COMPLETE).read_text())["step"], d.name))
-    return sorted(out)
-
-
-def write_atomic(path: Path, text: str) -> None:
-    durable.write_text(path, text)
-
-
 def save(engine, ckpt_dir: Path, step: int, keep: int, rank: int, facts: dict) -> None:
-    tag = f"{TAG_PREFIX}{step}"
+    tag = KIND.folder(ckpt_dir, step).name
     if rank == 0 and (ckpt_dir / tag).exists():
         shutil.rmtree(ckpt_dir / tag)  # an unfinished save of this step from an interrupted attempt
     dist.barrier()
@@ -464,46 +450,22 @@ def save(engine, ckpt_dir: Path, step: int, keep: int, rank: int, facts: dict) -
         with events.disk_full_exits(ckpt_dir / tag, rank):
             durable.sync_tree(ckpt_dir / tag)
             sealed.seal(ckpt_dir / tag, COMPLETE, step=step, **facts)  # last: sizes and sha256 of what is on disk now
-        write_atomic(ckpt_dir / "latest", tag)
-        for _, old in complete_tags(ckpt_dir)[:-keep]:
-            shutil.rmtree(ckpt_dir / old)
+        durable.write_text(ckpt_dir / "latest", tag)
+        resuming.remove_older_than_kept(ckpt_dir, KIND, keep)
         events.emit("checkpoint", step=step, tag=tag)
     dist.barrier()
 
 
-def verified_tags(ckpt_dir: Path, tags: list[tuple[int, str]]) -> list[tuple[int, str]]:
-    """Newest first, drop (and delete) checkpoints whose contents changed since their save, down to a good one."""
-    while tags:
-        why = sealed.problem(ckpt_dir / tags[-1][1], COMPLETE)
-        if why is None:
-            break
-        print(f"checkpoint {ckpt_dir / tags[-1][1]}: {why}; not resuming from it", flush=True)
-        events.emit("checkpoint_rejected", tag=tags[-1][1], reason=why)
-        shutil.rmtree(ckpt_dir / tags[-1][1])
-        tags = tags[:-1]
-    if not tags:
-        print(f"{ckpt_dir}: no checkpoint whose contents verify; starting fresh", flush=True)
-    return tags
-
-
 def resume(engine, ckpt_dir: Path, rank: int, facts: dict) -> int:
-    """Load the newest complete checkpoint whose contents verify (rank 0 checks, every rank loads the same);
-    drop unfinished and corrupted ones. Returns the step to continue from."""
-    tags = complete_tags(ckpt_dir)
+    """Load the newest complete checkpoint whose contents verify (tasks/resuming.py: rank 0 checks, removes and
+    reports the others; every rank loads the one it chose). Returns the step to continue from."""
     dist.barrier()
-    if rank == 0:
-        done = {t for _, t in tags}
-        for d in ckpt_dir.glob(f"{TAG_PREFIX}*"):
-            if d.name not in done:
-                shutil.rmtree(d)
-        tags = verified_tags(ckpt_dir, tags) if tags else tags
-    chosen = [tags]
+    chosen = [resuming.resume_point(ckpt_dir, KIND).checkpoint if rank == 0 else None]
     dist.broadcast_object_list(chosen, src=0)
-    tags = chosen[0]
     dist.barrier()
-    if not tags:
+    if chosen[0] is None:
         return 0
-    step, tag = tags[-1]
+    tag = chosen[0].name
     saved = json.loads((ckpt_dir / tag / COMPLETE).read_text())
     for key in ("world_size", "zero_stage"):
         if saved.get(key) != facts[key]:

@@ -18,13 +18,13 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 from conversions import durable, sealed
-from conversions.manifest import Format
 from conversions.megatron import ARCH_KEY
-from tasks import events
+from tasks import events, resuming
 
+KIND = resuming.CheckpointKind.MEGATRON
 # Written last inside a checkpoint: what a resume needs to know without torch.
-STATE_FILE = sealed.MARKERS[Format.MEGATRON_DIST]
-PREFIX = "iter_"
+STATE_FILE = KIND.marker
+PREFIX = KIND.prefix
 
 
 def layout() -> dict:
@@ -124,29 +124,18 @@ def full_state(chunks: list, optimizer, scheduler, iteration: int, arch: dict, e
     return sd
 
 
-def is_complete(ckpt: Path) -> bool:
-    """Renamed from .partial, and every file it listed at save time is there with its size (a cheap check that
-    scales to large checkpoints; a resume then checks the newest one's sha256)."""
-    return sealed.is_sealed(ckpt, STATE_FILE)
+def newest_verified(root: Path) -> Path | None:
+    """Where this attempt resumes (tasks/resuming.py): rank 0 verifies, removes and reports the rejected and
+    unfinished checkpoints; every rank loads the one it chose."""
+    chosen = [resuming.resume_point(root, KIND).checkpoint if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(chosen, src=0)
+    return chosen[0]
 
 
-def iteration_dirs(root: Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
-    if not root.exists():
-        return []
-    dirs = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit()
-            and is_complete(p)]
-    return sorted(dirs, key=lambda p: int(p.name[len(PREFIX):]))
-
-
-def latest(root: Path) -> Path | None:
-    """The newest checkpoint whose contents verify; a corrupted one is skipped (and named) for the one before it."""
-    for ckpt in reversed(iteration_dirs(root)):
-        why = sealed.problem(ckpt, STATE_FILE)
-        if why is None:
-            return ckpt
-        print(f"checkpoint {ckpt}: {why}; not resuming from it", flush=True)
-    return None
+def newest_complete(root: Path) -> Path | None:
+    """The newest checkpoint whose save finished (the convert step verifies its bytes before reading one)."""
+    done = resuming.complete(root, KIND)
+    return done[-1] if done else None
 
 
 def _in_process_results_queue() -> None:
@@ -160,7 +149,7 @@ def _in_process_results_queue() -> None:
 
 def save(root: Path, iteration: int, state: dict, info: dict, keep: int) -> Path:
     _in_process_results_queue()
-    final = root / f"{PREFIX}{iteration:07d}"
+    final = KIND.folder(root, iteration)
     tmp = root / f"{final.name}.partial"
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -177,8 +166,7 @@ def save(root: Path, iteration: int, state: dict, info: dict, keep: int) -> Path
             shutil.rmtree(final)
         os.replace(tmp, final)
         durable.fsync_dir(root)
-        for old in iteration_dirs(root)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        resuming.remove_older_than_kept(root, KIND, keep)
     dist.barrier()
     return final
 

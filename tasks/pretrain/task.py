@@ -121,7 +121,7 @@ def loadable_input(ctx: StageContext) -> tuple[Path, str | None]:
 def command(ctx: StageContext, cfg: PretrainConfig, spec_path: Path) -> list[str]:
     """torchrun on nnodes × nproc_per_node ranks, on the `main` runtime's target (local, slurm or ray)."""
     launch = Launch(python=ctx.python("main"), script=str(WORKER), args=("--spec", str(spec_path)),
-                    nnodes=cfg.nnodes, nproc_per_node=cfg.nproc_per_node)
+                    nnodes=cfg.nnodes, nproc_per_node=cfg.nproc_per_node, launcher="torchrun", master_port=0)
     try:
         return engine_command(launch, stage_runtime(ctx), ctx.work_dir)
     except LaunchConfigError as e:

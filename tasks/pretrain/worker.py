@@ -162,7 +162,7 @@ class Run:
         state = {"loss_first": None, "heldout": [], "train_time_s": 0.0, "expert_tokens": None}
         self.opening = {"resumed_from": 0, "parameters": int(n_params), "layer_spec": impl, "input_parity": None}
         start = 0
-        last = ckpt.latest(self.ckpt_root)
+        last = ckpt.newest_verified(self.ckpt_root)
         if last is not None:
             info = ckpt.resume(last, self.chunks, self.optimizer, self.scheduler, self.arch)
             start = info["iteration"]
@@ -432,7 +432,7 @@ class Run:
         import mcore_model as mm
         from conversions import probe
 
-        final = ckpt.latest(self.ckpt_root)
+        final = ckpt.newest_complete(self.ckpt_root)
         out = self.work / "checkpoint.partial"
         if self.rank == 0:
             shutil.rmtree(out, ignore_errors=True)

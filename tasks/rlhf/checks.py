@@ -13,7 +13,9 @@ from tasks.problems import ConfigProblem
 from tasks.rlhf.nemo_rl import NORMALIZE_REWARDS, TOKEN_LEVEL_LOSS
 
 GRPO_ONLY = ("num_generations", "max_completion_length", "rewards", "clip_epsilon", "clip_epsilon_high", "loss_type",
-             "scale_rewards")
+             "scale_rewards", "tools", "max_turns", "tool_timeout_s", "environment")
+TOOL_KEYS = ("max_turns", "tool_timeout_s")  # meaningful only with rlhf.tools or rlhf.environment
+ENVIRONMENT_METHODS = ("reset", "step")
 DPO_ONLY = ("reference", "reference_model", "sft_weight")
 
 
@@ -144,10 +146,50 @@ def sandbox_errors(cfg) -> list[ConfigProblem]:
             for key in keys] if missing else []
 
 
+def python_tool_errors(cfg) -> list[ConfigProblem]:
+    """The python tool runs the model's code in the code_tests sandbox, isolation required: refused where this
+    machine cannot isolate it."""
+    if "python" not in cfg.tools:
+        return []
+    from conversions import sandbox
+
+    missing = sandbox.probe()
+    return [ConfigProblem("rlhf.tools", "rlhf.tools: python runs the model's code in the sandbox, and this machine "
+                          f"cannot isolate it: {'; '.join(missing)} (use the calculator only)")] if missing else []
+
+
+def tools_errors(cfg, backend: str) -> list[ConfigProblem]:
+    """rlhf.tools, rlhf.environment and their knobs: multi-turn episodes exist only in TRL's GRPO on rewarded
+    prompts."""
+    set_keys = cfg.model_fields_set
+    if not cfg.tools and cfg.environment is None:
+        return [ConfigProblem(f"rlhf.{k}", f"rlhf.{k}: only used with rlhf.tools or rlhf.environment (neither is set)")
+                for k in TOOL_KEYS if k in set_keys and cfg.algorithm == "grpo"]
+    errors = []
+    if len(set(cfg.tools)) != len(cfg.tools):
+        errors.append(ConfigProblem("rlhf.tools", f"rlhf.tools: a tool is listed twice ({', '.join(cfg.tools)})"))
+    for key, value in (("tools", cfg.tools), ("environment", cfg.environment)):
+        if not value:
+            continue
+        if cfg.algorithm == "grpo" and not cfg.rewards:
+            errors.append(ConfigProblem(f"rlhf.{key}", f"rlhf.{key}: multi-turn episodes are GRPO on data.prompts "
+                                        "scored by rlhf.rewards, and no reward is set"))
+        if backend == "nemo_rl":
+            errors.append(ConfigProblem(f"rlhf.{key}", f"rlhf.{key}: baton's multi-turn episodes run in its TRL "
+                                        f"worker; NeMo-RL's math environment has no tools or user environment "
+                                        f"({USE_TRL})"))
+    if cfg.tools and cfg.max_turns < 2:
+        errors.append(ConfigProblem("rlhf.max_turns", "rlhf.max_turns: with tools an episode needs at least 2 turns "
+                                    "(a tool call and the answer after its result)"))
+    if cfg.environment is not None:
+        errors += class_source(cfg.environment, "rlhf.environment")[3]
+    return errors
+
+
 def host_errors(cfg, pipeline) -> list[ConfigProblem]:
     runtimes = getattr(pipeline, "runtimes", None) or {}
     if resolve_backend(cfg, runtimes) != "nemo_rl":
-        return sandbox_errors(cfg)
+        return sandbox_errors(cfg) + python_tool_errors(cfg)
     kind = nemo_rl_runtime(runtimes).get("kind", "venv")
     if runs_here_without_a_gpu(kind):
         return []  # validate's "needs an NVIDIA GPU" is decisive: nothing else matters on this machine
@@ -165,25 +207,51 @@ def function_source(ref: str, key: str) -> tuple[str | None, str | None, str | N
                                                 list[ConfigProblem]]:
     """(absolute path, function name, the file's text, problems) of a `path/to/rewards.py:fn` reference. The file is
     parsed, never run: the function must be defined at its top level."""
-    path_text, sep, name = ref.rpartition(":")
-    if not sep or not path_text or not name.isidentifier():
-        return None, None, None, [ConfigProblem(key, f"{key}: {ref!r} is not 'path/to/rewards.py:function_name'")]
-    path = Path(path_text).expanduser()
-    if not path.is_file():
-        return None, None, None, [ConfigProblem(key, f"{key}: {path}: no such file" if not path.exists() else
-                                                f"{key}: {path} is not a regular file")]
-    try:
-        source = path.read_text(encoding="utf-8")
-        tree = ast.parse(source, filename=str(path))
-    except (OSError, UnicodeDecodeError) as e:
-        return None, None, None, [ConfigProblem(key, f"{key}: {path}: cannot read ({e})")]
-    except SyntaxError as e:
-        return None, None, None, [ConfigProblem(key, f"{key}: {path}:{e.lineno}: not valid Python ({e.msg})")]
+    path, name, source, tree, problems = parsed_file(ref, key, "path/to/rewards.py:function_name")
+    if problems:
+        return None, None, None, problems
     defined = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
     if name not in defined:
         return None, None, None, [ConfigProblem(key, f"{key}: {path} defines no function {name!r} at its top level "
                                                 f"(it defines: {', '.join(defined) or 'none'})")]
-    return str(path.resolve()), name, source, []
+    return path, name, source, []
+
+
+def class_source(ref: str, key: str) -> tuple[str | None, str | None, str | None, list[ConfigProblem]]:
+    """(absolute path, class name, the file's text, problems) of rlhf.environment's `path/to/env.py:ClassName`: a
+    top-level class whose body defines reset and step (parsed, never run)."""
+    path, name, source, tree, problems = parsed_file(ref, key, "path/to/env.py:ClassName")
+    if problems:
+        return None, None, None, problems
+    classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+    if name not in classes:
+        return None, None, None, [ConfigProblem(key, f"{key}: {path} defines no class {name!r} at its top level "
+                                                f"(it defines: {', '.join(classes) or 'none'})")]
+    methods = {n.name for n in classes[name].body if isinstance(n, ast.FunctionDef)}
+    if missing := [m for m in ENVIRONMENT_METHODS if m not in methods]:
+        return None, None, None, [ConfigProblem(key, f"{key}: class {name} in {path} defines no "
+                                                f"{' or '.join(missing)} (an environment needs reset(prompt, **row) "
+                                                "and step(reply) -> (message or None, reward, done))")]
+    return path, name, source, []
+
+
+def parsed_file(ref: str, key: str, form: str):
+    """(absolute path, name, text, syntax tree, problems) of a `path/to/file.py:name` reference."""
+    path_text, sep, name = ref.rpartition(":")
+    if not sep or not path_text or not name.isidentifier():
+        return None, None, None, None, [ConfigProblem(key, f"{key}: {ref!r} is not '{form}'")]
+    path = Path(path_text).expanduser()
+    if not path.is_file():
+        return None, None, None, None, [ConfigProblem(key, f"{key}: {path}: no such file" if not path.exists() else
+                                                      f"{key}: {path} is not a regular file")]
+    try:
+        source = path.read_text(encoding="utf-8")
+        tree = ast.parse(source, filename=str(path))
+    except (OSError, UnicodeDecodeError) as e:
+        return None, None, None, None, [ConfigProblem(key, f"{key}: {path}: cannot read ({e})")]
+    except SyntaxError as e:
+        return None, None, None, None, [ConfigProblem(key, f"{key}: {path}:{e.lineno}: not valid Python ({e.msg})")]
+    return str(path.resolve()), name, source, tree, []
 
 
 def _pattern_errors(pattern: str | None, key: str) -> list[ConfigProblem]:
@@ -333,6 +401,7 @@ def validate(cfg, pipeline) -> list[ConfigProblem]:
     runtimes = getattr(pipeline, "runtimes", None) or {}
     backend = resolve_backend(cfg, runtimes)
     errors += packing_errors(cfg, backend)
+    errors += tools_errors(cfg, backend)
     if backend == "nemo_rl":
         errors += nemo_rl_errors(cfg, nemo_rl_runtime(runtimes), host=False)  # tools: host_errors
     return errors

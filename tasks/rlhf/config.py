@@ -89,6 +89,19 @@ class RlhfConfig(TrainingConfig):
     max_completion_length: int = Field(16, ge=1, description="grpo: new tokens per completion")
     rewards: list[RewardConfig] = Field(default_factory=list, description="grpo: verifiable rewards on data.prompts, "
                                                                           "summed with their weights")
+    tools: list[Literal["calculator", "python"]] = Field(
+        default_factory=list, description="grpo with rewards: built-in tools the policy may call in multi-turn "
+                                          "episodes (ChatML tool_call tags around JSON): calculator (arithmetic), "
+                                          "python (code run in the code_tests sandbox; what it prints is the result)")
+    max_turns: int = Field(4, ge=1, le=32, description="grpo with tools: model turns per episode (each tool call "
+                                                       "starts another)")
+    tool_timeout_s: float = Field(5.0, gt=0, le=300, description="grpo with tools: wall-clock seconds of one tool "
+                                                                 "call (then it is killed and the episode ends)")
+    environment: str | None = Field(
+        None, description="grpo with rewards: 'path/to/env.py:ClassName', your environment, one instance per episode in "
+                          "a child process of its own: reset(prompt, **row) at the start, step(reply) -> (next user "
+                          "message or None, reward, done) after each model answer; its rewards add to rlhf.rewards",
+        json_schema_extra=paths.contents(paths.Contents.FUNCTION))
     clip_epsilon: float = Field(0.2, gt=0, description="grpo: the policy ratio is clipped to 1 ± clip_epsilon (TRL "
                                                       "epsilon)")
     clip_epsilon_high: float | None = Field(None, gt=0, description="grpo: upper clip (DAPO's clip-higher, e.g. 0.28; "

@@ -53,6 +53,16 @@ def reward_specs(cfg: RlhfConfig) -> list[events.RewardSpec]:
     return specs
 
 
+def environment_spec(cfg: RlhfConfig) -> events.EnvironmentSpec | None:
+    """rlhf.environment's file as the worker runs it: read and checked here once (what was checked is what runs)."""
+    if cfg.environment is None:
+        return None
+    path, name, source, problems = checks.class_source(cfg.environment, "rlhf.environment")
+    if problems:
+        raise RlhfInputError("; ".join(problems))
+    return events.EnvironmentSpec(path=path, name=name, source=source)
+
+
 def check_inputs(ctx: StageContext, cfg: RlhfConfig) -> None:
     problems = gates.lm_eval_errors(cfg.gate, "rlhf") + gates.lm_eval_path_errors(cfg.gate, "rlhf")
     if ctx.input is None or not (Path(ctx.input) / "config.json").exists():
@@ -194,6 +204,8 @@ def worker_spec(ctx: StageContext, cfg: RlhfConfig, out: Path, template: Path | 
             "seq_length", 128), overlong=cfg.overlong, sft_weight=cfg.sft_weight, reference=cfg.reference,
         reference_model=cfg.reference_model, num_generations=cfg.num_generations,
         max_completion_length=cfg.max_completion_length, dataset=dataset_of(cfg), rewards=reward_specs(cfg),
+        tools=list(cfg.tools), max_turns=cfg.max_turns, tool_timeout_s=cfg.tool_timeout_s,
+        environment=environment_spec(cfg),
         clip_epsilon=cfg.clip_epsilon, clip_epsilon_high=cfg.clip_epsilon_high, loss_type=cfg.loss_type,
         scale_rewards=cfg.scale_rewards, seed=ctx.seed, dataloader_workers=cfg.dataloader_workers,
         checkpoint_every=cfg.checkpoint_every, keep_checkpoints=cfg.keep_checkpoints, stage=ctx.stage,
@@ -211,7 +223,7 @@ def worker_command(ctx: StageContext, cfg: RlhfConfig, out: Path, template: Path
     if cfg.world_size() == 1 and runtime_kind(runtime) == "local":
         return [ctx.python("main"), str(WORKER), *args]
     launch = Launch(python=ctx.python("main"), script=str(WORKER), args=tuple(args), nnodes=cfg.nnodes,
-                    nproc_per_node=cfg.nproc_per_node)
+                    nproc_per_node=cfg.nproc_per_node, launcher="torchrun", master_port=0)
     try:
         return engine_command(launch, runtime, Path(ctx.work_dir))
     except LaunchConfigError as e:
@@ -249,10 +261,30 @@ def run_trl(ctx: StageContext, cfg: RlhfConfig) -> StageOutput:
     if margins:
         metrics.update(margin_first=margins[0], margin_last=margins[-1])
     metrics.update(rollout_summary(res))
+    metrics.update(episode_metrics(facts.episodes))
     return StageOutput(
         output=out, engine="trl", backend="trl", gate=gate(cfg.algorithm, out, trained, Path(ctx.input), eval_check),
         metrics=metrics, eval=ev,
-        extra={"algorithm": cfg.algorithm, **({"reward_model": str(trained)} if cfg.algorithm == "rm" else {})})
+        extra={"algorithm": cfg.algorithm, **({"reward_model": str(trained)} if cfg.algorithm == "rm" else {}),
+               **({"episodes": facts.episodes} if facts.episodes else {})})
+
+
+def episode_metrics(episodes: dict | None) -> dict:
+    """rlhf.tools: the training episodes' count per end (episode_end_<end>), tool calls and model turns per episode,
+    and the held-out episodes' tool calls and finished share, before and after (empty without tools)."""
+    if not episodes:
+        return {}
+    out = {}
+    train = episodes.get("train")
+    if train:
+        out.update({f"episode_end_{end}": count for end, count in train["ends"].items()})
+        out.update(episodes_trained=train["episodes"], tool_calls=train["tool_calls"],
+                   turns_per_episode=train["turns_per_episode"])
+    for when in ("before", "after"):
+        held = episodes[f"heldout_{when}"]
+        out[f"heldout_tool_calls_{when}"] = held["tool_calls"]
+        out[f"heldout_finished_{when}"] = held["ends"]["finished"] / max(held["episodes"], 1)
+    return out
 
 
 def write_data_files(cfg: RlhfConfig, data_dir: Path, nr_dir: Path) -> None:

@@ -14,7 +14,6 @@ import math
 import os
 import re
 import resource
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +22,10 @@ from typing import Callable
 import torch
 
 from conversions import chat, hf, manifest as mf, rewards as rw, sealed
+from conversions.environment import EnvironmentCode
 from conversions.manifest import Format
-from tasks import events
+from tasks import events, resuming
+from tasks.rlhf import episodes
 
 RANK = int(os.environ.get("RANK", "0"))
 WORLD_SIZE = int(os.environ.get("WORLD_SIZE", "1"))
@@ -78,12 +79,13 @@ def train(a: events.RlhfSpec, recipe: Recipe):
     from transformers import PrinterCallback
 
     work = a.output.parent / (a.output.name + ".trl")
-    resume = newest_complete(work) if a.checkpoint_every > 0 else None
+    # every rank reads (no process group exists yet; they read the same bytes, so they agree); rank 0 removes
+    resume = resuming.resume_point(work, KIND, owner=RANK == 0).checkpoint if a.checkpoint_every > 0 else None
     trainer = recipe.make_trainer(work)
     trainer.remove_callback(PrinterCallback)  # our callback streams the same logs as events
     trainer.add_callback(checkpoint_callback(a.keep_checkpoints))
     trainer.add_callback(non_finite_callback(a.precision))
-    resumed_from = _step_of(resume) if resume else 0
+    resumed_from = KIND.step_of(resume) if resume else 0
     if RANK == 0:
         events.started(resumed_from)
     train_naming_a_full_disk(trainer, work, resume)
@@ -181,7 +183,7 @@ def trl_metrics(logs: dict) -> dict:
 
 def eval_metrics(facts: dict) -> dict:
     """Held-out facts (heldout_loss, heldout_pref_accuracy, ...) as eval/ metrics."""
-    return {f"eval/{k}": v for k, v in facts.items()}
+    return {f"eval/{k}": v for k, v in facts.items() if isinstance(v, (int, float))}
 
 
 # ---- data: the checkpoint's chat template around each prompt; completions end with its EOS ------------------------
@@ -392,7 +394,8 @@ def common_args(a: events.RlhfSpec, work: Path) -> dict:
 
 
 # ---- checkpoints: TRL's own (model, optimizer, scheduler, RNG, trainer state), marked complete by us ---------------
-COMPLETE = "baton_complete.json"   # written last, atomically: the checkpoint's files, sizes and sha256
+KIND = resuming.CheckpointKind.TRL
+COMPLETE = KIND.marker   # written last, atomically: the checkpoint's files, sizes and sha256
 
 
 def checkpoint_args(a: events.RlhfSpec) -> dict:
@@ -404,39 +407,11 @@ def checkpoint_args(a: events.RlhfSpec) -> dict:
 
 
 def mark_complete(ckpt: Path) -> None:
-    sealed.seal(ckpt, COMPLETE, step=_step_of(ckpt))
+    sealed.seal(ckpt, COMPLETE, step=KIND.step_of(ckpt))
 
 
 def is_complete(ckpt: Path) -> bool:
     return sealed.is_sealed(ckpt, COMPLETE)
-
-
-def _step_of(ckpt: Path) -> int:
-    return int(ckpt.name.split("-")[-1])
-
-
-def checkpoints(work: Path) -> list[Path]:
-    """The Trainer's `checkpoint-N` folders in work, sealed or not."""
-    return [p for p in work.glob("checkpoint-*") if p.is_dir() and p.name.split("-")[-1].isdigit()]
-
-
-def newest_complete(work: Path) -> Path | None:
-    """The newest complete `checkpoint-N` of an earlier attempt whose contents verify. Every rank checks (no process
-    group exists yet; they read the same bytes, so they agree); rank 0 names and deletes the rejected ones — a rank
-    that finds one already deleted rejects it too."""
-    found = checkpoints(work)
-    complete = sorted((p for p in found if is_complete(p)), key=_step_of)
-    if RANK == 0:
-        for p in found:
-            if p not in complete:
-                shutil.rmtree(p, ignore_errors=True)  # a save killed before its seal
-    while complete and (why := sealed.problem(complete[-1], COMPLETE)) is not None:
-        rejected = complete.pop()
-        if RANK == 0:
-            print(f"checkpoint {rejected}: {why}; not resuming from it", flush=True)
-            events.emit("checkpoint_rejected", tag=rejected.name, reason=why)
-            shutil.rmtree(rejected, ignore_errors=True)
-    return complete[-1] if complete else None
 
 
 def checkpoint_callback(keep: int):
@@ -446,17 +421,10 @@ def checkpoint_callback(keep: int):
         def on_save(self, args, state, control, **kwargs):
             if state.is_world_process_zero:
                 work = Path(args.output_dir)
-                mark_complete(work / f"checkpoint-{state.global_step}")
-                remove_older_than_kept(work, keep)
+                mark_complete(KIND.folder(work, state.global_step))
+                resuming.remove_older_than_kept(work, KIND, keep)
 
     return MarkComplete()
-
-
-def remove_older_than_kept(work: Path, keep: int) -> None:
-    """Only the newest `keep` sealed checkpoints stay (an unsealed one is a save in progress or a dead one)."""
-    sealed_ones = sorted((p for p in checkpoints(work) if is_complete(p)), key=_step_of)
-    for old in sealed_ones[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def train_naming_a_full_disk(trainer, work: Path, resume: Path | None) -> None:
@@ -465,7 +433,7 @@ def train_naming_a_full_disk(trainer, work: Path, resume: Path | None) -> None:
     try:
         trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     except BaseException:
-        saving = work / f"checkpoint-{trainer.state.global_step}"
+        saving = KIND.folder(work, trainer.state.global_step)
         if is_complete(saving):  # not inside a save
             raise
         with events.disk_full_exits(saving, RANK):
@@ -554,9 +522,10 @@ def format_prompts(tok, rows: list[dict], split: str) -> list[dict]:
 
 def trl_reward(reward: rw.Reward, rows: list[dict]):
     """One reward as a TRL reward function: TRL passes the dataset's columns, of which row_index finds the row."""
-    def score(prompts, completions, row_index, **kwargs) -> list[float]:
+    def score(prompts, completions, row_index, final_reply=None, **kwargs) -> list[float]:
+        replies = completions if final_reply is None else final_reply  # an episode: its model's last turn
         return reward.score_many([(rows[i]["text"], text, rows[i]["fields"], rows[i]["where"])
-                                  for i, text in zip(row_index, completions)])
+                                  for i, text in zip(row_index, replies)])
 
     score.__name__ = reward.name
     return score
@@ -569,14 +538,35 @@ def train_grpo_rewards(a, tok, rows: list[dict], work: Path):
 
     model = AutoModelForCausalLM.from_pretrained(str(a.input), dtype=torch.float32)
     rewards = [rw.build(spec.model_dump(), i) for i, spec in enumerate(a.rewards)]
+    funcs, weights = [trl_reward(r, rows) for r in rewards], [r.weight for r in rewards]
+    if a.environment is not None:
+        funcs, weights = funcs + [environment_reward], weights + [1.0]
     prompts = Dataset.from_list([{"prompt": r["prompt"], "row_index": i} for i, r in enumerate(rows)])
     args = GRPOConfig(**common_args(a, work), beta=a.beta, num_generations=a.num_generations,
                       max_completion_length=a.max_completion_length, temperature=1.0, use_vllm=False,
                       log_completions=False, epsilon=a.clip_epsilon, epsilon_high=a.clip_epsilon_high,
-                      loss_type=a.loss_type, scale_rewards=a.scale_rewards,
-                      reward_weights=[r.weight for r in rewards])
-    return timed_rollouts(GRPOTrainer)(model=model, reward_funcs=[trl_reward(r, rows) for r in rewards], args=args,
-                                       train_dataset=prompts, processing_class=tok, callbacks=[stream_callback()])
+                      loss_type=a.loss_type, scale_rewards=a.scale_rewards, reward_weights=weights)
+    episodic = {}
+    if a.tools or a.environment:  # multi-turn episodes, through TRL's rollout_func (tasks/rlhf/episodes.py)
+        os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+        by_prompt = {r["prompt"]: (r["text"], r["fields"]) for r in rows}
+        episodic["rollout_func"] = episodes.rollout_func(episode_runner(a, tok), TRAINING_EPISODES, by_prompt)
+    return timed_rollouts(GRPOTrainer)(model=model, reward_funcs=funcs, args=args, train_dataset=prompts,
+                                       processing_class=tok, callbacks=[stream_callback()], **episodic)
+
+
+def environment_reward(prompts, completions, environment_reward, **kwargs) -> list[float]:
+    """rlhf.environment's reward of each episode (the sum of its steps' rewards), weight 1."""
+    return list(environment_reward)
+
+
+TRAINING_EPISODES: dict = {}  # the run's training episodes (episodes.summary), filled as the rollouts run
+
+
+def episode_runner(a, tok) -> episodes.EpisodeRunner:
+    code = EnvironmentCode(**a.environment.model_dump()) if a.environment is not None else None
+    return episodes.EpisodeRunner(tok, episodes.Limits(tuple(a.tools), a.max_turns, a.max_completion_length,
+                                                       a.tool_timeout_s, code))
 
 
 def timed_rollouts(trainer_cls):
@@ -621,33 +611,47 @@ def greedy_replies(model, tok, prompts: list[str], max_new_tokens: int, batch: i
     return out
 
 
-def reward_facts(model, tok, rows: list[dict], rewards: list[rw.Reward], max_new_tokens: int, label: str) -> dict:
-    """Mean weighted reward of greedy replies to the held-out prompts, and the fraction solved (every reward full)."""
-    replies = greedy_replies(model, tok, [r["prompt"] for r in rows], max_new_tokens)
+def reward_facts(model, tok, rows: list[dict], rewards: list[rw.Reward], a, label: str) -> dict:
+    """Mean weighted reward of greedy replies to the held-out prompts, and the fraction solved (every reward full);
+    with rlhf.tools, of greedy episodes (their last model turn), and the episodes' ends and tool calls."""
+    prompts = [r["prompt"] for r in rows]
+    facts = {}
+    environment = [0.0] * len(rows)
+    if a.tools or a.environment:
+        played = episode_runner(a, tok).run(model.eval(), prompts, {"do_sample": False},
+                                            [(r["text"], r["fields"]) for r in rows])
+        replies, environment = [e.reply for e in played], [e.environment_reward for e in played]
+        facts["episodes"] = episodes.summary(played)
+    else:
+        replies = greedy_replies(model, tok, prompts, a.max_completion_length)
     items = [(r["text"], reply, r["fields"], r["where"]) for r, reply in zip(rows, replies)]
     by_reward = [w.score_many(items) for w in rewards]
     total, solved = 0.0, 0
-    for scores in zip(*by_reward):
-        total += sum(w.weight * x for w, x in zip(rewards, scores))
+    for scores, env_reward in zip(zip(*by_reward), environment):
+        total += sum(w.weight * x for w, x in zip(rewards, scores)) + env_reward
         solved += rw.solved(scores)
     if replies:
         print(f"held-out {label}: {rows[0]['text']!r} → {replies[0]!r}", flush=True)
     n = max(len(rows), 1)
-    return {"heldout_reward": total / n, "heldout_solved": solved / n}
+    return {"heldout_reward": total / n, "heldout_solved": solved / n, **facts}
 
 
 def rewards_before(a, tok, held: list[dict]) -> dict:
     rewards = [rw.build(spec.model_dump(), i) for i, spec in enumerate(a.rewards)]
-    return reward_facts(load_eval_model(a.input, a.algorithm), tok, held, rewards, a.max_completion_length, "before")
+    return reward_facts(load_eval_model(a.input, a.algorithm), tok, held, rewards, a, "before")
 
 
 def evaluate_rewards(a, tok, held: list[dict], before: dict) -> dict:
     """heldout_reward and the fraction solved, of the input (measured before training) and of the saved output."""
     rewards = [rw.build(spec.model_dump(), i) for i, spec in enumerate(a.rewards)]
-    after = reward_facts(load_eval_model(a.output, a.algorithm), tok, held, rewards, a.max_completion_length, "after")
-    return _printed({"metric": "heldout_reward", "before": before["heldout_reward"], "after": after["heldout_reward"],
-                     "solved_before": before["heldout_solved"], "solved_after": after["heldout_solved"],
-                     "heldout_prompts": len(held)})
+    after = reward_facts(load_eval_model(a.output, a.algorithm), tok, held, rewards, a, "after")
+    facts = {"metric": "heldout_reward", "before": before["heldout_reward"], "after": after["heldout_reward"],
+             "solved_before": before["heldout_solved"], "solved_after": after["heldout_solved"],
+             "heldout_prompts": len(held)}
+    if a.tools or a.environment:
+        facts["episodes"] = {"train": TRAINING_EPISODES or None, "heldout_before": before["episodes"],
+                             "heldout_after": after["episodes"]}
+    return _printed(facts)
 
 
 TRAINERS = {"dpo": train_dpo, "rm": train_rm, "grpo": train_grpo}

@@ -109,11 +109,12 @@ def remove_leftover_shm(before: set[str] | None) -> list[str]:
 class Server:
     """One engine server. managed=True: tied to us (log relay, killed with us); False: detached (keep_alive,
     retrain), run by a supervisor process (`supervisor.py`) that restarts it up to `restarts` times, each time
-    waiting health_timeout seconds (serve.health_timeout_s: a detached server needs it)."""
+    waiting health_timeout seconds (serve.restarts and serve.health_timeout_s: a detached server needs both, and
+    has no default of its own for either)."""
 
     def __init__(self, name: str, cmd: list[str], env: dict, base_url: str, log_path: Path,
                  redact: Callable[[str], str], on_line: Callable[[str], None] | None = None, managed: bool = True,
-                 restarts: int = 0, health_timeout: float | None = None):
+                 restarts: int | None = None, health_timeout: float | None = None):
         self.name, self.cmd, self.env, self.base_url = name, [str(c) for c in cmd], env, base_url
         self.log_path, self.redact, self.on_line, self.managed = log_path, redact, on_line, managed
         self.restarts, self.health_timeout = restarts, health_timeout
@@ -145,8 +146,9 @@ class Server:
         else:  # outlives this process: its supervisor writes the log (0600, secrets redacted) and restarts it
             full_env["BATON_REDACT"] = "\n".join(getattr(self.redact, "secrets", ()))
             self.state_path.unlink(missing_ok=True)
-            if self.health_timeout is None:
-                raise ValueError("a detached server needs its health timeout (serve.health_timeout_s)")
+            if self.health_timeout is None or self.restarts is None:
+                raise ValueError("a detached server needs its restarts and health timeout (serve.restarts, "
+                                 "serve.health_timeout_s)")
             spec = events.write_spec(self.log_path.with_name(self.log_path.stem + ".supervisor-spec.json"),
                                      events.SupervisorSpec(name=self.name, log=self.log_path, state=self.state_path,
                                                            url=self.base_url, restarts=self.restarts,
