@@ -25,6 +25,7 @@ class Format(StrEnum):
     MEGATRON_DIST = "megatron-dist"
     DEEPSPEED_ZERO = "deepspeed-zero"
     DATASET = "dataset"
+    GGUF_FILE = "gguf-file"
 
 
 FORMATS = {
@@ -32,6 +33,7 @@ FORMATS = {
     Format.MEGATRON_DIST: "megatron.core dist_checkpointing (torch_dist) of a GPTModel",
     Format.DEEPSPEED_ZERO: "DeepSpeed engine.save_checkpoint folder (ZeRO partitions)",
     Format.DATASET: "baton data stage output: datasets and tokenizer",
+    Format.GGUF_FILE: "`baton export` output: one llama.cpp GGUF file (model.gguf), gated against its HF parent",
 }
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",

@@ -427,6 +427,10 @@ def verify(root: Path, against: Path | None = None, *, levels: tuple[str, ...] =
         return report(checks + (run("L1", lambda: engine_reload(root, fmt)) if "L1" in levels else []), seconds)
     if fmt == Format.DATASET:
         return report(checks, seconds)
+    if fmt == Format.GGUF_FILE:
+        from .gguf_export import verify_export
+
+        return report(checks + run("gguf", lambda: verify_export(root, against)), seconds)
     if "preflight" in levels:
         checks += run("preflight", lambda: preflight(root), guarded=False)
     if any(c["name"] in ("preflight.config", "preflight.safetensors") and not c["passed"] for c in checks):

@@ -211,6 +211,14 @@ class ConvertSpec(ProgramSpec):
     require_seal: bool                         # a training stage of this run sealed the source
 
 
+class ExportSpec(ProgramSpec):
+    """tasks/export/worker.py: llama.cpp's HF -> GGUF converter on one HF checkpoint (`baton export`)."""
+
+    src: Path                                  # the HF folder
+    out: Path                                  # the GGUF file to write
+    out_type: str                              # llama.cpp's --outtype: f16, q8_0
+
+
 class FinetuneSpec(ProgramSpec):
     """tasks/finetune/worker.py: paths as the worker sees them. probe: the batch finder's run (training steps only:
     no evaluation, no checkpoint)."""
@@ -459,6 +467,13 @@ class ConvertResult(WorkerResult):
     from_format: str
     to_format: str
     info: dict                                 # what the converter reported (tensors, architecture, ...)
+
+
+class ExportResult(WorkerResult):
+    seconds: float
+    size: int                                  # bytes of the GGUF file
+    converter: str                             # what wrote it: llama-cpp-python <version>'s convert_hf_to_gguf.py
+    notes: list[str]                           # how the source was read where it differs from plain (worker.py)
 
 
 class PretrainResult(WorkerResult):

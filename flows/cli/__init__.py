@@ -42,11 +42,11 @@ def _env_defaults() -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """One subcommand group per module of flows/cli; each adds its own subcommands."""
-    from flows.cli import checkpoint, history, imports, k8s, playbook, run, serve
+    from flows.cli import checkpoint, export, history, imports, k8s, playbook, run, serve
 
     ap = argparse.ArgumentParser(prog="baton", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for group in (run, checkpoint, imports, history, serve, k8s, playbook):
+    for group in (run, checkpoint, export, imports, history, serve, k8s, playbook):
         group.add_parsers(sub)
     return ap
 
