@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from outage import wait_for_line
 
 from tasks import orchestration, tracking
 
@@ -37,16 +38,6 @@ def prefect_server():
         server.stop()
 
 
-def _wait_for_line(pattern: str, root: Path, mark: str, proc: subprocess.Popen, timeout: float) -> Path:
-    deadline = time.time() + timeout
-    while time.time() < deadline and proc.poll() is None:
-        for log in root.glob(pattern):
-            if mark in log.read_text(errors="replace"):
-                return log
-        time.sleep(0.5)
-    raise AssertionError(f"no {mark!r} in {pattern} after {timeout}s (baton exited with {proc.poll()})")
-
-
 @pytest.mark.long
 @pytest.mark.timeout(900)
 def test_a_run_finishes_when_its_prefect_server_is_gone_mid_stage(prefect_server, baton_home, hf_checkpoint, tmp_path,
@@ -67,10 +58,10 @@ def test_a_run_finishes_when_its_prefect_server_is_gone_mid_stage(prefect_server
     with open(tmp_path / "baton.out", "w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
-        engine_log = _wait_for_line("runs/*/*-finetune/engine.log", home, '"kind": "metric"', proc, 600)
+        engine_log = wait_for_line("runs/*/*-finetune/engine.log", home, '"kind": "metric"', proc, 600)
         prefect_server.server_process.kill()  # as a stopped stack leaves it: nothing listens on the port
         prefect_server.server_process.wait(30)
-        _wait_for_line("runs/*/*-finetune/engine.log", home, '"kind": "result"', proc, 600)
+        wait_for_line("runs/*/*-finetune/engine.log", home, '"kind": "result"', proc, 600)
         engine_done = time.time()
         rc = proc.wait(timeout=300)
         after_engine = time.time() - engine_done

@@ -14,6 +14,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from outage import wait_for_line
 
 from tasks import events, launch, tracking
 
@@ -133,16 +134,6 @@ def test_a_tracking_error_is_never_read_as_no_champion(baton_home, monkeypatch, 
         champion_now("has-no-champion")
 
 
-def _wait_for_line(path_glob: str, root: Path, mark: str, proc: subprocess.Popen, timeout: float) -> Path:
-    deadline = time.time() + timeout
-    while time.time() < deadline and proc.poll() is None:
-        for log in root.glob(path_glob):
-            if mark in log.read_text(errors="replace"):
-                return log
-        time.sleep(0.5)
-    raise AssertionError(f"no {mark!r} in {path_glob} after {timeout}s (baton exited with {proc.poll()})")
-
-
 @pytest.mark.long
 @pytest.mark.timeout(900)
 def test_a_stage_finishes_while_its_mlflow_server_is_gone(mlflow_server, baton_home, hf_checkpoint, tmp_path,
@@ -161,10 +152,10 @@ def test_a_stage_finishes_while_its_mlflow_server_is_gone(mlflow_server, baton_h
         proc = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, BATON_HOME=str(home)), stdout=out,
                                 stderr=subprocess.STDOUT)
     try:
-        engine_log = _wait_for_line("runs/*/*-finetune/engine.log", home, '"kind": "metric"', proc, 600)
+        engine_log = wait_for_line("runs/*/*-finetune/engine.log", home, '"kind": "metric"', proc, 600)
         os.killpg(mlflow_server.pid, signal.SIGKILL)  # as `make down` leaves it: nothing listens on the port
         mlflow_server.wait(30)
-        _wait_for_line("runs/*/*-finetune/engine.log", home, '"kind": "result"', proc, 600)
+        wait_for_line("runs/*/*-finetune/engine.log", home, '"kind": "result"', proc, 600)
         engine_done = time.time()
         # then the gate, a conversion (its own stage, started with the server gone) and the run's end; before the fix
         # over 300 s: minutes per MLflow call (its default retries) and two 300 s flushes of the metrics
@@ -280,7 +271,7 @@ def test_sigterm_during_a_tracking_outage_ends_baton_within_seconds(mlflow_serve
         proc = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, BATON_HOME=str(home)), stdout=out,
                                 stderr=subprocess.STDOUT)
     try:
-        engine_log = _wait_for_line("runs/*/*-finetune/engine.log", home, '"kind": "metric"', proc, 600)
+        engine_log = wait_for_line("runs/*/*-finetune/engine.log", home, '"kind": "metric"', proc, 600)
         os.killpg(mlflow_server.pid, signal.SIGKILL)
         mlflow_server.wait(30)
         time.sleep(5)  # training on, the metric sender finding the server gone
