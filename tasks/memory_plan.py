@@ -403,8 +403,11 @@ def candidate_layouts(shape: Shape, hw: Hardware, stage: str, micro: int, global
                 continue
             for ep in expert_parallel_sizes(shape, dp):
                 for rc in RECOMPUTE:
+                    # Megatron's MoE layer trains under TP only with sequence parallel; with EP, baton keeps whole
+                    # experts per rank (ETP 1), which is what its Mixtral export and resume are tested with
                     out.append(Layout(stage, tp, pp, dp, ep, micro, gb, distributed_optimizer=dp > 1,
-                                      sequence_parallel=gpu and tp > 1, recompute=rc))
+                                      sequence_parallel=tp > 1 and (gpu or shape.experts > 0), recompute=rc,
+                                      etp=1 if ep > 1 else None))
         return out
     dp = hw.world()
     gb = _batches(micro, dp, 1, global_batch)

@@ -215,3 +215,18 @@ def test_the_search_splits_experts_before_it_splits_matrices():
     p = mp.plan(moe, mp.Hardware(1, 4, 45e9 / 2**30, "cuda"), "pretrain", seq=1024, headroom=0.0)
     assert p.layout is not None, p.reason
     assert (p.layout.tp, p.layout.pp, p.layout.ep, p.layout.recompute) == (1, 1, 2, "none"), p.layout
+
+
+def test_every_moe_layout_the_search_considers_is_one_the_pretrain_stage_accepts():
+    """The planner proposes only expert layouts the stage would launch: with EP and TP, whole experts per rank
+    (expert_tensor_parallel 1) and sequence parallel, written back by `baton plan --write` as the stage's keys."""
+    from tasks.pretrain.config import expert_errors
+
+    shape = mp.Shape(32, 4096, 32, 8, 14336, 32000, experts=8, top_k=2, expert_ffn=14336)
+    layouts = mp.candidate_layouts(shape, mp.Hardware(2, 8, 80), "pretrain", 1, None, [])
+    assert any(lay.ep > 1 and lay.tp > 1 for lay in layouts)
+    for lay in layouts:
+        block = mp.stage_block(mp.Plan(shape, mp.Hardware(2, 8, 80), "pretrain", 4096, "bf16", 0.1, "", layout=lay))
+        cfg = PipelineConfig.model_validate({"model": mp.model_block(shape, 4096)["model"], **block,
+                                             "stages": ["data", "pretrain"]})
+        assert expert_errors(cfg.pretrain, cfg.model) == [], (lay.describe(), block)

@@ -6,9 +6,12 @@ from tasks.stage import StageSpec
 
 def layout_keys(layout) -> dict:
     """A planned layout as this stage's config keys."""
-    return {"tensor_parallel": layout.tp, "pipeline_parallel": layout.pp, "expert_parallel": layout.ep,
+    keys = {"tensor_parallel": layout.tp, "pipeline_parallel": layout.pp, "expert_parallel": layout.ep,
             "sequence_parallel": layout.sequence_parallel,
             "distributed_optimizer": layout.distributed_optimizer, "recompute_granularity": layout.recompute}
+    if layout.etp is not None:
+        keys["expert_tensor_parallel"] = layout.etp
+    return keys
 
 
 STAGE = StageSpec(
