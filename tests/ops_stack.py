@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tasks import orchestration
 from tasks.distributed.net import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -35,8 +36,9 @@ class Stack:
         # the stack's own Prefect profiles (`make up` makes a `baton` profile active there), not the test session's
         env = dict(os.environ, BATON_HOME=str(self.home), PREFECT_HOME=str(self.home / "prefect-client"), **self.ports,
                    **more)
+        # and not this session's client settings: the stack sets its worker's own (PREFECT_CLIENT_MAX_RETRIES)
         for k in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", "PREFECT_UI_URL", "PREFECT_PROFILE", *MLFLOW_CREDENTIALS,
-                  "PREFECT_API_AUTH_STRING"):
+                  "PREFECT_API_AUTH_STRING", *orchestration.CLIENT_DEFAULTS):
             env.pop(k, None)
         return env
 

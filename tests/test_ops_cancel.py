@@ -14,6 +14,7 @@ import pytest
 
 from flows.config import load
 from flows.runs import Index, StepLock
+from tasks import orchestration
 from ops_stack import REPO, runs_tagged
 
 pytestmark = [pytest.mark.ops, pytest.mark.reliability, pytest.mark.long]  # ~5 min: three 2-rank launches through the stack
@@ -104,6 +105,9 @@ def test_killed_rank_is_retried_then_prefect_cancel_stops_the_engine_and_closes_
     _wait_for(r'"kind": "checkpoint"', engine_log, timeout=600)
     _kill_a_rank_and_see_it_retried(ops_stack, fr_id, engine_log)
     flow_proc = _flow_process(fr_id)
+    # a deployment run's Prefect client retries are bounded as `baton run`'s are (the stack's worker gives them)
+    assert flow_proc.environ().get("PREFECT_CLIENT_MAX_RETRIES") == orchestration.CLIENT_DEFAULTS[
+        "PREFECT_CLIENT_MAX_RETRIES"], flow_proc.environ().get("PREFECT_CLIENT_MAX_RETRIES")
     tree = [flow_proc] + flow_proc.children(recursive=True)
     engine = _engine_processes(home)
     assert len(engine) >= 3 and {p.pid for p in engine} <= {p.pid for p in tree}, [p.cmdline() for p in engine]

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import postgres  # noqa: E402  (beside this file)
 from tasks.health import Unhealthy, wait_http_ok  # noqa: E402  (the checkout is on .venv's path)
-from tasks import stack_env  # noqa: E402
+from tasks import orchestration, stack_env  # noqa: E402
 from conversions.home import home_path  # noqa: E402
 from tasks.launch import kill_group  # noqa: E402
 
@@ -295,8 +295,11 @@ def up(db: str, worker: bool, deploy: bool) -> None:
     if worker:
         print(run_cli(boot + ["--pool", POOL], cenv), end="", flush=True)
         # heartbeats let the "crash zombie flows" automation mark runs whose process died as Crashed
+        # the flow runs it starts inherit its environment: their Prefect client retries bounded as `baton`'s are, so
+        # a deployment run that loses the server goes on without it as quickly (a value in the environment wins)
         start("prefect-worker", [str(bin_dir() / "prefect"), "worker", "start", "--pool", POOL, "--type", "process"],
-              {**cenv, "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": os.environ.get("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "30")})
+              {**orchestration.CLIENT_DEFAULTS, **cenv,
+               "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": os.environ.get("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "30")})
     else:
         print(run_cli(boot, cenv), end="", flush=True)
     if deploy:
