@@ -167,6 +167,21 @@ def test_episode_summaries_count_every_end(tok):
     assert ep.add_up(s, s)["ends"]["finished"] == 4 and ep.add_up({}, s) == s
 
 
+@pytest.mark.fast
+def test_a_resumed_run_counts_the_episodes_of_the_steps_before_its_checkpoint(tok, tmp_path):
+    """Attempt 1 plays two steps and checkpoints; attempt 2 starts with empty totals, reads them from the checkpoint
+    (as worker.train does) and plays a third: its summary is that of all three steps."""
+    steps = [[play(tok, ["7"])], [play(tok, [CALC % "1/0"])], [play(tok, [CALC % "1+1", "2"])]]
+    first: dict = {}
+    for step in steps[:2]:
+        first.update(ep.add_up(dict(first), ep.summary(step)))
+    ep.save_totals(tmp_path, first)
+    resumed = ep.load_totals(tmp_path)
+    resumed.update(ep.add_up(dict(resumed), ep.summary(steps[2])))
+    assert resumed == ep.summary([e for step in steps for e in step])
+    assert ep.load_totals(tmp_path / "no-episodes") == {}
+
+
 # ---- a user's environment, in a child process per episode ----------------------------------------------------------
 QUIZ = """
 import time

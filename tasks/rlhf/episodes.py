@@ -9,12 +9,14 @@ multiplies into the loss mask: only the model's own tokens are trained on, tool 
 """
 from __future__ import annotations
 
+import json
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from conversions import chat
+from conversions import chat, durable
 from conversions.environment import EnvironmentCode, EpisodeEnvironment, Reply
 from conversions.tools import EpisodeEnd, parse_tool_call, run_tool
 
@@ -180,6 +182,21 @@ def add_up(total: dict, part: dict) -> dict:
             "tool_calls": total["tool_calls"] + part["tool_calls"],
             "turns_per_episode": (total["turns_per_episode"] * total["episodes"] +
                                   part["turns_per_episode"] * part["episodes"]) / max(n, 1)}
+
+
+TOTALS_FILE = "baton_episodes.json"  # in each TRL checkpoint: the run's training episodes through its step
+
+
+def save_totals(checkpoint: Path, totals: dict) -> None:
+    """The run's training episodes so far, into a checkpoint before it is sealed, so a resume counts the steps
+    before it too (TRL's trainer state has no place for them)."""
+    durable.write_json(Path(checkpoint) / TOTALS_FILE, totals)
+
+
+def load_totals(checkpoint: Path) -> dict:
+    """A sealed checkpoint's training episodes ({} when it has none: a run without episodes)."""
+    path = Path(checkpoint) / TOTALS_FILE
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def rollout_func(runner: EpisodeRunner, totals: dict, rows: dict[str, tuple[str, dict]]):

@@ -86,6 +86,8 @@ def train(a: events.RlhfSpec, recipe: Recipe):
     trainer.add_callback(checkpoint_callback(a.keep_checkpoints))
     trainer.add_callback(non_finite_callback(a.precision))
     resumed_from = KIND.step_of(resume) if resume else 0
+    if resume:  # the episodes of the steps before the resume, which the rollouts from here add to
+        TRAINING_EPISODES.update(episodes.load_totals(resume))
     if RANK == 0:
         events.started(resumed_from)
     train_naming_a_full_disk(trainer, work, resume)
@@ -421,6 +423,8 @@ def checkpoint_callback(keep: int):
         def on_save(self, args, state, control, **kwargs):
             if state.is_world_process_zero:
                 work = Path(args.output_dir)
+                if TRAINING_EPISODES:  # sealed with the checkpoint: a resume from it counts these steps' episodes
+                    episodes.save_totals(KIND.folder(work, state.global_step), TRAINING_EPISODES)
                 mark_complete(KIND.folder(work, state.global_step))
                 resuming.remove_older_than_kept(work, KIND, keep)
 
