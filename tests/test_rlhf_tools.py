@@ -106,7 +106,7 @@ def play(tok, texts: list[str], **limits) -> ep.Episode:
     r, e = runner(tok, **limits), ep.Episode(tok("<|im_start|>user\n3+4=<|im_end|>\n<|im_start|>assistant\n")["input_ids"])
     try:
         if r.limits.environment is not None:
-            r.reset_environments([e], [("3+4=", {"answer": "7"})])
+            r.reset_environments([e], [("3+4=", {"answer": "7"}, [{"role": "user", "content": "3+4="}])])
         for text in texts:
             if e.end is not None:
                 return e
@@ -204,6 +204,20 @@ class Quiz:
             return None, 1.0, True
         return "Try again.", 0.25, False
 
+class Opener:  # reset's first message: the row's `first` column, or None (the data's prompt)
+    def reset(self, prompt, **row):
+        return row.get("first")
+
+    def step(self, reply):
+        return None, 1.0, True
+
+class BadOpener:
+    def reset(self, prompt, **row):
+        return ["not", "a", "message"]
+
+    def step(self, reply):
+        return None, 1.0, True
+
 class Broken:
     def __init__(self):
         raise RuntimeError("no")
@@ -263,6 +277,36 @@ def test_a_hung_environment_call_kills_that_episodes_process_only(quiz):
 def test_an_environment_that_cannot_be_made_ends_its_episode_before_any_turn(tok, quiz):
     e = play(tok, ["7"], environment=quiz("Broken"))
     assert e.end is EpisodeEnd.ENVIRONMENT_RAISED and e.turns == 0
+
+
+@pytest.mark.fast
+def test_resets_first_message_takes_the_place_of_the_prompts_user_message(tok, quiz):
+    """Opener's reset returns the row's `first` (or None): the episode's prompt is rendered again with it as the user
+    message, after the system message; a reset that returns something else ends the episode, naming the class."""
+    r = runner(tok, environment=quiz("Opener"))
+    messages = [{"role": "system", "content": "Add."}, {"role": "user", "content": "3+4="}]
+    rendered = ep.first_message_prompt(tok, messages, "3+4=")
+    rows = [("3+4=", {"first": "What is 3+4?"}, messages), ("3+4=", {}, messages)]
+    played = [ep.Episode(tok(rendered)["input_ids"]) for _ in rows]
+    try:
+        r.reset_environments(played, rows)
+    finally:
+        for e in played:
+            e.environment.close()
+    assert [e.end for e in played] == [None, None]
+    assert played[0].prompt_ids == tok("<|im_start|>system\nAdd.<|im_end|>\n<|im_start|>user\nWhat is 3+4?<|im_end|>\n"
+                                       "<|im_start|>assistant\n")["input_ids"]
+    assert played[1].prompt_ids == tok(rendered)["input_ids"]  # None: the data's prompt, untouched
+
+    from conversions.environment import EpisodeEnvironment
+
+    bad = EpisodeEnvironment(quiz("BadOpener"), 1.0)
+    try:
+        raised = bad.reset("3+4=", {}).raised
+    finally:
+        bad.close()
+    assert "quiz.py:BadOpener: reset must return the episode's first message (a string) or None, got list" in raised
+    assert play(tok, ["7"], environment=quiz("BadOpener")).end is EpisodeEnd.ENVIRONMENT_RAISED
 
 
 @pytest.mark.fast
