@@ -333,18 +333,22 @@ def test_grpo_with_tools_runs_episodes_and_reports_how_they_ended(tmp_path, tiny
     answering or by running out of tokens. What this shows is the plumbing: episodes through TRL's rollout_func (with
     a user environment in a child process per episode), the ends counted per step and in the summary, the
     environment's reward beside the built-in one, the held-out reward measured on greedy episodes before and
-    after."""
-    from test_rlhf_trl import prompts_data, run_stage
+    after. Killed after its first step's checkpoint, the rerun resumes there and its summary still counts both steps'
+    episodes (carried in the checkpoint)."""
+    from test_rlhf_trl import _kill_after_checkpoint, prompts_data, run_stage
 
     data = prompts_data(data_dir, tmp_path / "data")
     (tmp_path / "quiz.py").write_text(QUIZ)
     cfg = RlhfConfig(algorithm="grpo", steps=STEPS, micro_batch_size=8, num_generations=4, max_completion_length=4,
-                     lr=1e-3, beta=0.0, loss_type="dr_grpo", scale_rewards="none", checkpoint_every=1000,
+                     lr=1e-3, beta=0.0, loss_type="dr_grpo", scale_rewards="none", checkpoint_every=1,
                      timeout_s=600, rewards=[{"kind": "exact_match"}], tools=["calculator", "python"], max_turns=3,
                      tool_timeout_s=2, environment=f"{tmp_path}/quiz.py:Quiz")
     (tmp_path / "run").mkdir()
+    assert _kill_after_checkpoint(tmp_path / "run", lambda: run_stage(tmp_path / "run", tiny_config, data,
+                                                                      hf_checkpoint, cfg), step=1) is not None
     out = run_stage(tmp_path / "run", tiny_config, data, hf_checkpoint, cfg)
     m = out.metrics
+    assert m["resumed_from_step"] == 1, m
     ends = {end.value: m[f"episode_end_{end.value}"] for end in EpisodeEnd}
     assert m["episodes_trained"] == STEPS * 8 == sum(ends.values()), m
     assert 0 < ends["environment_raised"] < m["episodes_trained"], ends  # reset raised on the even sums' rows
