@@ -7,6 +7,7 @@ The class, in the user's file (checked before launch: tasks/rlhf/checks.py):
     class Quiz:
         def reset(self, prompt, **row):        # an episode starts: the prompt's text and the row's other columns
             self.answer = row["answer"]
+            return None                        # or a string: the episode's first message, instead of the prompt's
         def step(self, reply):                 # after each model answer (a turn without a tool call)
             if reply.strip() == self.answer:
                 return None, 1.0, True         # (the next user message or None, a reward, done)
@@ -53,6 +54,7 @@ class EpisodeEnvironment:
         self._send({"source": code.source, "path": code.path, "name": code.name})
 
     def reset(self, prompt: str, row: dict) -> Reply:
+        """The instance's reset; its value: the episode's first message, or None (the data's prompt)."""
         made = self._answer()
         return made if made.raised or made.timed_out else self._call({"op": "reset", "prompt": prompt, "row": row})
 

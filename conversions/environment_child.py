@@ -2,7 +2,7 @@
 of its own, so a call that hangs is ended by killing it. JSON lines on stdin/stdout:
 
     first line   {"source": <the file's text>, "path": ..., "name": <the class>}   → {"ok": null}
-    then         {"op": "reset", "prompt": ..., "row": {...}}                      → {"ok": null}
+    then         {"op": "reset", "prompt": ..., "row": {...}}                      → {"ok": <first message or null>}
                  {"op": "step", "reply": ...}                                      → {"ok": [message, reward, done]}
 
 A call that raises answers {"raised": "<type>: <message>"}. What the user's code prints goes to stderr: stdout is the
@@ -18,6 +18,14 @@ import sys
 def answer(channel, obj: dict) -> None:
     channel.write(json.dumps(obj) + "\n")
     channel.flush()
+
+
+def checked_first_message(result, environment: str) -> str | None:
+    """reset's optional first message, checked: a string, or None to keep the data's prompt."""
+    if result is not None and not isinstance(result, str):
+        raise TypeError(f"{environment}: reset must return the episode's first message (a string) or None, "
+                        f"got {type(result).__name__}")
+    return result
 
 
 def checked_step(result) -> list:
@@ -52,8 +60,8 @@ def main() -> None:
         job = json.loads(line)
         try:
             if job["op"] == "reset":
-                instance.reset(job["prompt"], **job["row"])
-                answer(channel, {"ok": None})
+                environment = f"{first['path']}:{first['name']}"
+                answer(channel, {"ok": checked_first_message(instance.reset(job["prompt"], **job["row"]), environment)})
             else:
                 answer(channel, {"ok": checked_step(instance.step(job["reply"]))})
         except BaseException as e:

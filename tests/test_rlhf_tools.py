@@ -106,7 +106,7 @@ def play(tok, texts: list[str], **limits) -> ep.Episode:
     r, e = runner(tok, **limits), ep.Episode(tok("<|im_start|>user\n3+4=<|im_end|>\n<|im_start|>assistant\n")["input_ids"])
     try:
         if r.limits.environment is not None:
-            r.reset_environments([e], [("3+4=", {"answer": "7"})])
+            r.reset_environments([e], [("3+4=", {"answer": "7"}, [{"role": "user", "content": "3+4="}])])
         for text in texts:
             if e.end is not None:
                 return e
@@ -167,6 +167,21 @@ def test_episode_summaries_count_every_end(tok):
     assert ep.add_up(s, s)["ends"]["finished"] == 4 and ep.add_up({}, s) == s
 
 
+@pytest.mark.fast
+def test_a_resumed_run_counts_the_episodes_of_the_steps_before_its_checkpoint(tok, tmp_path):
+    """Attempt 1 plays two steps and checkpoints; attempt 2 starts with empty totals, reads them from the checkpoint
+    (as worker.train does) and plays a third: its summary is that of all three steps."""
+    steps = [[play(tok, ["7"])], [play(tok, [CALC % "1/0"])], [play(tok, [CALC % "1+1", "2"])]]
+    first: dict = {}
+    for step in steps[:2]:
+        first.update(ep.add_up(dict(first), ep.summary(step)))
+    ep.save_totals(tmp_path, first)
+    resumed = ep.load_totals(tmp_path)
+    resumed.update(ep.add_up(dict(resumed), ep.summary(steps[2])))
+    assert resumed == ep.summary([e for step in steps for e in step])
+    assert ep.load_totals(tmp_path / "no-episodes") == {}
+
+
 # ---- a user's environment, in a child process per episode ----------------------------------------------------------
 QUIZ = """
 import time
@@ -188,6 +203,20 @@ class Quiz:
         if reply.strip() == self.answer:
             return None, 1.0, True
         return "Try again.", 0.25, False
+
+class Opener:  # reset's first message: the row's `first` column, or None (the data's prompt)
+    def reset(self, prompt, **row):
+        return row.get("first")
+
+    def step(self, reply):
+        return None, 1.0, True
+
+class BadOpener:
+    def reset(self, prompt, **row):
+        return ["not", "a", "message"]
+
+    def step(self, reply):
+        return None, 1.0, True
 
 class Broken:
     def __init__(self):
@@ -251,6 +280,36 @@ def test_an_environment_that_cannot_be_made_ends_its_episode_before_any_turn(tok
 
 
 @pytest.mark.fast
+def test_resets_first_message_takes_the_place_of_the_prompts_user_message(tok, quiz):
+    """Opener's reset returns the row's `first` (or None): the episode's prompt is rendered again with it as the user
+    message, after the system message; a reset that returns something else ends the episode, naming the class."""
+    r = runner(tok, environment=quiz("Opener"))
+    messages = [{"role": "system", "content": "Add."}, {"role": "user", "content": "3+4="}]
+    rendered = ep.first_message_prompt(tok, messages, "3+4=")
+    rows = [("3+4=", {"first": "What is 3+4?"}, messages), ("3+4=", {}, messages)]
+    played = [ep.Episode(tok(rendered)["input_ids"]) for _ in rows]
+    try:
+        r.reset_environments(played, rows)
+    finally:
+        for e in played:
+            e.environment.close()
+    assert [e.end for e in played] == [None, None]
+    assert played[0].prompt_ids == tok("<|im_start|>system\nAdd.<|im_end|>\n<|im_start|>user\nWhat is 3+4?<|im_end|>\n"
+                                       "<|im_start|>assistant\n")["input_ids"]
+    assert played[1].prompt_ids == tok(rendered)["input_ids"]  # None: the data's prompt, untouched
+
+    from conversions.environment import EpisodeEnvironment
+
+    bad = EpisodeEnvironment(quiz("BadOpener"), 1.0)
+    try:
+        raised = bad.reset("3+4=", {}).raised
+    finally:
+        bad.close()
+    assert "quiz.py:BadOpener: reset must return the episode's first message (a string) or None, got list" in raised
+    assert play(tok, ["7"], environment=quiz("BadOpener")).end is EpisodeEnd.ENVIRONMENT_RAISED
+
+
+@pytest.mark.fast
 @pytest.mark.parametrize("env, words", [
     ("{tmp}/missing.py:Quiz", "no such file"),
     ("{tmp}/quiz.py:Nope", "defines no class 'Nope'"),
@@ -274,18 +333,22 @@ def test_grpo_with_tools_runs_episodes_and_reports_how_they_ended(tmp_path, tiny
     answering or by running out of tokens. What this shows is the plumbing: episodes through TRL's rollout_func (with
     a user environment in a child process per episode), the ends counted per step and in the summary, the
     environment's reward beside the built-in one, the held-out reward measured on greedy episodes before and
-    after."""
-    from test_rlhf_trl import prompts_data, run_stage
+    after. Killed after its first step's checkpoint, the rerun resumes there and its summary still counts both steps'
+    episodes (carried in the checkpoint)."""
+    from test_rlhf_trl import _kill_after_checkpoint, prompts_data, run_stage
 
     data = prompts_data(data_dir, tmp_path / "data")
     (tmp_path / "quiz.py").write_text(QUIZ)
     cfg = RlhfConfig(algorithm="grpo", steps=STEPS, micro_batch_size=8, num_generations=4, max_completion_length=4,
-                     lr=1e-3, beta=0.0, loss_type="dr_grpo", scale_rewards="none", checkpoint_every=1000,
+                     lr=1e-3, beta=0.0, loss_type="dr_grpo", scale_rewards="none", checkpoint_every=1,
                      timeout_s=600, rewards=[{"kind": "exact_match"}], tools=["calculator", "python"], max_turns=3,
                      tool_timeout_s=2, environment=f"{tmp_path}/quiz.py:Quiz")
     (tmp_path / "run").mkdir()
+    assert _kill_after_checkpoint(tmp_path / "run", lambda: run_stage(tmp_path / "run", tiny_config, data,
+                                                                      hf_checkpoint, cfg), step=1) is not None
     out = run_stage(tmp_path / "run", tiny_config, data, hf_checkpoint, cfg)
     m = out.metrics
+    assert m["resumed_from_step"] == 1, m
     ends = {end.value: m[f"episode_end_{end.value}"] for end in EpisodeEnd}
     assert m["episodes_trained"] == STEPS * 8 == sum(ends.values()), m
     assert 0 < ends["environment_raised"] < m["episodes_trained"], ends  # reset raised on the even sums' rows

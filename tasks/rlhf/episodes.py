@@ -9,12 +9,14 @@ multiplies into the loss mask: only the model's own tokens are trained on, tool 
 """
 from __future__ import annotations
 
+import json
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from conversions import chat
+from conversions import chat, durable
 from conversions.environment import EnvironmentCode, EpisodeEnvironment, Reply
 from conversions.tools import EpisodeEnd, parse_tool_call, run_tool
 
@@ -67,8 +69,8 @@ class EpisodeRunner:
 
     @torch.no_grad()
     def run(self, model, prompts: list[str], generation: dict, rows: list[tuple[str, dict]] = ()) -> list[Episode]:
-        """One episode per rendered prompt; rows: each prompt's (user text, other columns), which the environment's
-        reset is given."""
+        """One episode per rendered prompt; rows: each prompt's (user text, other columns, messages): the environment's
+        reset is given the first two, and the messages are rendered again when reset returns a first message."""
         episodes = [Episode(self.tok(p)["input_ids"]) for p in prompts]  # as TRL tokenizes a string prompt
         try:
             if self.limits.environment is not None:
@@ -85,8 +87,11 @@ class EpisodeRunner:
     def reset_environments(self, episodes: list[Episode], rows: list[tuple[str, dict]]) -> None:
         for e in episodes:  # the children start side by side
             e.environment = EpisodeEnvironment(self.limits.environment, self.limits.tool_timeout_s)
-        for e, (text, fields) in zip(episodes, rows, strict=True):
-            e.end = environment_failure(e.environment.reset(text, fields))
+        for e, (text, fields, messages) in zip(episodes, rows, strict=True):
+            reset = e.environment.reset(text, fields)
+            e.end = environment_failure(reset)
+            if e.end is None and reset.value is not None:
+                e.prompt_ids = self.tok(first_message_prompt(self.tok, messages, reset.value))["input_ids"]
 
     def next_turns(self, model, live: list[Episode], generation: dict) -> list[list[int]]:
         seqs = [e.prompt_ids + e.ids for e in live]
@@ -157,6 +162,14 @@ class EpisodeRunner:
         e.mask += [0] * len(ids)
 
 
+def first_message_prompt(tok, messages: list[dict], first: str) -> str:
+    """The rendered prompt with the environment's first message in place of its last user message (the messages
+    before it, a system prompt, stay), tokenized then as TRL tokenizes a string prompt."""
+    last = max(i for i, m in enumerate(messages) if m["role"] == "user")
+    convo = [*messages[:last], {**messages[last], "content": first}, *messages[last + 1:]]
+    return chat.for_special_tokens(tok, chat.prompt_text(tok, convo))
+
+
 def environment_failure(reply: Reply) -> EpisodeEnd | None:
     if reply.timed_out:
         return EpisodeEnd.ENVIRONMENT_TIMED_OUT
@@ -182,9 +195,24 @@ def add_up(total: dict, part: dict) -> dict:
                                   part["turns_per_episode"] * part["episodes"]) / max(n, 1)}
 
 
+TOTALS_FILE = "baton_episodes.json"  # in each TRL checkpoint: the run's training episodes through its step
+
+
+def save_totals(checkpoint: Path, totals: dict) -> None:
+    """The run's training episodes so far, into a checkpoint before it is sealed, so a resume counts the steps
+    before it too (TRL's trainer state has no place for them)."""
+    durable.write_json(Path(checkpoint) / TOTALS_FILE, totals)
+
+
+def load_totals(checkpoint: Path) -> dict:
+    """A sealed checkpoint's training episodes ({} when it has none: a run without episodes)."""
+    path = Path(checkpoint) / TOTALS_FILE
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
 def rollout_func(runner: EpisodeRunner, totals: dict, rows: dict[str, tuple[str, dict]]):
     """TRL's rollout_func: one episode per prompt it is given (TRL repeats each prompt num_generations times), sampled
-    as TRL samples (its generation kwargs); rows: each rendered prompt's (user text, other columns), for the
+    as TRL samples (its generation kwargs); rows: each rendered prompt's (user text, other columns, messages), for the
     environment (TRL hands the function prompts only). Each step's episodes are logged (train/episodes_*) and added
     to totals."""
     def rollout(prompts: list[str], trainer) -> dict:

@@ -86,6 +86,8 @@ def train(a: events.RlhfSpec, recipe: Recipe):
     trainer.add_callback(checkpoint_callback(a.keep_checkpoints))
     trainer.add_callback(non_finite_callback(a.precision))
     resumed_from = KIND.step_of(resume) if resume else 0
+    if resume:  # the episodes of the steps before the resume, which the rollouts from here add to
+        TRAINING_EPISODES.update(episodes.load_totals(resume))
     if RANK == 0:
         events.started(resumed_from)
     train_naming_a_full_disk(trainer, work, resume)
@@ -421,6 +423,8 @@ def checkpoint_callback(keep: int):
         def on_save(self, args, state, control, **kwargs):
             if state.is_world_process_zero:
                 work = Path(args.output_dir)
+                if TRAINING_EPISODES:  # sealed with the checkpoint: a resume from it counts these steps' episodes
+                    episodes.save_totals(KIND.folder(work, state.global_step), TRAINING_EPISODES)
                 mark_complete(KIND.folder(work, state.global_step))
                 resuming.remove_older_than_kept(work, KIND, keep)
 
@@ -516,7 +520,7 @@ def format_prompts(tok, rows: list[dict], split: str) -> list[dict]:
     """Canonical prompts rows → the rendered prompt (as TRL tokenizes it), the text rewards see, the row's other
     columns, and where the row lies (prompts/<split>.jsonl:<line>, named when a reward fails on it)."""
     return [{"prompt": chat.for_special_tokens(tok, chat.prompt_text(tok, r["prompt"])),
-             "text": rw.last_user_text(r["prompt"]), "fields": rw.row_fields(r),
+             "text": rw.last_user_text(r["prompt"]), "fields": rw.row_fields(r), "messages": r["prompt"],
              "where": f"prompts/{split}.jsonl:{i}"} for i, r in enumerate(rows, start=1)]
 
 
@@ -549,7 +553,7 @@ def train_grpo_rewards(a, tok, rows: list[dict], work: Path):
     episodic = {}
     if a.tools or a.environment:  # multi-turn episodes, through TRL's rollout_func (tasks/rlhf/episodes.py)
         os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-        by_prompt = {r["prompt"]: (r["text"], r["fields"]) for r in rows}
+        by_prompt = {r["prompt"]: (r["text"], r["fields"], r["messages"]) for r in rows}
         episodic["rollout_func"] = episodes.rollout_func(episode_runner(a, tok), TRAINING_EPISODES, by_prompt)
     return timed_rollouts(GRPOTrainer)(model=model, reward_funcs=funcs, args=args, train_dataset=prompts,
                                        processing_class=tok, callbacks=[stream_callback()], **episodic)
@@ -619,7 +623,7 @@ def reward_facts(model, tok, rows: list[dict], rewards: list[rw.Reward], a, labe
     environment = [0.0] * len(rows)
     if a.tools or a.environment:
         played = episode_runner(a, tok).run(model.eval(), prompts, {"do_sample": False},
-                                            [(r["text"], r["fields"]) for r in rows])
+                                            [(r["text"], r["fields"], r["messages"]) for r in rows])
         replies, environment = [e.reply for e in played], [e.environment_reward for e in played]
         facts["episodes"] = episodes.summary(played)
     else:
