@@ -105,3 +105,13 @@ def resume_point(root: Path, kind: CheckpointKind, *, owner: bool = True) -> Res
     if owner and rejected and not done:
         print(f"{root}: no checkpoint whose contents verify; starting fresh", flush=True)
     return ResumePoint(kind, done[-1] if done else None, tuple(rejected), unfinished)
+
+
+def agreed_resume_point(root: Path, kind: CheckpointKind) -> Path | None:
+    """resume_point as rank 0 finds it (it alone removes and reports what it rejects), broadcast to every rank of the
+    default process group: all load the same checkpoint, and none reads a folder rank 0 is deleting."""
+    import torch.distributed as dist  # the calling workers' engines bring torch; this module's others need none
+
+    chosen = [resume_point(root, kind).checkpoint if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(chosen, src=0)  # picks its device from the backend (NCCL: the current CUDA device)
+    return chosen[0]

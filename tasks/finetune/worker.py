@@ -113,7 +113,7 @@ def start_step(engine, tok, heldout: list, held_ids: list, spec: events.Finetune
     before, _ = evaluate(engine, tok, heldout, held_ids, spec, stage == 3)
     timings["eval_before_s"] = time.time() - t
     ckpt_dir = spec.output
-    start = resume(engine, ckpt_dir, rank, facts)
+    start = resume(engine, ckpt_dir, facts)
     if start > spec.steps:
         raise SystemExit(f"{ckpt_dir}: the checkpoint at step {start} is past steps={spec.steps} "
                          "(start in a fresh work dir)")
@@ -456,16 +456,15 @@ def save(engine, ckpt_dir: Path, step: int, keep: int, rank: int, facts: dict) -
     dist.barrier()
 
 
-def resume(engine, ckpt_dir: Path, rank: int, facts: dict) -> int:
+def resume(engine, ckpt_dir: Path, facts: dict) -> int:
     """Load the newest complete checkpoint whose contents verify (tasks/resuming.py: rank 0 checks, removes and
     reports the others; every rank loads the one it chose). Returns the step to continue from."""
     dist.barrier()
-    chosen = [resuming.resume_point(ckpt_dir, KIND).checkpoint if rank == 0 else None]
-    dist.broadcast_object_list(chosen, src=0)
+    chosen = resuming.agreed_resume_point(ckpt_dir, KIND)
     dist.barrier()
-    if chosen[0] is None:
+    if chosen is None:
         return 0
-    tag = chosen[0].name
+    tag = chosen.name
     saved = json.loads((ckpt_dir / tag / COMPLETE).read_text())
     for key in ("world_size", "zero_stage"):
         if saved.get(key) != facts[key]:

@@ -127,9 +127,7 @@ def full_state(chunks: list, optimizer, scheduler, iteration: int, arch: dict, e
 def newest_verified(root: Path) -> Path | None:
     """Where this attempt resumes (tasks/resuming.py): rank 0 verifies, removes and reports the rejected and
     unfinished checkpoints; every rank loads the one it chose."""
-    chosen = [resuming.resume_point(root, KIND).checkpoint if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(chosen, src=0)
-    return chosen[0]
+    return resuming.agreed_resume_point(root, KIND)
 
 
 def newest_complete(root: Path) -> Path | None:
