@@ -382,7 +382,7 @@ def _with_finite_check(out: StageOutput) -> None:
 
 
 # What a config can ask a stage to change in the serving contract: model.chat_template renders a new template, and
-# the stage that writes it makes the template's end-of-turn token a stop token (conversions.chat.add_end_of_turn_stop).
+# the stage that writes it makes the template's end-of-turn token a stop token (tasks.chat.add_end_of_turn_stop).
 END_OF_TURN = "model.chat_template: its end-of-turn token stops a reply"
 STOP_FIELDS = ("stop_token_ids", "generation_config.eos_token_id")
 ASKED_BY = {"chat_template_sha256": "model.chat_template", **dict.fromkeys(STOP_FIELDS, END_OF_TURN)}

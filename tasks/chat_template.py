@@ -112,11 +112,11 @@ BOUNDARY_ROWS = 64
 
 def boundary_problem(stage: str, ctx, conversations: list[list[dict]]) -> str | None:
     """The refusal when the stage's chat template cannot train replies on the contexts engines serve (its generation
-    prompt ends inside a token of the reply: conversions.chat), found on probe conversations and the given ones,
+    prompt ends inside a token of the reply: tasks.chat), found on probe conversations and the given ones,
     naming the template: the config's, or the input checkpoint's own."""
     from transformers import AutoTokenizer
 
-    from conversions import chat
+    from tasks import chat
 
     tok = AutoTokenizer.from_pretrained(str(ctx.input))
     source = f"the chat template of {ctx.input}"

@@ -2,7 +2,7 @@
 special token between turns to cut BPE merges, so tokenizing it turn by turn gives other ids than the engine's
 tokenization of the rendered history; ChatML and Gemma templates give the same ids either way. The expectation is the
 tokenizer's own `apply_chat_template(..., tokenize=True)`, which is what vLLM's /tokenize does with the messages
-(conversions.chat is not asked). Pure: no engine."""
+(tasks.chat is not asked). Pure: no engine."""
 from __future__ import annotations
 
 import json
@@ -68,7 +68,7 @@ def plain_tok(tmp_path_factory):
 
 
 def test_a_plain_text_template_trains_on_the_ids_the_engine_tokenizes(plain_tok):
-    from conversions import chat
+    from tasks import chat
 
     tok = plain_tok
     whole = served(tok, CONVERSATION)
@@ -86,7 +86,7 @@ def test_a_plain_text_template_trains_on_the_ids_the_engine_tokenizes(plain_tok)
 def test_the_serve_checks_training_side_is_the_engines_prompt_where_turn_by_turn_was_not(plain_tok):
     """smoke.chat_template_parity compares vLLM's /tokenize with chat.reply_context_ids: for the multi-turn
     conversation the turn-by-turn ids differed (the check refused the model), the one-pass ids do not."""
-    from conversions import chat
+    from tasks import chat
     from tasks.serve.smoke import CONVERSATIONS
 
     for name, messages in CONVERSATIONS.items():
@@ -101,7 +101,7 @@ def test_the_serve_checks_training_side_is_the_engines_prompt_where_turn_by_turn
 def test_chatml_and_gemma_templates_give_the_ids_they_gave_before(tmp_path, family):
     """Their special tokens cut every merge at a turn boundary: one pass and turn by turn agree, and both are the
     engine's ids; the replies learned are the same as before."""
-    from conversions import chat
+    from tasks import chat
 
     if family == "chatml":  # baton's own data-stage tokenizer and template
         from tasks.data.tokenizer import CHAT_TEMPLATE, train_tokenizer
@@ -125,7 +125,7 @@ def test_chatml_and_gemma_templates_give_the_ids_they_gave_before(tmp_path, fami
 def test_a_generation_prompt_that_ends_inside_the_replys_token_is_refused_naming_the_fix(tmp_path):
     """`[BOT] ` + `A kiwi…`: a served prompt ends with the token ' ', the whole conversation tokenizes ' A' there, so
     no single sequence trains the reply after the context a server sends: the conversation is refused, not trained."""
-    from conversions import chat
+    from tasks import chat
     from test_own_model_and_data import own_tokenizer
 
     tok = own_tokenizer(tmp_path, rendered_rows(PLAIN_SPACE), template=PLAIN_SPACE)

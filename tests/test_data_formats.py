@@ -189,7 +189,7 @@ def tok(tmp_path_factory):
 
 
 def test_multi_turn_learns_every_assistant_turn_and_nothing_else(tok):
-    from conversions import chat
+    from tasks import chat
 
     msgs = [SYSTEM, {"role": "user", "content": "hello there"}, {"role": "assistant", "content": "hello"},
             {"role": "user", "content": "what is two plus three"}, {"role": "assistant", "content": "five"}]
@@ -203,7 +203,7 @@ def test_multi_turn_learns_every_assistant_turn_and_nothing_else(tok):
 
 
 def test_preference_sides_render_through_the_template(tok):
-    from conversions import chat
+    from tasks import chat
 
     prompt, reply = chat.completion(tok, [SYSTEM, {"role": "user", "content": "hi"}],
                                     [{"role": "assistant", "content": "five"}])

@@ -157,7 +157,8 @@ def test_the_templates_end_of_turn_token_becomes_a_stop_token_the_gate_accepts_a
     serving-contract gate reports the change as the config's."""
     from transformers import AutoTokenizer
 
-    from conversions import chat, manifest as mf
+    from conversions import manifest as mf
+    from tasks import chat
     from flows.step_runner import END_OF_TURN, serving_contract_check
 
     base = strip_template(gemma_base(tmp_path))
@@ -184,7 +185,7 @@ def test_the_templates_end_of_turn_token_becomes_a_stop_token_the_gate_accepts_a
     "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n\n' }}{% endfor %}",  # by plain text: no token
 ])
 def test_a_template_whose_turn_ends_in_no_new_special_token_leaves_the_stops_as_they_were(tmp_path, template):
-    from conversions import chat
+    from tasks import chat
 
     base = strip_template(gemma_base(tmp_path))
     (base / "chat_template.jinja").write_text(template)

@@ -227,7 +227,7 @@ def test_a_serving_contract_change_nobody_asked_for_fails_the_gate_naming_the_fi
 def test_the_training_rendering_a_server_must_match_is_the_trainers_context_with_one_bos(chatml_dir):
     from transformers import AutoTokenizer
 
-    from conversions.chat import encode, reply_context_ids
+    from tasks.chat import encode, reply_context_ids
     from tasks.serve.smoke import CONVERSATIONS
 
     for tok in (AutoTokenizer.from_pretrained(str(chatml_dir)), bos_adding_tokenizer()):

@@ -14,10 +14,10 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from conversions import chat, folder, hf, manifest as mf, verify
+from conversions import folder, hf, manifest as mf, verify
 from conversions.manifest import Format
 from conversions.refusal import Refused
-from tasks import chat_template, events, gates, resuming
+from tasks import chat, chat_template, events, gates, resuming
 from tasks.distributed import (Launch, LaunchConfigError, engine_command, remove_shm_segments, runtime_kind,
                                stage_runtime, with_port)
 from tasks.finetune import ds_config, engine_env

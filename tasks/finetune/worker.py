@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoTokenizer
 
-from conversions import chat, durable, hf, hf_layout, probe, sealed
-from tasks import collectives, events, resuming
+from conversions import durable, hf, hf_layout, probe, sealed
+from tasks import chat, collectives, events, resuming
 
 KIND = resuming.CheckpointKind.DEEPSPEED
 COMPLETE = KIND.marker

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import torch
 
-from conversions import chat, durable
+from conversions import durable
 from conversions.environment import EnvironmentCode, EpisodeEnvironment, Reply
 from conversions.tools import EpisodeEnd, parse_tool_call, run_tool
+from tasks import chat
 
 
 @dataclass

@@ -386,7 +386,8 @@ def consolidated_dir(step_dir: Path) -> Path | None:
 def collect_hf(src: Path, out: Path, tokenizer_src: Path, chat_template: Path | None = None) -> Path:
     """Copy NeMo-RL's HF weights and config, then the input's tokenizer and chat template (NeMo-RL does not), or the
     configured template when the input has none."""
-    from conversions import chat, folder, hf, safetensors_stream
+    from conversions import folder, hf, safetensors_stream
+    from tasks import chat
 
     out.mkdir(parents=True, exist_ok=True)
     for f in [*src.glob("*.safetensors"), src / safetensors_stream.INDEX_NAME, src / "config.json", src / "generation_config.json"]:

@@ -15,10 +15,10 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from conversions import chat, folder, hf, manifest as mf, verify
+from conversions import folder, hf, manifest as mf, verify
 from conversions.manifest import Format
 from conversions.refusal import Refused
-from tasks import chat_template, events, gates
+from tasks import chat, chat_template, events, gates
 from tasks.distributed import Launch, LaunchConfigError, engine_command, runtime_kind, stage_runtime
 from tasks.rlhf import checks, nemo_rl
 from tasks.rlhf.config import RlhfConfig

@@ -21,10 +21,10 @@ from typing import Callable
 
 import torch
 
-from conversions import chat, hf, manifest as mf, rewards as rw, sealed
+from conversions import hf, manifest as mf, rewards as rw, sealed
 from conversions.environment import EnvironmentCode
 from conversions.manifest import Format
-from tasks import events, resuming
+from tasks import chat, events, resuming
 from tasks.rlhf import episodes
 
 RANK = int(os.environ.get("RANK", "0"))

@@ -207,7 +207,7 @@ def chat_template_parity(ep: Endpoint, tokenizer) -> dict:
     without a system role skips the system conversation)."""
     from jinja2.exceptions import TemplateError
 
-    from conversions.chat import reply_context_ids
+    from tasks.chat import reply_context_ids
 
     compared, skipped = [], []
     for name, messages in CONVERSATIONS.items():

@@ -21,8 +21,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import durable
-from .refusal import Refused
+from conversions import durable
+from conversions.refusal import Refused
 
 IGNORE = -100
 
