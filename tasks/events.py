@@ -247,7 +247,7 @@ class FinetuneSpec(ProgramSpec):
 
 
 class RewardSpec(ProgramSpec):
-    """One rlhf.rewards entry as the rlhf worker builds it (conversions.rewards.build); a user function travels as the
+    """One rlhf.rewards entry as the rlhf worker builds it (tasks.rlhf.rewards.build); a user function travels as the
     text of its file (path, name, source: None for the built-in kinds), read and checked once by the task."""
 
     kind: str

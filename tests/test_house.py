@@ -319,3 +319,16 @@ def test_checkpoint_formats_have_one_home():
 
 def _inside_class(tree: ast.Module, name: str, line: int) -> bool:
     return any(isinstance(n, ast.ClassDef) and n.name == name and n.lineno <= line <= n.end_lineno for n in tree.body)
+
+
+def test_the_rlhf_workers_imports_load_no_prefect_mlflow_or_flows():
+    """The rlhf worker runs in the engine's runtime and imports its rewards, sandbox, tools and environments from its
+    stage's folder, which runs tasks/rlhf/__init__.py on the way: that must stay free of the orchestration layer."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, tasks.rlhf.worker; print(sorted({m.split('.')[0] for m in sys.modules} "
+             "& {'prefect', 'mlflow', 'flows'}))")
+    r = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "[]"

@@ -153,7 +153,7 @@ def test_a_training_worker_refuses_a_spec_naming_the_field(tmp_path, stage, wher
     assert sorted(p.name for p in tmp_path.iterdir()) == ["written.json"]
 
 
-# ---- the code sandbox's child (conversions/sandbox_child.py): its whole job on stdin, checked on both sides --------
+# ---- the code sandbox's child (tasks/rlhf/sandbox_child.py): its whole job on stdin, checked on both sides --------
 def positional_argv_reads(path) -> list[int]:
     """Lines that read a positional `sys.argv[i]` other than as one JSON document (`json.loads(sys.argv[1])`)."""
     tree = ast.parse(path.read_text())
@@ -165,7 +165,7 @@ def positional_argv_reads(path) -> list[int]:
 
 def test_no_launched_program_reads_positional_arguments():
     """The sandbox child once took MEMORY_MB CPU_S ISOLATION as argv beside its JSON job: values with no model."""
-    assert REPO / "conversions/sandbox_child.py" in launched_programs()
+    assert REPO / "tasks/rlhf/sandbox_child.py" in launched_programs()
     positional = {str(p.relative_to(REPO)): lines for p in launched_programs() if (lines := positional_argv_reads(p))}
     assert positional == {}, f"these programs take positional arguments, not one spec: {positional}"
 
@@ -181,19 +181,19 @@ def test_the_sandbox_takes_its_limits_from_the_config_alone():
     5.0` once stood for rlhf.rewards[].timeout_s): the entry is whole, the config model holds the defaults."""
     import dataclasses
 
-    from conversions import sandbox
+    from tasks.rlhf import sandbox
 
     defaulted = [f.name for f in dataclasses.fields(sandbox.Limits) if f.default is not dataclasses.MISSING]
     assert defaulted == []
-    spec_gets = [c.lineno for c in calls_named(REPO / "conversions/rewards.py", "get")
+    spec_gets = [c.lineno for c in calls_named(REPO / "tasks/rlhf/rewards.py", "get")
                  if getattr(getattr(c.func, "value", None), "id", None) == "spec"]
-    assert spec_gets == [], f"conversions/rewards.py reads a reward spec with a default of its own at {spec_gets}"
+    assert spec_gets == [], f"tasks/rlhf/rewards.py reads a reward spec with a default of its own at {spec_gets}"
 
 
 def test_the_sandbox_child_refuses_a_job_its_parent_would_not_send(tmp_path):
     """The parent builds the job and checks it with the child's own job_problem; the child checks it again and runs
     nothing of a job with a field misspelt (exit BAD_JOB, no results written)."""
-    from conversions import sandbox, sandbox_child
+    from tasks.rlhf import sandbox, sandbox_child
 
     limits = sandbox.Limits(timeout_s=10, memory_mb=256, isolation="limits_only")
     job = sandbox.child_job("print('ran')", ["assert True"], limits, nonce="n")
