@@ -522,7 +522,7 @@ def result(facts: WorkerResult) -> None:
 
 
 # ---- failures: causes baton's own code finds in a rank, announced before the rank exits ---------------------------
-# Only INFRASTRUCTURE is retried (flows/step_runner.py failure_class); everything else fails the stage at once.
+# Only INFRASTRUCTURE is retried (flows/step_retries.py failure_class); everything else fails the stage at once.
 class EngineCause(StrEnum):
     """Why an engine's processes failed: from a rank's `failure` event, else read from the engine's log lines."""
 

@@ -158,7 +158,7 @@ def test_the_templates_end_of_turn_token_becomes_a_stop_token_the_gate_accepts_a
     from transformers import AutoTokenizer
 
     from conversions import chat, manifest as mf
-    from flows.step_runner import END_OF_TURN, serving_contract_check
+    from flows.step_gate import END_OF_TURN, serving_contract_check
 
     base = strip_template(gemma_base(tmp_path))
     tok = AutoTokenizer.from_pretrained(str(base))

@@ -118,16 +118,16 @@ def test_the_index_remembers_the_last_facts_of_a_step_per_config(tmp_path, home)
 
 def test_the_runner_and_the_summary_say_what_changed_since_the_last_completed_run(tree, home):
     from flows.cli.view import summary_lines
-    from flows.step_runner import _why_run
+    from flows.step_cache import why_run
 
     cfg, index = load(GRPO), Index()
     before = _plan(cfg, tree)["rlhf"]
     index.put_last(cfg.name, "rlhf", before.fingerprint, before.facts)   # what a completed run leaves behind
     with _edited(tree / "tasks/rlhf/rewards.py"):
         after = _plan(cfg, tree)["rlhf"]
-    reason = _why_run(index, cfg, after, use_cache=True)
+    reason = why_run(index, cfg, after, use_cache=True)
     assert reason == [{"why": "code changed", "detail": ["tasks/rlhf/rewards.py"]}]
-    assert _why_run(index, cfg, after, use_cache=False) == [{"why": "cache off", "detail": []}]
+    assert why_run(index, cfg, after, use_cache=False) == [{"why": "cache off", "detail": []}]
     (row,) = summary_lines({"stages": [{"label": "rlhf", "status": "completed", "seconds": 61, "reason": reason}]})
     assert row.rstrip().endswith("re-ran: code changed (tasks/rlhf/rewards.py)")
 
