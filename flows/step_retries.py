@@ -32,37 +32,29 @@ FATAL_MARKS = {  # what torch, DeepSpeed, transformers and the OS print
 }
 
 
-def oom_kills() -> int:
-    """OOM kills so far in this process's memory cgroup and every cgroup below it (v1 memory.oom_control or v2
-    memory.events); 0 where the kernel does not say."""
-    root = _memory_cgroup()
-    total = 0
-    if root is None:
-        return 0
-    for dirpath, _dirs, files in os.walk(root):
-        for name in ("memory.events", "memory.oom_control"):
-            if name in files:
-                try:
-                    for line in Path(dirpath, name).read_text().splitlines():
-                        key, _, value = line.partition(" ")
-                        if key == "oom_kill":
-                            total += int(value)
-                except (OSError, ValueError):
-                    pass
-    return total
-
-
-def _memory_cgroup() -> Path | None:
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if "memory" in controllers.split(","):
-            return Path("/sys/fs/cgroup/memory") / path.lstrip("/")
-    v2 = [line for line in lines if line.startswith("0::")]
-    return Path("/sys/fs/cgroup") / v2[0][3:].lstrip("/") if v2 else None
+def run_with_retries(step: Step, ctx: StageContext, stage_cfg) -> StageOutput:
+    """BATON_INFRA_RETRIES (default 2) retries after BATON_INFRA_RETRY_DELAY_S (default 10) seconds."""
+    retries = int(os.environ.get("BATON_INFRA_RETRIES", "2"))
+    delay = float(os.environ.get("BATON_INFRA_RETRY_DELAY_S", "10"))
+    task = STAGES[step.name].load_task()
+    if orchestration.lost():  # a Prefect task run first asks the server for its tags' concurrency slots
+        task = getattr(task, "fn", task)
+    for attempt in range(retries + 1):
+        before = oom_kills()
+        try:
+            return task(ctx, stage_cfg)
+        except LaunchError as e:
+            cause = failure_class(e, before)
+            if cause != EngineCause.INFRASTRUCTURE:
+                raise LaunchError(f"{str(e).splitlines()[0]} ({cause}; not retried){cause_line(e, cause)}",
+                                  e.returncode, e.tail, timed_out=e.timed_out, failures=e.failures) from None
+            if attempt == retries:
+                raise
+            get_run_logger().warning("%s: infrastructure failure (%s); retry %d of %d in %.0fs, resuming from the last "
+                                     "checkpoint in %s", step.label, str(e).splitlines()[0], attempt + 1, retries,
+                                     delay, ctx.work_dir)
+            time.sleep(delay)
+    raise AssertionError("unreachable")
 
 
 def failure_class(e: LaunchError, oom_kills_before: int | None = None) -> EngineCause:
@@ -97,26 +89,34 @@ def cause_line(e: LaunchError, cause: EngineCause) -> str:
     return f": {best[2].strip()[:600]}" if best[0] else ""
 
 
-def run_with_retries(step: Step, ctx: StageContext, stage_cfg) -> StageOutput:
-    """BATON_INFRA_RETRIES (default 2) retries after BATON_INFRA_RETRY_DELAY_S (default 10) seconds."""
-    retries = int(os.environ.get("BATON_INFRA_RETRIES", "2"))
-    delay = float(os.environ.get("BATON_INFRA_RETRY_DELAY_S", "10"))
-    task = STAGES[step.name].load_task()
-    if orchestration.lost():  # a Prefect task run first asks the server for its tags' concurrency slots
-        task = getattr(task, "fn", task)
-    for attempt in range(retries + 1):
-        before = oom_kills()
-        try:
-            return task(ctx, stage_cfg)
-        except LaunchError as e:
-            cause = failure_class(e, before)
-            if cause != EngineCause.INFRASTRUCTURE:
-                raise LaunchError(f"{str(e).splitlines()[0]} ({cause}; not retried){cause_line(e, cause)}",
-                                  e.returncode, e.tail, timed_out=e.timed_out, failures=e.failures) from None
-            if attempt == retries:
-                raise
-            get_run_logger().warning("%s: infrastructure failure (%s); retry %d of %d in %.0fs, resuming from the last "
-                                     "checkpoint in %s", step.label, str(e).splitlines()[0], attempt + 1, retries,
-                                     delay, ctx.work_dir)
-            time.sleep(delay)
-    raise AssertionError("unreachable")
+def oom_kills() -> int:
+    """OOM kills so far in this process's memory cgroup and every cgroup below it (v1 memory.oom_control or v2
+    memory.events); 0 where the kernel does not say."""
+    root = _memory_cgroup()
+    total = 0
+    if root is None:
+        return 0
+    for dirpath, _dirs, files in os.walk(root):
+        for name in ("memory.events", "memory.oom_control"):
+            if name in files:
+                try:
+                    for line in Path(dirpath, name).read_text().splitlines():
+                        key, _, value = line.partition(" ")
+                        if key == "oom_kill":
+                            total += int(value)
+                except (OSError, ValueError):
+                    pass
+    return total
+
+
+def _memory_cgroup() -> Path | None:
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            return Path("/sys/fs/cgroup/memory") / path.lstrip("/")
+    v2 = [line for line in lines if line.startswith("0::")]
+    return Path("/sys/fs/cgroup") / v2[0][3:].lstrip("/") if v2 else None

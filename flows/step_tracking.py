@@ -20,38 +20,35 @@ from tasks.registry import CONVERT_STAGE, TRAINING_STAGES
 from tasks.stage import StageOutput, Status, reasons_text
 
 
-def data_digest(data_dir: str | Path | None) -> str:
-    """Lineage of the data a checkpoint was trained on: the digest of the data stage's manifest (file sha256s)."""
-    m = mf.read(Path(data_dir)) if data_dir else None
-    if m is None:
-        return ""
-    return mf.digest_of({k: m[k] for k in ("files", "extra")})
+def close_dead_attempt(dead_run_id: str | None, step: Step, run: RunInfo) -> None:
+    """The step's previous owner died holding its lock (SIGKILL, an OOM kill of the flow's process, a lost host), so
+    none of its cancellation code ran: its MLflow runs end KILLED and its summary.json says crashed, so nothing shows
+    running forever."""
+    import json
 
+    from flows.runs import runs_root, write_summary
+    from tasks.paths import check_run_id
 
-def _register(c, cfg: PipelineConfig, step: Step, out: Path, run_id: str, mlflow_run: str,
-              data_dir: str | None) -> dict | None:
-    m = mf.read(out)
-    if m is None:
-        return None
-    fmt = m["format"]
-    if fmt == Format.DATASET:
-        return None
-    name = cfg.tracking.registered_model if fmt == Format.HF_SAFETENSORS else f"{cfg.tracking.registered_model}-{fmt}"
-    version = tracking.register_checkpoint(
-        c, name, out, mlflow_run,
-        tags={"stage": step.label, "format": fmt, "baton.run_id": run_id, "manifest_digest": mf.digest_of(m),
-              "data_digest": data_digest(data_dir)},
-        alias="candidate", upload_weights=cfg.tracking.upload_weights)
-    return {"name": name, "version": version, "alias": "candidate"}
-
-
-def register_if_tracked(c, cfg: PipelineConfig, step: Step, out: Path, run_id: str, mlflow_run: str | None,
-                        data_dir: str | None, missing: list) -> dict | None:
-    """The checkpoint's registration, or None (listed as missing) while the tracking server is unreachable."""
-    if mlflow_run is None:  # the stage ran without its MLflow run (listed already)
-        return None
-    return tracking.attempt(missing, tracking.REGISTRATION, _register, c, cfg, step, out, run_id,
-                            mlflow_run, data_dir)
+    if not dead_run_id or dead_run_id == run.run_id:
+        return
+    note = f"its process died during step {step.label}; found by run {run.run_id}, which took the step over"
+    try:
+        run_dir = runs_root() / check_run_id(dead_run_id)
+        summary_path = run_dir / "summary.json"
+        summary = json.loads(summary_path.read_text()) if summary_path.exists() else {
+            "run_id": dead_run_id, "run_dir": str(run_dir), "status": Status.RUNNING,
+            "stages": []}  # died in its first step
+        if run_dir.exists() and summary.get("status") == Status.RUNNING:
+            summary.update(status=Status.CRASHED, error=note)
+            write_summary(run_dir, summary)
+        c = tracking.client()
+        experiments = [e.experiment_id for e in c.search_experiments()]
+        for r in c.search_runs(experiments, filter_string=f"tags.`baton.run_id` = '{dead_run_id}' "
+                                                          "and attributes.status = 'RUNNING'"):
+            c.set_terminated(r.info.run_id, "KILLED")
+        get_run_logger().warning("run %s: %s", dead_run_id, note)
+    except Exception as e:  # closing another run's records never fails this one
+        get_run_logger().warning("could not close the records of dead run %s: %s", dead_run_id, e)
 
 
 def start_stage_run(c, cfg: PipelineConfig, step: Step, run: RunInfo, entry: dict, missing: list) -> str | None:
@@ -72,34 +69,6 @@ def start_stage_run(c, cfg: PipelineConfig, step: Step, run: RunInfo, entry: dic
                       **({"convert": step.extra} if step.name == CONVERT_STAGE else {})})
     report.link_mlflow_run(mlflow_run, f"{step.label}: MLflow run")
     return mlflow_run
-
-
-def _metric_summary(out: StageOutput, history: dict) -> dict:
-    metrics = dict(out.metrics)
-    loss = history.get(events.TRAIN_LOSS)
-    if loss:
-        metrics.setdefault("loss_first", loss[0][1])
-        metrics.setdefault("loss_last", loss[-1][1])
-    return {k: v for k, v in metrics.items() if v is not None}
-
-
-def _summary_metrics(entry: dict, out: StageOutput) -> dict:
-    metrics = {k: v for k, v in entry["metrics"].items() if isinstance(v, (int, float))}
-    for k in ("before", "after"):
-        if out.eval and isinstance(out.eval.get(k), (int, float)):
-            metrics[f"eval_{out.eval['metric']}_{k}"] = out.eval[k]
-    return metrics
-
-
-def _close_sink(mlflow_run: str | None, missing: list, timeout: float | None = None) -> dict:
-    """The engine's metrics: the last ones sent (or saved locally, listed as missing); their history."""
-    sink = streaming.pop_sink(mlflow_run)
-    if sink is None:
-        return {}
-    sink.close(timeout)
-    if sink.unsent:
-        missing.append(f"metrics: {sink.unsent} saved to {sink.unsent_path()}")
-    return sink.history
 
 
 def record_output(c, mlflow_run: str | None, step: Step, work: Path, out: StageOutput, entry: dict,
@@ -131,6 +100,34 @@ def record_output(c, mlflow_run: str | None, step: Step, work: Path, out: StageO
                               for k, v in _summary_metrics(entry, out).items()])
 
 
+def _close_sink(mlflow_run: str | None, missing: list, timeout: float | None = None) -> dict:
+    """The engine's metrics: the last ones sent (or saved locally, listed as missing); their history."""
+    sink = streaming.pop_sink(mlflow_run)
+    if sink is None:
+        return {}
+    sink.close(timeout)
+    if sink.unsent:
+        missing.append(f"metrics: {sink.unsent} saved to {sink.unsent_path()}")
+    return sink.history
+
+
+def _metric_summary(out: StageOutput, history: dict) -> dict:
+    metrics = dict(out.metrics)
+    loss = history.get(events.TRAIN_LOSS)
+    if loss:
+        metrics.setdefault("loss_first", loss[0][1])
+        metrics.setdefault("loss_last", loss[-1][1])
+    return {k: v for k, v in metrics.items() if v is not None}
+
+
+def _summary_metrics(entry: dict, out: StageOutput) -> dict:
+    metrics = {k: v for k, v in entry["metrics"].items() if isinstance(v, (int, float))}
+    for k in ("before", "after"):
+        if out.eval and isinstance(out.eval.get(k), (int, float)):
+            metrics[f"eval_{out.eval['metric']}_{k}"] = out.eval[k]
+    return metrics
+
+
 def memory_vs_plan(c, mlflow_run: str | None, cfg: PipelineConfig, step: Step, entry: dict, missing: list) -> None:
     """A training stage's measured per-rank peak beside `baton plan`'s prediction, in the summary and MLflow."""
     from tasks.memory_plan import predicted_peak_mb
@@ -144,6 +141,40 @@ def memory_vs_plan(c, mlflow_run: str | None, cfg: PipelineConfig, step: Step, e
     if mlflow_run is not None:
         tracking.attempt(missing, "predicted memory", c.log_metric, mlflow_run,
                          events.summary_name("predicted_peak_mem_mib"), predicted)
+
+
+def register_if_tracked(c, cfg: PipelineConfig, step: Step, out: Path, run_id: str, mlflow_run: str | None,
+                        data_dir: str | None, missing: list) -> dict | None:
+    """The checkpoint's registration, or None (listed as missing) while the tracking server is unreachable."""
+    if mlflow_run is None:  # the stage ran without its MLflow run (listed already)
+        return None
+    return tracking.attempt(missing, tracking.REGISTRATION, _register, c, cfg, step, out, run_id,
+                            mlflow_run, data_dir)
+
+
+def _register(c, cfg: PipelineConfig, step: Step, out: Path, run_id: str, mlflow_run: str,
+              data_dir: str | None) -> dict | None:
+    m = mf.read(out)
+    if m is None:
+        return None
+    fmt = m["format"]
+    if fmt == Format.DATASET:
+        return None
+    name = cfg.tracking.registered_model if fmt == Format.HF_SAFETENSORS else f"{cfg.tracking.registered_model}-{fmt}"
+    version = tracking.register_checkpoint(
+        c, name, out, mlflow_run,
+        tags={"stage": step.label, "format": fmt, "baton.run_id": run_id, "manifest_digest": mf.digest_of(m),
+              "data_digest": data_digest(data_dir)},
+        alias="candidate", upload_weights=cfg.tracking.upload_weights)
+    return {"name": name, "version": version, "alias": "candidate"}
+
+
+def data_digest(data_dir: str | Path | None) -> str:
+    """Lineage of the data a checkpoint was trained on: the digest of the data stage's manifest (file sha256s)."""
+    m = mf.read(Path(data_dir)) if data_dir else None
+    if m is None:
+        return ""
+    return mf.digest_of({k: m[k] for k in ("files", "extra")})
 
 
 def close_stage_run(c, mlflow_run: str | None, monitor, entry: dict, ok: bool, log_path: Path, missing: list) -> None:
@@ -171,34 +202,3 @@ def _end_stage_run(c, mlflow_run: str, entry: dict, ok: bool, log_path: Path, mi
         tracking.attempt(missing, log_path.name, tracking.log_file, c, mlflow_run, log_path)
     if not cancelled:
         tracking.attempt(missing, end, tracking.end_run, c, mlflow_run, ok)
-
-
-def close_dead_attempt(dead_run_id: str | None, step: Step, run: RunInfo) -> None:
-    """The step's previous owner died holding its lock (SIGKILL, an OOM kill of the flow's process, a lost host), so
-    none of its cancellation code ran: its MLflow runs end KILLED and its summary.json says crashed, so nothing shows
-    running forever."""
-    import json
-
-    from flows.runs import runs_root, write_summary
-    from tasks.paths import check_run_id
-
-    if not dead_run_id or dead_run_id == run.run_id:
-        return
-    note = f"its process died during step {step.label}; found by run {run.run_id}, which took the step over"
-    try:
-        run_dir = runs_root() / check_run_id(dead_run_id)
-        summary_path = run_dir / "summary.json"
-        summary = json.loads(summary_path.read_text()) if summary_path.exists() else {
-            "run_id": dead_run_id, "run_dir": str(run_dir), "status": Status.RUNNING,
-            "stages": []}  # died in its first step
-        if run_dir.exists() and summary.get("status") == Status.RUNNING:
-            summary.update(status=Status.CRASHED, error=note)
-            write_summary(run_dir, summary)
-        c = tracking.client()
-        experiments = [e.experiment_id for e in c.search_experiments()]
-        for r in c.search_runs(experiments, filter_string=f"tags.`baton.run_id` = '{dead_run_id}' "
-                                                          "and attributes.status = 'RUNNING'"):
-            c.set_terminated(r.info.run_id, "KILLED")
-        get_run_logger().warning("run %s: %s", dead_run_id, note)
-    except Exception as e:  # closing another run's records never fails this one
-        get_run_logger().warning("could not close the records of dead run %s: %s", dead_run_id, e)
