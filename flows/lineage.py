@@ -90,7 +90,7 @@ def _node(path: Path, m: dict, summary: dict | None) -> Node:
 
 def _data_node(summary: dict | None) -> Node | None:
     """The data stage of the run that trained the first checkpoint: its digest is what retraining watches."""
-    from flows.step_runner import data_digest
+    from flows.step_tracking import data_digest
 
     for e in (summary or {}).get("stages", []):
         if e.get("name") == DATA_STAGE and e.get("output") and Path(e["output"]).exists():

@@ -13,7 +13,8 @@ from conversions import manifest as mf
 from conversions.manifest import Format
 from flows import chain_planner as planning, checkpoint_refs, report, runs
 from flows.config import ConfigError, PipelineConfig, launch_parameter_error
-from flows.step_runner import RunInfo, StageFailed, describe_stop, run_step, stopped_from_outside
+from flows.step_entry import RunInfo, StageFailed
+from flows.step_runner import describe_stop, run_step, stopped_from_outside
 from tasks import orchestration, tracking
 from tasks.paths import check_run_id
 from tasks.registry import CONVERT_STAGE, DATA_STAGE, STAGES

@@ -30,7 +30,7 @@ from pydantic import Field
 from flows import report, runs
 from flows.config import ConfigError, ModelConfig, PipelineConfig, TrackingConfig
 from flows.pipeline import pipeline
-from flows.step_runner import data_digest
+from flows.step_tracking import data_digest
 from tasks import tracking as mlt
 from tasks.data.config import DataConfig
 from tasks.finetune.config import FinetuneConfig

@@ -130,22 +130,32 @@ def write_spec(path: Path, spec: dict | BaseModel) -> Path:
     return durable.write_text(path, body + "\n")
 
 
-def _spec_path(argv: list[str] | None) -> Path:
+def inline_spec_args(spec: BaseModel) -> list[str]:
+    """A typed spec on the command line, for a launcher that starts a program on another host (a Slurm or Ray node),
+    where no file of this host can be read. Its values travel in the clear: a spec given this way holds no secret."""
+    return ["--spec-json", spec.model_dump_json()]
+
+
+def _spec_source(argv: list[str] | None) -> tuple[str, bytes]:
+    """(where the spec came from, its JSON): the file of `--spec`, or the text of `--spec-json` (inline_spec_args)."""
     ap = argparse.ArgumentParser()
-    ap.add_argument("--spec", type=Path, required=True)
+    given = ap.add_mutually_exclusive_group(required=True)
+    given.add_argument("--spec", type=Path)
+    given.add_argument("--spec-json")
     ap.add_argument("--local_rank", type=int, default=None)  # the deepspeed launcher adds it; the spec is what counts
-    return ap.parse_args(argv).spec
+    a = ap.parse_args(argv)
+    return (str(a.spec), a.spec.read_bytes()) if a.spec is not None else ("--spec-json", a.spec_json.encode())
 
 
 def read_typed_spec(model: type[SpecT], argv: list[str] | None = None) -> SpecT:
-    """A launched program's typed spec from `--spec SPEC.json`; a spec its model refuses ends the program with one
-    line naming the file and the fields (a writer of another baton version, or a hand-edited file)."""
-    path = _spec_path(argv)
+    """A launched program's typed spec from `--spec SPEC.json` (or `--spec-json`); a spec its model refuses ends the
+    program with one line naming the file and the fields (a writer of another baton version, or a hand-edited file)."""
+    where, body = _spec_source(argv)
     try:
-        return model.model_validate_json(path.read_bytes())
+        return model.model_validate_json(body)
     except ValidationError as e:
         fields = ", ".join(".".join(map(str, err["loc"])) or "(the whole spec)" for err in e.errors())
-        raise SystemExit(f"{path}: not a valid {model.__name__} ({fields})") from None
+        raise SystemExit(f"{where}: not a valid {model.__name__} ({fields})") from None
 
 
 class ProgramSpec(BaseModel):
@@ -247,7 +257,7 @@ class FinetuneSpec(ProgramSpec):
 
 
 class RewardSpec(ProgramSpec):
-    """One rlhf.rewards entry as the rlhf worker builds it (conversions.rewards.build); a user function travels as the
+    """One rlhf.rewards entry as the rlhf worker builds it (tasks.rlhf.rewards.build); a user function travels as the
     text of its file (path, name, source: None for the built-in kinds), read and checked once by the task."""
 
     kind: str
@@ -512,7 +522,7 @@ def result(facts: WorkerResult) -> None:
 
 
 # ---- failures: causes baton's own code finds in a rank, announced before the rank exits ---------------------------
-# Only INFRASTRUCTURE is retried (flows/step_runner.py failure_class); everything else fails the stage at once.
+# Only INFRASTRUCTURE is retried (flows/step_retries.py failure_class); everything else fails the stage at once.
 class EngineCause(StrEnum):
     """Why an engine's processes failed: from a rank's `failure` event, else read from the engine's log lines."""
 

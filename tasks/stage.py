@@ -88,7 +88,7 @@ class Reason:
 
 
 def reasons_text(reasons: list[dict]) -> str:
-    """A summary entry's `reason` list as one phrase: 'code changed (conversions/rewards.py); config changed (rlhf.lr)'."""
+    """A summary entry's `reason` list as one phrase: 'code changed (tasks/rlhf/rewards.py); config changed (rlhf.lr)'."""
     return "; ".join(Reason.from_dict(r).text() for r in reasons or [])
 
 

@@ -178,6 +178,6 @@ def launch_streaming(ctx, cmd, *, name: str, env: dict, timeout: float | None, c
                          log_path=ctx.work_dir / "engine.log")
     finally:
         if sink is not None:
-            sink.flush()  # one try: the stage's end (step_runner) retries, then saves what is left
+            sink.flush()  # one try: the stage's end (flows/step_tracking.py) retries, then saves what is left
     logger.info("%s %s", ENGINE_WALL, json.dumps({"name": name, "seconds": round(res.seconds, 3)}))
     return res

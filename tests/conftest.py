@@ -244,7 +244,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def reward_spec(**fields) -> dict:
-    """One rlhf.rewards entry as the rlhf worker hands it to conversions.rewards.build: the config's defaults for every
+    """One rlhf.rewards entry as the rlhf worker hands it to tasks.rlhf.rewards.build: the config's defaults for every
     key not given (tasks/rlhf/task.py reward_specs, for a built-in kind)."""
     from tasks import events
     from tasks.rlhf.config import RewardConfig

@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 from flows.config import RuntimeConfig
-from tasks.distributed import Launch, LaunchConfigError, engine_command, node_command, with_port
+from tasks import events
+from tasks.distributed import (Launch, LaunchConfigError, NodePlacement, NodeSpec, RayDriverSpec, SlurmJobSpec,
+                               engine_command, node_command, with_port)
 from tasks.distributed.net import free_port, interface_to, socket_ifname_env
 from tasks.distributed.slurm import sbatch_script
 
@@ -41,9 +43,11 @@ def test_two_node_launchers_meet_at_the_first_node(tmp_path):
     launch = Launch(python=sys.executable, script=str(script), nnodes=2, nproc_per_node=1, launcher="torchrun",
                     master_port=0)
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "tasks.distributed.node", json.dumps(
-        {"launch": json.loads(launch.to_json()), "node_rank": r, "master_addr": "127.0.0.1", "master_port": port})],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env()) for r in (0, 1)]
+    specs = [NodeSpec(launch=launch, placement=NodePlacement(node_rank=r, master_addr="127.0.0.1", master_port=port))
+             for r in (0, 1)]
+    procs = [subprocess.Popen([sys.executable, "-m", "tasks.distributed.node", *events.inline_spec_args(spec)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
+             for spec in specs]
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert "rank 0 of 2" in outs[0] and "rank 1 of 2" in outs[1]
@@ -70,11 +74,11 @@ def test_slurm_in_an_allocation_starts_one_node_launcher_per_node(monkeypatch):
                     args=("--spec", "s.json"), nnodes=4, nproc_per_node=8, launcher="torchrun", master_port=0)
     cmd = engine_command(launch, {"kind": "slurm", "srun_args": ["--partition=gpu"], "env": {"NCCL_DEBUG": "WARN"}})
     assert cmd[:6] == ["srun", "--nodes", "4", "--ntasks-per-node", "1", "--kill-on-bad-exit=1"]
-    assert "--partition=gpu" in cmd and cmd[-3:-1] == ["-m", "tasks.distributed.node"]
-    spec = json.loads(cmd[-1])["launch"]
-    assert spec["nnodes"] == 4 and spec["nproc_per_node"] == 8
-    assert spec["env"] == {} and spec["inherit"] == ["NCCL_DEBUG"]  # the value stays off the command line
-    assert spec["args"] == ["--spec", "s.json"] and spec["launcher"] == "torchrun"
+    assert "--partition=gpu" in cmd and cmd[-4:-2] == ["-m", "tasks.distributed.node"]
+    spec = events.read_typed_spec(NodeSpec, cmd[-2:]).launch
+    assert spec.nnodes == 4 and spec.nproc_per_node == 8
+    assert spec.env == {} and spec.inherit == ("NCCL_DEBUG",)  # the value stays off the command line
+    assert spec.args == ("--spec", "s.json") and spec.launcher == "torchrun"
 
 
 @pytest.mark.fast
@@ -83,7 +87,8 @@ def test_slurm_outside_an_allocation_submits_an_sbatch_script(monkeypatch, tmp_p
     launch = Launch(python="py", script="w.py", nnodes=2, nproc_per_node=1, launcher="deepspeed", master_port=0)
     runtime = {"kind": "slurm", "sbatch_args": ["--time=01:00:00"]}
     cmd = engine_command(launch, runtime, tmp_path)
-    assert cmd[1:3] == ["-m", "tasks.distributed.slurm"] and json.loads(cmd[3])["work_dir"] == str(tmp_path)
+    assert cmd[1:3] == ["-m", "tasks.distributed.slurm"]
+    assert events.read_typed_spec(SlurmJobSpec, cmd[3:]).work_dir == tmp_path
     script = sbatch_script(launch, runtime, tmp_path / "job.log")
     assert "#SBATCH --nodes=2" in script and "#SBATCH --time=01:00:00" in script
     assert f"#SBATCH --output={tmp_path / 'job.log'}" in script
@@ -95,8 +100,8 @@ def test_ray_target_runs_the_driver_against_the_address():
     launch = Launch(python="py", script="w.py", nnodes=2, nproc_per_node=1, launcher="torchrun", master_port=0)
     cmd = engine_command(launch, {"kind": "ray", "address": "head:6379", "resources_per_node": {"CPU": 2, "GPU": 8}})
     assert cmd[1:3] == ["-m", "tasks.distributed.ray_driver"]
-    spec = json.loads(cmd[3])
-    assert spec["address"] == "head:6379" and spec["resources_per_node"] == {"CPU": 2, "GPU": 8}
+    spec = events.read_typed_spec(RayDriverSpec, cmd[3:])
+    assert spec.address == "head:6379" and spec.resources_per_node == {"CPU": 2, "GPU": 8}
     with pytest.raises(LaunchConfigError, match="address"):
         engine_command(launch, {"kind": "ray"})
     with pytest.raises(ValueError, match="address"):

@@ -124,7 +124,7 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str]:
 
 def test_the_import_graph_has_no_cycle():
     graph = _import_graph()
-    assert graph["flows.step_runner"] >= {"tasks.launch", "conversions.manifest"}, "the graph lost the imports it is made of"
+    assert graph["flows.step_runner"] >= {"tasks.launch", "flows.step_gate"}, "the graph lost the imports it is made of"
     cycle = _find_cycle(graph)
     assert not cycle, "import cycle at import time: " + " → ".join(cycle)
 
@@ -319,3 +319,16 @@ def test_checkpoint_formats_have_one_home():
 
 def _inside_class(tree: ast.Module, name: str, line: int) -> bool:
     return any(isinstance(n, ast.ClassDef) and n.name == name and n.lineno <= line <= n.end_lineno for n in tree.body)
+
+
+def test_the_rlhf_workers_imports_load_no_prefect_mlflow_or_flows():
+    """The rlhf worker runs in the engine's runtime and imports its rewards, sandbox, tools and environments from its
+    stage's folder, which runs tasks/rlhf/__init__.py on the way: that must stay free of the orchestration layer."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, tasks.rlhf.worker; print(sorted({m.split('.')[0] for m in sys.modules} "
+             "& {'prefect', 'mlflow', 'flows'}))")
+    r = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "[]"

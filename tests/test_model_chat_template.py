@@ -159,7 +159,7 @@ def test_the_templates_end_of_turn_token_becomes_a_stop_token_the_gate_accepts_a
 
     from conversions import manifest as mf
     from tasks import chat
-    from flows.step_runner import END_OF_TURN, serving_contract_check
+    from flows.step_gate import END_OF_TURN, serving_contract_check
 
     base = strip_template(gemma_base(tmp_path))
     tok = AutoTokenizer.from_pretrained(str(base))

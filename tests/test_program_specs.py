@@ -13,11 +13,13 @@ import pytest
 
 from conftest import REPO, TINY
 from tasks import events
+from tasks.distributed import Launch
 
 pytestmark = pytest.mark.fast
 FOLDERS = ("tasks", "conversions")
 SUPERVISOR = REPO / "tasks/serve/supervisor.py"
 WORKERS = {stage: REPO / "tasks" / stage / "worker.py" for stage in ("pretrain", "rlhf", "finetune", "convert")}
+DISTRIBUTED = {name: REPO / "tasks/distributed" / f"{name}.py" for name in ("node", "slurm", "ray_driver")}
 
 
 def launched_programs() -> list:
@@ -88,7 +90,8 @@ def test_program_specs_default_nothing():
     specs = all_specs()
     assert {s.__name__ for s in specs} >= {"SupervisorSpec", "LmEvalSpec", "LmEvalServer", "LmEvalLocal",
                                            "SglProgramSpec", "ConvertSpec", "FinetuneSpec", "RlhfSpec", "RewardSpec",
-                                           "PretrainSpec", "PretrainTraining"}
+                                           "PretrainSpec", "PretrainTraining", "NodeSpec", "NodePlacement",
+                                           "SlurmJobSpec", "RayDriverSpec"}
     defaulted = {f"{s.__name__}.{name}" for s in specs for name, f in s.model_fields.items() if not f.is_required()}
     assert defaulted == set()
 
@@ -153,19 +156,18 @@ def test_a_training_worker_refuses_a_spec_naming_the_field(tmp_path, stage, wher
     assert sorted(p.name for p in tmp_path.iterdir()) == ["written.json"]
 
 
-# ---- the code sandbox's child (conversions/sandbox_child.py): its whole job on stdin, checked on both sides --------
+# ---- the code sandbox's child (tasks/rlhf/sandbox_child.py): its whole job on stdin, checked on both sides --------
 def positional_argv_reads(path) -> list[int]:
-    """Lines that read a positional `sys.argv[i]` other than as one JSON document (`json.loads(sys.argv[1])`)."""
-    tree = ast.parse(path.read_text())
-    as_json = {id(c.args[0]) for c in ast.walk(tree) if isinstance(c, ast.Call) and c.args
-               and getattr(c.func, "attr", None) == "loads"}
-    return [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Attribute)
-            and n.value.attr == "argv" and id(n) not in as_json]
+    """Lines that read a positional `sys.argv[i]`, a JSON document (`json.loads(sys.argv[1])`) included: a spec
+    belongs in a model, read with events.read_typed_spec (`--spec FILE`, or `--spec-json` across hosts)."""
+    return [n.lineno for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Subscript)
+            and isinstance(n.value, ast.Attribute) and n.value.attr == "argv"]
 
 
 def test_no_launched_program_reads_positional_arguments():
-    """The sandbox child once took MEMORY_MB CPU_S ISOLATION as argv beside its JSON job: values with no model."""
-    assert REPO / "conversions/sandbox_child.py" in launched_programs()
+    """The sandbox child once took MEMORY_MB CPU_S ISOLATION as argv beside its JSON job, and the Slurm, Ray and node
+    launchers a dict as one JSON argument: values with no model."""
+    assert {REPO / "tasks/rlhf/sandbox_child.py", *DISTRIBUTED.values()} <= set(launched_programs())
     positional = {str(p.relative_to(REPO)): lines for p in launched_programs() if (lines := positional_argv_reads(p))}
     assert positional == {}, f"these programs take positional arguments, not one spec: {positional}"
 
@@ -173,7 +175,51 @@ def test_no_launched_program_reads_positional_arguments():
 def test_the_scan_finds_a_positional_argument(tmp_path):
     planted = tmp_path / "child.py"
     planted.write_text("import json, sys\nmemory = int(sys.argv[1])\nspec = json.loads(sys.argv[2])\n")
-    assert positional_argv_reads(planted) == [2]
+    assert positional_argv_reads(planted) == [2, 3]
+
+
+# ---- the multi-node launchers (tasks/distributed): a spec on the command line, its nodes share no file with us ------
+def test_each_launcher_reads_its_own_model():
+    models = {name: spec_models_read(path) for name, path in DISTRIBUTED.items()}
+    assert models == {"node": ["NodeSpec"], "slurm": ["SlurmJobSpec"], "ray_driver": ["RayDriverSpec"]}
+
+
+def _spec_of(cmd: list[str], model):
+    assert cmd[-2] == "--spec-json"
+    return events.read_typed_spec(model, cmd[-2:])
+
+
+def test_the_launch_comes_back_whole_through_each_launchers_spec(monkeypatch, tmp_path):
+    from tasks.distributed import NodeSpec, RayDriverSpec, SlurmJobSpec, engine_command
+
+    launch = Launch(python="py", script="w.py", args=("--spec", "s.json"), nnodes=2, nproc_per_node=4,
+                    launcher="deepspeed", master_port=29500, env={"OMP_NUM_THREADS": "1"})
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    node = _spec_of(engine_command(launch, {"kind": "slurm", "srun_args": ["--partition=gpu"]}), NodeSpec)
+    assert node == NodeSpec(launch=launch, placement=None)
+    monkeypatch.delenv("SLURM_JOB_ID")
+    job = _spec_of(engine_command(launch, {"kind": "slurm", "sbatch_args": ["--time=1:00:00"]}, tmp_path),
+                   SlurmJobSpec)
+    assert (job.launch, job.work_dir, job.runtime["sbatch_args"]) == (launch, tmp_path, ["--time=1:00:00"])
+    ray = _spec_of(engine_command(launch, {"kind": "ray", "address": "head:6379", "resources_per_node": {"GPU": 8}}),
+                   RayDriverSpec)
+    assert (ray.launch, ray.address, ray.resources_per_node) == (launch, "head:6379", {"GPU": 8.0})
+
+
+def test_a_node_refuses_a_spec_naming_the_field(tmp_path):
+    """The node launcher as srun or Ray starts it ends at once on a spec another baton version wrote: one line naming
+    the spec and the field, before any launcher starts."""
+    from tasks.distributed import NodePlacement, NodeSpec
+
+    launch = Launch(python=sys.executable, script=str(tmp_path / "w.py"), nnodes=2, nproc_per_node=1,
+                    launcher="torchrun", master_port=0)
+    spec = json.loads(NodeSpec(launch=launch, placement=NodePlacement(node_rank=1, master_addr="127.0.0.1",
+                                                                     master_port=9)).model_dump_json())
+    spec["launch"]["nnode"] = spec["launch"].pop("nnodes")
+    r = subprocess.run([sys.executable, "-m", "tasks.distributed.node", "--spec-json", json.dumps(spec)], cwd=REPO,
+                       capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode != 0 and "node 1/" not in r.stdout
+    assert r.stderr.strip().splitlines()[-1] == "--spec-json: not a valid NodeSpec (launch.nnodes, launch.nnode)"
 
 
 def test_the_sandbox_takes_its_limits_from_the_config_alone():
@@ -181,19 +227,19 @@ def test_the_sandbox_takes_its_limits_from_the_config_alone():
     5.0` once stood for rlhf.rewards[].timeout_s): the entry is whole, the config model holds the defaults."""
     import dataclasses
 
-    from conversions import sandbox
+    from tasks.rlhf import sandbox
 
     defaulted = [f.name for f in dataclasses.fields(sandbox.Limits) if f.default is not dataclasses.MISSING]
     assert defaulted == []
-    spec_gets = [c.lineno for c in calls_named(REPO / "conversions/rewards.py", "get")
+    spec_gets = [c.lineno for c in calls_named(REPO / "tasks/rlhf/rewards.py", "get")
                  if getattr(getattr(c.func, "value", None), "id", None) == "spec"]
-    assert spec_gets == [], f"conversions/rewards.py reads a reward spec with a default of its own at {spec_gets}"
+    assert spec_gets == [], f"tasks/rlhf/rewards.py reads a reward spec with a default of its own at {spec_gets}"
 
 
 def test_the_sandbox_child_refuses_a_job_its_parent_would_not_send(tmp_path):
     """The parent builds the job and checks it with the child's own job_problem; the child checks it again and runs
     nothing of a job with a field misspelt (exit BAD_JOB, no results written)."""
-    from conversions import sandbox, sandbox_child
+    from tasks.rlhf import sandbox, sandbox_child
 
     limits = sandbox.Limits(timeout_s=10, memory_mb=256, isolation="limits_only")
     job = sandbox.child_job("print('ran')", ["assert True"], limits, nonce="n")

@@ -145,7 +145,8 @@ def test_a_stage_is_not_started_without_the_disk_its_checkpoints_need(tiny_confi
     """The plan's estimate (kept checkpoints × 16 bytes a parameter + output) against a real 1 MB tmpfs."""
     record_property("fault", "disk too small for a stage")
     from flows.chain_planner import Step
-    from flows.step_runner import StageFailed, check_free_space, disk_needed
+    from flows.step_entry import StageFailed
+    from flows.step_runner import check_free_space, disk_needed
 
     step = Step(name="pretrain", label="pretrain", consumes=None, produces="megatron-dist", fingerprint="f" * 64)
     assert disk_needed(tiny_config, step) > 1 << 20

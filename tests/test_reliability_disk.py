@@ -93,7 +93,7 @@ def _fill_after_first_seal(seal: Path, filler: Path, found: dict, stop: threadin
 def _fails_on_the_full_disk(run, seal: Path, disk: Path, partial: Path, found: dict, stop: threading.Event) -> str:
     """Run the stage while another writer fills the disk once `seal` exists; assert the stage failed at once
     ("disk full", not retried) with one line naming the disk, its free space and the partial checkpoint; return it."""
-    from flows.step_runner import cause_line, failure_class
+    from flows.step_retries import cause_line, failure_class
     from tasks.launch import LaunchError
 
     watcher = threading.Thread(target=_fill_after_first_seal, daemon=True,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from flows import step_runner
+from flows import step_retries
 from tasks import events, launch
 
 # fast per test: a module-wide fast mark would put the slow engine tests into `make test-fast` too
@@ -29,7 +29,7 @@ def _fail(code: str, env: dict | None = None) -> launch.LaunchError:
 def test_rank_killed_by_a_signal_is_infrastructure(record_property):
     record_property("fault", "rank SIGKILLed")
     e = _fail("import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
-    assert step_runner.failure_class(e, step_runner.oom_kills()) == "infrastructure"
+    assert step_retries.failure_class(e, step_retries.oom_kills()) == "infrastructure"
 
 
 @pytest.mark.slow
@@ -49,7 +49,7 @@ def test_lost_peer_is_infrastructure(record_property, tmp_path):
     with pytest.raises(launch.LaunchError) as info:
         launch.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                     str(launch_port()), str(script)], name="ranks", timeout=180, env={"OMP_NUM_THREADS": "1"})
-    assert step_runner.failure_class(info.value, step_runner.oom_kills()) == "infrastructure", info.value.tail[-10:]
+    assert step_retries.failure_class(info.value, step_retries.oom_kills()) == "infrastructure", info.value.tail[-10:]
 
 
 def launch_port() -> int:
@@ -64,7 +64,7 @@ def launch_port() -> int:
 def test_disk_full_is_not_retried(record_property):
     record_property("fault", "ENOSPC in a rank")
     e = _fail("open('/dev/full', 'w').write('x' * 100000)")
-    assert step_runner.failure_class(e, step_runner.oom_kills()) == "disk full"
+    assert step_retries.failure_class(e, step_retries.oom_kills()) == "disk full"
 
 
 @pytest.mark.fast
@@ -75,8 +75,8 @@ def test_a_memory_error_in_a_worker_is_announced_and_decides(record_property):
     e = _fail(f"import sys; sys.path.insert(0, {str(REPO)!r})\nfrom tasks import events\n"
               "with events.causes_announced():\n    bytearray(1 << 60)")
     assert [(f.cause, f.detail) for f in e.failures] == [(events.EngineCause.OUT_OF_MEMORY, "rank 0: MemoryError")]
-    assert step_runner.failure_class(e) == "out of memory"
-    assert step_runner.failure_class(launch.LaunchError("rank", 1, ["(the tail lost to other ranks' lines)"],
+    assert step_retries.failure_class(e) == "out of memory"
+    assert step_retries.failure_class(launch.LaunchError("rank", 1, ["(the tail lost to other ranks' lines)"],
                                                         failures=e.failures)) == "out of memory"
 
 
@@ -84,7 +84,7 @@ def test_a_memory_error_in_a_worker_is_announced_and_decides(record_property):
 def test_ordinary_exception_is_not_retried(record_property):
     record_property("fault", "ordinary exception")
     e = _fail("raise ValueError('a bug')")
-    assert step_runner.failure_class(e, step_runner.oom_kills()) == "error"
+    assert step_retries.failure_class(e, step_retries.oom_kills()) == "error"
 
 
 @pytest.mark.slow
@@ -100,7 +100,7 @@ def test_a_diverging_finetune_stops_at_its_first_non_finite_loss(record_property
     # the rank announced the cause it found; its words are not searched for: the same log without the event is an
     # ordinary error, so the event alone decided
     assert [f.cause for f in error.failures] == [events.EngineCause.NON_FINITE_LOSS]
-    assert step_runner.failure_class(launch.LaunchError("finetune", error.returncode, error.tail)) == "error"
+    assert step_retries.failure_class(launch.LaunchError("finetune", error.returncode, error.tail)) == "error"
     named = re.search(r"non-finite loss nan at step (\d+) \(micro-batch 0\)", message)
     assert named, message
     finite_steps = _reported_finite_losses(tmp_path / "engine.log")
@@ -122,7 +122,7 @@ def _run_finetune_into_divergence(work: Path, tiny_config, data_dir: Path, hf_ch
                        input_format="hf-safetensors")
     step = Step(name="finetune", label="finetune", consumes="hf-safetensors", produces="deepspeed-zero")
     with pytest.raises(launch.LaunchError) as info:
-        step_runner._run_with_retries(step, ctx, cfg)
+        step_retries.run_with_retries(step, ctx, cfg)
     return info.value
 
 
@@ -168,7 +168,7 @@ def _run_rlhf_into_divergence(algorithm: str, work: Path, tiny_config, data_dir:
         cfg = RlhfConfig(**common)
     step = Step(name="rlhf", label="rlhf", consumes="hf-safetensors", produces="hf-safetensors")
     with pytest.raises(launch.LaunchError) as info:
-        step_runner._run_with_retries(step, make_ctx(work, tiny_config, data_dir, hf_checkpoint), cfg)
+        step_retries.run_with_retries(step, make_ctx(work, tiny_config, data_dir, hf_checkpoint), cfg)
     return info.value
 
 
@@ -190,7 +190,7 @@ def _worker_starts(engine_log: Path) -> int:
 
 
 def _child_memory_cgroup(limit: int) -> Path | None:
-    root = step_runner._memory_cgroup()
+    root = step_retries._memory_cgroup()
     if root is None or not root.exists():
         return None
     child = root / f"baton-test-{os.getpid()}"
@@ -212,11 +212,11 @@ def test_oom_kill_is_not_retried(record_property):
     if cg is None:
         pytest.skip("cannot create a memory cgroup here")
     try:
-        before = step_runner.oom_kills()
+        before = step_retries.oom_kills()
         e = _fail(f"import os; open({str(cg / 'cgroup.procs')!r}, 'w').write(str(os.getpid()));"
                   "x = bytearray(400 << 20); x[::4096] = b'1' * len(x[::4096])")
         assert e.returncode in (-9, 137)
-        assert step_runner.failure_class(e, before) == "out of memory"
+        assert step_retries.failure_class(e, before) == "out of memory"
     finally:
         cg.rmdir()
 
@@ -226,4 +226,4 @@ def test_timeout_is_not_retried(record_property):
     record_property("fault", "hung rank (timeout)")
     with pytest.raises(launch.LaunchError) as info:
         launch.run([sys.executable, "-c", "import time; time.sleep(60)"], name="rank", timeout=2)
-    assert step_runner.failure_class(info.value) == "timeout"
+    assert step_retries.failure_class(info.value) == "timeout"

@@ -1,4 +1,4 @@
-"""The code_tests reward (conversions/rewards.py → conversions/sandbox.py): code from a completion run against a row's
+"""The code_tests reward (tasks/rlhf/rewards.py → tasks/rlhf/sandbox.py): code from a completion run against a row's
 test cases in a sandboxed subprocess. Each attack runs for real inside the sandbox and is seen to fail there: an
 infinite loop (wall-clock timeout, process group killed), a memory bomb (RLIMIT_AS), a TCP connection to a server this
 test opens on loopback (network namespace + seccomp), a write outside the working folder (Landlock). The settings and
@@ -15,8 +15,8 @@ import pytest
 import yaml
 
 from conftest import TINY, reward_spec
-from conversions import rewards as rw, sandbox
 from flows.config import ConfigError, load
+from tasks.rlhf import rewards as rw, sandbox
 
 pytestmark = pytest.mark.fast
 

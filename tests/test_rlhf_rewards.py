@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from conftest import TINY, reward_spec
-from conversions import rewards as rw
 from flows.config import ConfigError, load
+from tasks.rlhf import rewards as rw
 
 pytestmark = pytest.mark.fast
 

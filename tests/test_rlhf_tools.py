@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from conversions import tools as t
-from conversions.tools import EpisodeEnd
+from tasks.rlhf import tools as t
+from tasks.rlhf.tools import EpisodeEnd
 from tasks.rlhf import episodes as ep
 from tasks.rlhf.config import RlhfConfig
 from test_rlhf_rewards import config_with, grpo
@@ -230,7 +230,7 @@ class Broken:
 
 @pytest.fixture(scope="module")
 def quiz(tmp_path_factory):
-    from conversions.environment import EnvironmentCode
+    from tasks.rlhf.environment import EnvironmentCode
 
     path = tmp_path_factory.mktemp("env") / "quiz.py"
     path.write_text(QUIZ)
@@ -261,7 +261,7 @@ def test_each_way_an_environment_episode_ends_is_named(tok, quiz, texts, end, li
 
 @pytest.mark.fast
 def test_a_hung_environment_call_kills_that_episodes_process_only(quiz):
-    from conversions.environment import EpisodeEnvironment
+    from tasks.rlhf.environment import EpisodeEnvironment
 
     hung, other = EpisodeEnvironment(quiz(), 0.5), EpisodeEnvironment(quiz(), 0.5)
     try:
@@ -298,7 +298,7 @@ def test_resets_first_message_takes_the_place_of_the_prompts_user_message(tok, q
                                        "<|im_start|>assistant\n")["input_ids"]
     assert played[1].prompt_ids == tok(rendered)["input_ids"]  # None: the data's prompt, untouched
 
-    from conversions.environment import EpisodeEnvironment
+    from tasks.rlhf.environment import EpisodeEnvironment
 
     bad = EpisodeEnvironment(quiz("BadOpener"), 1.0)
     try:

@@ -157,7 +157,7 @@ def test_a_stage_output_that_changes_template_or_stop_tokens_says_so(chatml_dir,
     import json
     import shutil
 
-    from flows.step_runner import serving_changes
+    from flows.step_gate import serving_changes
 
     parent = tmp_path / "parent"
     shutil.copytree(chatml_dir, parent)
@@ -188,7 +188,7 @@ def test_a_serving_contract_change_nobody_asked_for_fails_the_gate_naming_the_fi
 
     from conftest import TINY
     from flows.config import load
-    from flows.step_runner import serving_contract_check
+    from flows.step_gate import serving_contract_check
 
     parent = tmp_path / "parent"
     shutil.copytree(chatml_dir, parent)

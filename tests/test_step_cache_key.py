@@ -68,8 +68,10 @@ def _grpo_with_reward_file(tmp_path: Path) -> tuple[Path, Path]:
     return cfg, reward
 
 
-@pytest.mark.parametrize("module, first_changed", [("conversions/rewards.py", "rlhf"),
-                                                   ("conversions/sandbox.py", "rlhf"),
+@pytest.mark.parametrize("module, first_changed", [("tasks/rlhf/rewards.py", "rlhf"),
+                                                   ("tasks/rlhf/sandbox.py", "rlhf"),
+                                                   ("tasks/rlhf/sandbox_child.py", "rlhf"),
+                                                   ("tasks/rlhf/environment_child.py", "rlhf"),
                                                    ("conversions/sealed.py", "data")])
 def test_an_edit_to_code_a_step_imports_reruns_it_and_names_the_file(tree, home, module, first_changed):
     cfg = load(GRPO)
@@ -116,18 +118,18 @@ def test_the_index_remembers_the_last_facts_of_a_step_per_config(tmp_path, home)
 
 def test_the_runner_and_the_summary_say_what_changed_since_the_last_completed_run(tree, home):
     from flows.cli.view import summary_lines
-    from flows.step_runner import _why_run
+    from flows.step_cache import why_run
 
     cfg, index = load(GRPO), Index()
     before = _plan(cfg, tree)["rlhf"]
     index.put_last(cfg.name, "rlhf", before.fingerprint, before.facts)   # what a completed run leaves behind
-    with _edited(tree / "conversions/rewards.py"):
+    with _edited(tree / "tasks/rlhf/rewards.py"):
         after = _plan(cfg, tree)["rlhf"]
-    reason = _why_run(index, cfg, after, use_cache=True)
-    assert reason == [{"why": "code changed", "detail": ["conversions/rewards.py"]}]
-    assert _why_run(index, cfg, after, use_cache=False) == [{"why": "cache off", "detail": []}]
+    reason = why_run(index, cfg, after, use_cache=True)
+    assert reason == [{"why": "code changed", "detail": ["tasks/rlhf/rewards.py"]}]
+    assert why_run(index, cfg, after, use_cache=False) == [{"why": "cache off", "detail": []}]
     (row,) = summary_lines({"stages": [{"label": "rlhf", "status": "completed", "seconds": 61, "reason": reason}]})
-    assert row.rstrip().endswith("re-ran: code changed (conversions/rewards.py)")
+    assert row.rstrip().endswith("re-ran: code changed (tasks/rlhf/rewards.py)")
 
 
 def test_an_engine_upgrade_reruns_the_steps_on_that_runtime_and_names_it(tree, home):

@@ -50,7 +50,7 @@ def test_lineage_names_every_step_back_to_the_data_digest(tty_run):
     assert tty_run.rc == 0, tty_run.failure()
     run_dir, home, env, by_label = tty_run.run_dir, tty_run.home, tty_run.env, tty_run.stages
     hf = by_label["convert-zero-to-hf"]
-    from flows.step_runner import data_digest
+    from flows.step_tracking import data_digest
 
     digest = data_digest(by_label["data"]["output"])
     for ref in (f"baton-tiny/{hf['registered']['version']}", run_dir.name, hf["output"]):

@@ -115,7 +115,7 @@ def describe(st: StepState) -> str:
 
 
 def reran_because(entry: dict) -> str:
-    """'re-ran: code changed (conversions/rewards.py)' for a step that ran although an earlier run of it completed;
+    """'re-ran: code changed (tasks/rlhf/rewards.py)' for a step that ran although an earlier run of it completed;
     '' for a first run or a reused one (its status says `cached`)."""
     reasons = [r for r in entry.get("reason") or [] if r.get("why") not in (Why.NEW, Why.CACHED)]
     return f"re-ran: {reasons_text(reasons)}" if reasons else ""

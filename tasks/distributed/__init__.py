@@ -10,16 +10,18 @@ its lines and owns its process tree), for the runtime's kind:
   and follows it (log streamed, exit code, scancel on cancellation);
 - `ray`: `tasks.distributed.ray_driver` places one Ray task per node (STRICT_SPREAD) against `runtime.address`.
 On every node, GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME name the interface that routes to the first node.
+Each of those three programs takes one typed spec below (NodeSpec, SlurmJobSpec, RayDriverSpec) with `--spec-json`:
+the nodes need not share a filesystem with the host that starts them, so the spec travels on the command line.
 """
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
 from conversions.refusal import Refused
+from tasks.events import ProgramSpec, inline_spec_args
 from tasks.distributed.net import free_port, interface_to, remove_shm_segments  # noqa: F401 (the repo's helpers)
 
 LOCAL_KINDS = ("local", "venv")
@@ -50,16 +52,40 @@ class Launch:
     def world_size(self) -> int:
         return self.nnodes * self.nproc_per_node
 
-    def to_json(self) -> str:
-        return json.dumps({**asdict(self), "args": list(self.args), "inherit": list(self.inherit)})
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Launch":
-        return cls(**{**d, "args": tuple(d.get("args", ())), "inherit": tuple(d.get("inherit", ()))})
-
     def node_env(self, parent: dict) -> dict:
         """What a node sets: the inherited names' values from `parent` (this launch's environment), then env."""
         return {**{k: parent[k] for k in self.inherit if k in parent}, **{k: str(v) for k, v in self.env.items()}}
+
+
+class NodePlacement(ProgramSpec):
+    """Where one node stands in a launch its starter placed (Ray: the bundle index and the first bundle's address)."""
+
+    node_rank: int
+    master_addr: str
+    master_port: int
+
+
+class NodeSpec(ProgramSpec):
+    """tasks/distributed/node.py, once per node. placement None: inside a Slurm step, read from Slurm."""
+
+    launch: Launch
+    placement: NodePlacement | None
+
+
+class SlurmJobSpec(ProgramSpec):
+    """tasks/distributed/slurm.py outside an allocation: the sbatch job it writes under work_dir, submits, follows."""
+
+    launch: Launch
+    runtime: dict                                # the runtime's engine spec (image, srun_args, sbatch_args), env out
+    work_dir: Path
+
+
+class RayDriverSpec(ProgramSpec):
+    """tasks/distributed/ray_driver.py: one Ray task per node against the cluster at address."""
+
+    launch: Launch
+    address: str
+    resources_per_node: dict[str, float]         # one placement-group bundle per node
 
 
 def torchrun_args(launch: Launch, *, node_rank: int, master_addr: str, master_port: int) -> list[str]:
@@ -133,9 +159,9 @@ def engine_command(launch: Launch, runtime: dict | None = None, work_dir: Path |
     if kind == "ray":
         if not runtime.get("address"):
             raise LaunchConfigError("runtimes.main.kind ray needs runtimes.main.address (e.g. ray-head:6379 or auto)")
-        spec = {"launch": json.loads(launch.to_json()), "address": runtime["address"],
-                "resources_per_node": runtime.get("resources_per_node") or {"CPU": 1}}
-        return [launch.python, "-m", "tasks.distributed.ray_driver", json.dumps(spec)]
+        spec = RayDriverSpec(launch=launch, address=runtime["address"],
+                             resources_per_node=runtime.get("resources_per_node") or {"CPU": 1})
+        return [launch.python, "-m", "tasks.distributed.ray_driver", *inline_spec_args(spec)]
     raise LaunchConfigError(f"runtime kind {kind!r}: run the stage's container image with your cluster's launcher "
                             "(README: Going multi-node)")
 

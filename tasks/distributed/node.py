@@ -1,4 +1,4 @@
-"""One node's part of a multi-node launch: `python -m tasks.distributed.node SPEC_JSON`.
+"""One node's part of a multi-node launch: `python -m tasks.distributed.node --spec-json NODE_SPEC` (a NodeSpec).
 
 Started once per node (by srun, or by a Ray task). It finds this node's rank and the first node's address (given in the
 spec, or read from Slurm), sets GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to the interface that reaches the first node,
@@ -8,7 +8,6 @@ DeepSpeed shm segments, and exits with the launcher's code.
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import signal
 import socket
@@ -17,7 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tasks.distributed import Launch, deepspeed_hostfile, node_command
+from tasks import events
+from tasks.distributed import Launch, NodeSpec, deepspeed_hostfile, node_command
 from tasks.distributed.net import remove_shm_segments, socket_ifname_env
 
 
@@ -59,10 +59,10 @@ def slurm_placement(launch: Launch) -> tuple[int, str, int]:
     return rank, slurm_node_address(nodes[0]), launch.master_port or slurm_port()
 
 
-def placement(spec: dict, launch: Launch) -> tuple[int, str, int]:
-    if "node_rank" in spec:
-        return int(spec["node_rank"]), spec["master_addr"], int(spec["master_port"])
-    return slurm_placement(launch)
+def placement(spec: NodeSpec) -> tuple[int, str, int]:
+    if spec.placement is not None:
+        return spec.placement.node_rank, spec.placement.master_addr, spec.placement.master_port
+    return slurm_placement(spec.launch)
 
 
 def run_forwarding_signals(cmd: list[str], env: dict) -> int:
@@ -78,9 +78,9 @@ def run_forwarding_signals(cmd: list[str], env: dict) -> int:
     return proc.wait()
 
 
-def run_node(spec: dict) -> int:
-    launch = Launch.from_dict(spec["launch"])
-    rank, master, port = placement(spec, launch)
+def run_node(spec: NodeSpec) -> int:
+    launch = spec.launch
+    rank, master, port = placement(spec)
     env = {**os.environ, **launch.node_env(dict(os.environ))}
     if launch.nnodes > 1:
         env.update(socket_ifname_env(master, env))
@@ -97,4 +97,4 @@ def run_node(spec: dict) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_node(json.loads(sys.argv[1])))
+    sys.exit(run_node(events.read_typed_spec(NodeSpec)))

@@ -1,14 +1,14 @@
 """Ray: one task per node in a STRICT_SPREAD placement group, each running that node's launcher.
 
-`python -m tasks.distributed.ray_driver SPEC_JSON` connects to `address` (a Ray cluster, or KubeRay's head service),
-reserves one bundle per node on distinct nodes, asks bundle 0 for its address and a free port (bundle order is not node
-order), then starts `tasks.distributed.node` with node rank = bundle index in every bundle. Each task streams its lines
-back (node 0 unchanged: it carries rank 0's events; others prefixed), the driver exits with the first failing code, and
-SIGTERM/SIGINT cancel every task (whose process trees are killed) and free the placement group.
+`python -m tasks.distributed.ray_driver --spec-json RAY_DRIVER_SPEC` (a RayDriverSpec) connects to `address` (a Ray
+cluster, or KubeRay's head service), reserves one bundle per node on distinct nodes, asks bundle 0 for its address and
+a free port (bundle order is not node order), then starts `tasks.distributed.node` with node rank = bundle index in
+every bundle. Each task streams its lines back (node 0 unchanged: it carries rank 0's events; others prefixed), the
+driver exits with the first failing code, and SIGTERM/SIGINT cancel every task (whose process trees are killed) and
+free the placement group.
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -19,9 +19,11 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from tasks.distributed import NODE_MODULE, Launch
+from tasks import events
+from tasks.distributed import NODE_MODULE, Launch, NodePlacement, NodeSpec, RayDriverSpec
 from tasks.secrets import is_secret_key
 
+PLACEMENT_TIMEOUT_S = 120.0  # for the cluster to reserve every node's bundle
 # what a node's processes need from the stage's environment; the rest (PATH, HOME, ...) is the node's own
 FORWARD_PREFIXES = ("PYTHON", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "OMP_", "TORCH", "DS_", "NCCL_", "GLOO_",
                     "BATON_", "CUDA_", "MLFLOW_")
@@ -116,19 +118,18 @@ def follow_all(gens: list, stopping: threading.Event, grace: float = 20.0) -> di
 def start_nodes(launch: Launch, pg, master: str, port: int, secret_env: dict) -> list:
     gens = []
     for rank in range(launch.nnodes):
-        spec = {"launch": json.loads(launch.to_json()), "node_rank": rank, "master_addr": master, "master_port": port}
-        cmd = [launch.python, "-m", NODE_MODULE, json.dumps(spec)]
+        spec = NodeSpec(launch=launch, placement=NodePlacement(node_rank=rank, master_addr=master, master_port=port))
+        cmd = [launch.python, "-m", NODE_MODULE, *events.inline_spec_args(spec)]
         gens.append(run_node.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
             placement_group=pg, placement_group_bundle_index=rank)).remote(cmd, secret_env))
     return gens
 
 
-def main(spec: dict) -> int:
-    launch = Launch.from_dict(spec["launch"])
+def main(spec: RayDriverSpec) -> int:
+    launch = spec.launch
     plain, secret_env = split_secrets(forwarded_env(launch))
-    ray.init(address=spec["address"], runtime_env={"env_vars": plain}, log_to_driver=False)
-    pg = placement_group([dict(spec.get("resources_per_node") or {"CPU": 1})] * launch.nnodes,
-                         strategy="STRICT_SPREAD")
+    ray.init(address=spec.address, runtime_env={"env_vars": plain}, log_to_driver=False)
+    pg = placement_group([dict(spec.resources_per_node)] * launch.nnodes, strategy="STRICT_SPREAD")
     gens: list = []
     stopping = threading.Event()
 
@@ -141,7 +142,7 @@ def main(spec: dict) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, cancel)
     try:
-        ray.get(pg.ready(), timeout=float(spec.get("placement_timeout_s", 120)))
+        ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
         master, port = rendezvous(pg, launch.nnodes, launch.master_port)
         print(f"Ray placement group of {launch.nnodes} nodes; rendezvous {master}:{port}", flush=True)
         gens += start_nodes(launch, pg, master, port, secret_env)
@@ -155,4 +156,4 @@ def main(spec: dict) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(json.loads(sys.argv[1])))
+    sys.exit(main(events.read_typed_spec(RayDriverSpec)))

@@ -1,13 +1,13 @@
 """Slurm: one node launcher per node through `srun`, from inside an allocation or from a generated sbatch script.
 
-Outside an allocation, `python -m tasks.distributed.slurm SPEC_JSON` writes `<work_dir>/slurm/job.sbatch`, submits it
-with `sbatch --wait`, streams its log while it runs, exits with the job's exit code, and `scancel`s the job when it is
-itself terminated (Prefect cancellation, timeout). submitit is not used: it pickles a Python callable and writes one log
-per task, while a stage needs a plain command whose rank-0 lines stream back unchanged (they carry the worker's events).
+Outside an allocation, `python -m tasks.distributed.slurm --spec-json SLURM_JOB_SPEC` (a SlurmJobSpec) writes
+`<work_dir>/slurm/job.sbatch`, submits it with `sbatch --wait`, streams its log while it runs, exits with the job's
+exit code, and `scancel`s the job when it is itself terminated (Prefect cancellation, timeout). submitit is not used:
+it pickles a Python callable and writes one log per task, while a stage needs a plain command whose rank-0 lines
+stream back unchanged (they carry the worker's events).
 """
 from __future__ import annotations
 
-import json
 import shlex
 import signal
 import subprocess
@@ -16,7 +16,8 @@ import threading
 import time
 from pathlib import Path
 
-from tasks.distributed import NODE_MODULE, Launch
+from tasks import events
+from tasks.distributed import NODE_MODULE, Launch, NodeSpec, SlurmJobSpec
 from tasks.distributed.node import die_with_parent
 
 
@@ -24,8 +25,8 @@ def srun_command(launch: Launch, runtime: dict) -> list[str]:
     """srun: one task per node, each running `tasks.distributed.node` (which starts that node's launcher)."""
     image = ["--container-image", runtime["image"]] if runtime.get("image") else []  # pyxis/enroot, when installed
     return ["srun", "--nodes", str(launch.nnodes), "--ntasks-per-node", "1", "--kill-on-bad-exit=1", *image,
-            *runtime.get("srun_args", []), launch.python, "-m", NODE_MODULE, json.dumps({"launch": json.loads(
-                launch.to_json())})]
+            *runtime.get("srun_args", []), launch.python, "-m", NODE_MODULE,
+            *events.inline_spec_args(NodeSpec(launch=launch, placement=None))]
 
 
 def sbatch_script(launch: Launch, runtime: dict, log: Path) -> str:
@@ -37,8 +38,8 @@ def sbatch_script(launch: Launch, runtime: dict, log: Path) -> str:
 
 
 def submit_command(launch: Launch, runtime: dict, work_dir: Path) -> list[str]:
-    spec = {"launch": json.loads(launch.to_json()), "runtime": runtime, "work_dir": str(work_dir)}
-    return [launch.python, "-m", "tasks.distributed.slurm", json.dumps(spec)]
+    spec = SlurmJobSpec(launch=launch, runtime=runtime, work_dir=work_dir)
+    return [launch.python, "-m", "tasks.distributed.slurm", *events.inline_spec_args(spec)]
 
 
 def stream_file(path: Path, done: threading.Event) -> None:
@@ -84,16 +85,15 @@ def submit_and_follow(script: Path, log: Path) -> int:
     return rc
 
 
-def main(spec: dict) -> int:
-    launch = Launch.from_dict(spec["launch"])
-    folder = Path(spec["work_dir"]) / "slurm"
+def main(spec: SlurmJobSpec) -> int:
+    folder = spec.work_dir / "slurm"
     folder.mkdir(parents=True, exist_ok=True)
     log = folder / "job.log"
     log.unlink(missing_ok=True)
     script = folder / "job.sbatch"
-    script.write_text(sbatch_script(launch, spec.get("runtime", {}), log))
+    script.write_text(sbatch_script(spec.launch, spec.runtime, log))
     return submit_and_follow(script, log)
 
 
 if __name__ == "__main__":
-    sys.exit(main(json.loads(sys.argv[1])))
+    sys.exit(main(events.read_typed_spec(SlurmJobSpec)))

@@ -138,7 +138,7 @@ def sandbox_errors(cfg) -> list[ConfigProblem]:
             if r.kind == "code_tests" and r.isolation == "required"]
     if not keys:
         return []
-    from conversions import sandbox
+    from tasks.rlhf import sandbox
 
     missing = sandbox.probe()
     return [ConfigProblem(key, f"{key}: required, and this machine cannot isolate the code: {'; '.join(missing)} "
@@ -151,7 +151,7 @@ def python_tool_errors(cfg) -> list[ConfigProblem]:
     machine cannot isolate it."""
     if "python" not in cfg.tools:
         return []
-    from conversions import sandbox
+    from tasks.rlhf import sandbox
 
     missing = sandbox.probe()
     return [ConfigProblem("rlhf.tools", "rlhf.tools: python runs the model's code in the sandbox, and this machine "
@@ -307,7 +307,7 @@ SHOWN_BAD_ROWS = 5
 def code_tests_row_errors(cfg, data_dir: Path) -> list[str]:
     """Every prompts row a code_tests reward would score carries test cases it can run (the data stage keeps a row's
     other columns as they were): 'rlhf.rewards[i].tests_field: <file>:<line>: field ...', the first few per file."""
-    from conversions import sandbox
+    from tasks.rlhf import sandbox
 
     errors = []
     for i, r in enumerate(cfg.rewards):

@@ -24,7 +24,7 @@ class NemoRlConfig(StrictModel):
 
 
 class RewardConfig(StrictModel):
-    """One verifiable reward of algorithm grpo on data.prompts (conversions/rewards.py). The rewards of a list are
+    """One verifiable reward of algorithm grpo on data.prompts (tasks/rlhf/rewards.py). The rewards of a list are
     summed, each times its weight."""
 
     kind: Literal["exact_match", "regex", "json_schema", "length", "code_tests", "function"] = Field(

@@ -1,5 +1,5 @@
 """Multi-turn GRPO episodes with tools (rlhf.tools), run inside the TRL worker: generate a model turn, read it for a
-tool call (conversions/tools.py), run the tool, append its result as a `tool` turn rendered by the checkpoint's chat
+tool call (tasks/rlhf/tools.py), run the tool, append its result as a `tool` turn rendered by the checkpoint's chat
 template, and let the model continue until it answers or a limit ends the episode.
 
 TRL 1.16's GRPOTrainer has its own tool loop (`tools=`), but it keeps going after a failed call (the error becomes
@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 from conversions import durable
-from conversions.environment import EnvironmentCode, EpisodeEnvironment, Reply
-from conversions.tools import EpisodeEnd, parse_tool_call, run_tool
 from tasks import chat
+from tasks.rlhf.environment import EnvironmentCode, EpisodeEnvironment, Reply
+from tasks.rlhf.tools import EpisodeEnd, parse_tool_call, run_tool
 
 
 @dataclass

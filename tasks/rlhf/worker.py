@@ -21,11 +21,11 @@ from typing import Callable
 
 import torch
 
-from conversions import hf, manifest as mf, rewards as rw, sealed
-from conversions.environment import EnvironmentCode
+from conversions import hf, manifest as mf, sealed
 from conversions.manifest import Format
 from tasks import chat, events, resuming
-from tasks.rlhf import episodes
+from tasks.rlhf import episodes, rewards as rw
+from tasks.rlhf.environment import EnvironmentCode
 
 RANK = int(os.environ.get("RANK", "0"))
 WORLD_SIZE = int(os.environ.get("WORLD_SIZE", "1"))

@@ -1,5 +1,5 @@
 """A user's environment class (rlhf.environment) for multi-turn GRPO episodes, one killable child process per
-episode (conversions/environment_child.py): a call that hangs past its timeout kills that episode's child only, so
+episode (tasks/rlhf/environment_child.py): a call that hangs past its timeout kills that episode's child only, so
 the other episodes of the batch keep their state.
 
 The class, in the user's file (checked before launch: tasks/rlhf/checks.py):

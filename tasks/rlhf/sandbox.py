@@ -1,6 +1,6 @@
-"""Run untrusted code against test cases in a sandboxed subprocess (the code_tests reward, conversions/rewards.py).
+"""Run untrusted code against test cases in a sandboxed subprocess (the code_tests reward, tasks/rlhf/rewards.py).
 
-One `python -I` child per run (conversions/sandbox_child.py): an empty temporary working folder, a minimal environment,
+One `python -I` child per run (tasks/rlhf/sandbox_child.py): an empty temporary working folder, a minimal environment,
 its own session, stdout and stderr discarded. Inside, before the code runs: RLIMIT_AS / RLIMIT_CPU / RLIMIT_NOFILE /
 RLIMIT_FSIZE, no_new_privs, a user + network namespace (no network at all), Landlock (writes only beneath the working
 folder; no signal to or ptrace of a process outside), a seccomp filter that fails every socket(2). The limits are set by
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import sandbox_child
-from .refusal import Refused
+from conversions.refusal import Refused
 
 CHILD = Path(sandbox_child.__file__)
 RESULTS_READ = 1 << 20
@@ -202,5 +202,5 @@ def probe() -> list[str]:
     """The isolation layers this machine cannot give ('layer: why'); empty when the sandbox is whole."""
     outcome = run_tests("", ["pass"], PROBE_LIMITS)
     if not outcome.layers and not outcome.missing:
-        return ["sandbox: the child started but reported nothing (python -I conversions/sandbox_child.py)"]
+        return ["sandbox: the child started but reported nothing (python -I tasks/rlhf/sandbox_child.py)"]
     return outcome.missing

@@ -7,7 +7,7 @@ Built-ins (0.0 or 1.0, but code_tests: a fraction):
     json_schema   the completion, stripped, is JSON that the schema accepts
     length        min_chars <= characters of the stripped completion <= max_chars
     code_tests    the fraction of the row's test cases (column `tests_field`) that the completion's code
-                  (its last ```python block, or the whole reply: `code`) passes, run in conversions/sandbox.py's
+                  (its last ```python block, or the whole reply: `code`) passes, run in tasks/rlhf/sandbox.py's
                   sandboxed subprocess (timeout_s, memory_mb, isolation); no code block scores 0
 A user function (`kind: function`, `function: path/to/rewards.py:fn`) is called as fn(prompt, completion, **row): prompt
 is the text of the row's last user message, completion the generated text, row every other column of the data row
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from . import sandbox
-from .refusal import Refused
+from conversions.refusal import Refused
 
 NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
 BOXED = "\\boxed{"

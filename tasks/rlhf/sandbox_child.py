@@ -1,4 +1,4 @@
-"""The sandboxed side of conversions/sandbox.py: started as `python -I sandbox_child.py` in an empty temporary folder with
+"""The sandboxed side of tasks/rlhf/sandbox.py: started as `python -I sandbox_child.py` in an empty temporary folder with
 a minimal environment, its own session, stdout and stderr on /dev/null. Standard library only (it runs before any
 isolation is known to work, once per completion scored).
 

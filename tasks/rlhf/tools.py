@@ -140,7 +140,7 @@ PYTHON_MEMORY_MB = 512
 
 def run_tool(call: ToolCall, timeout_s: float) -> ToolResult:
     """One call of a built-in tool. The python tool runs the code in the sandbox of the code_tests reward
-    (conversions/sandbox.py: namespaces, Landlock, seccomp, limits), killed after timeout_s; the calculator cannot
+    (tasks/rlhf/sandbox.py: namespaces, Landlock, seccomp, limits), killed after timeout_s; the calculator cannot
     hang (bounded input, bounded powers)."""
     if call.name == "calculator":
         try:

@@ -1,4 +1,4 @@
-"""One episode's environment (rlhf.environment), run by conversions/environment.py as `python -I` in a child process
+"""One episode's environment (rlhf.environment), run by tasks/rlhf/environment.py as `python -I` in a child process
 of its own, so a call that hangs is ended by killing it. JSON lines on stdin/stdout:
 
     first line   {"source": <the file's text>, "path": ..., "name": <the class>}   → {"ok": null}
