@@ -250,3 +250,19 @@ def test_grpo_on_a_mixtral_adds_the_routers_aux_loss_to_its_loss(tmp_path, tiny_
     before, after = hf.load_state_dict(src), hf.load_state_dict(out.output)
     assert all(not torch.equal(before[n], after[n]) for n in before if n.endswith("block_sparse_moe.gate.weight"))
     assert torch.equal(before["lm_head.weight"], after["lm_head.weight"])
+
+
+def test_lora_on_a_mixture_of_experts_is_refused_before_launch_naming_the_key(tmp_path, tiny_config, data_dir):
+    """peft's target_modules cannot reach transformers' fused experts: LoRA on an MoE input is refused before
+    anything launches, naming the key; without LoRA the same input passes the checks."""
+    from tasks.finetune.task import FinetuneInputError, check_inputs
+    from tasks.stage import StageContext
+
+    src = make_moe_checkpoint(tmp_path / "input", "mixtral", data_dir / "tokenizer")
+    ctx = StageContext(stage="finetune", run_id="test", run_dir=tmp_path, work_dir=tmp_path,
+                       model=tiny_config.model.model_dump(), seed=0, data_dir=data_dir, input=src,
+                       input_format="hf-safetensors")
+    with pytest.raises(FinetuneInputError, match=r"finetune\.lora\.enabled: the input .* is a mixture of experts "
+                                                 r"\(4 experts, config\.json\).*target_modules"):
+        check_inputs(ctx, FinetuneConfig(lora={"enabled": True}))
+    check_inputs(ctx, FinetuneConfig())

@@ -41,12 +41,29 @@ def check_inputs(ctx: StageContext, cfg: FinetuneConfig) -> None:
         if ctx.data_dir is None or not (Path(ctx.data_dir) / "sft" / f"{split}.jsonl").exists():
             problems.append(f"finetune: data {ctx.data_dir} lacks sft/{split}.jsonl (run the data stage)")
     problems += nvme_problems(cfg) + gates.lm_eval_path_errors(cfg.gate, "finetune")
+    if not problems and (problem := moe_lora_problem(Path(ctx.input), cfg)):
+        problems.append(problem)
     if not problems:  # the template's replies trained on what engines serve, before any launch
         rows = chat_template.first_rows(Path(ctx.data_dir) / "sft" / "train.jsonl")
         if problem := chat_template.boundary_problem("finetune", ctx, [r["messages"] for r in rows]):
             problems.append(problem)
     if problems:
         raise FinetuneInputError("; ".join(problems))
+
+
+def moe_lora_problem(src: Path, cfg: FinetuneConfig) -> str | None:
+    """LoRA on a mixture of experts is refused: transformers keeps a layer's experts as fused 3-D parameters, which
+    peft's target_modules (Linear modules) cannot reach, so the adapters would miss every expert. peft's
+    target_parameters reaches them (tried with peft 0.21 in memory), but the ZeRO → HF merge does not read those
+    adapters yet."""
+    moe = hf.moe_of_hf_config(json.loads((src / "config.json").read_text())) if cfg.lora.enabled else None
+    if moe is None:
+        return None
+    return (f"finetune.lora.enabled: the input {src} is a mixture of experts ({moe['num_experts']} experts, "
+            "config.json); transformers holds its experts as fused 3-D parameters, which peft's target_modules "
+            "(Linear modules only) cannot reach, so adapters would train attention and miss every expert; peft's "
+            "target_parameters for them is not merged by baton's ZeRO → HF export yet: finetune every weight "
+            "(finetune.lora.enabled: false)")
 
 
 def command(ctx: StageContext, cfg: FinetuneConfig, spec_path: Path) -> tuple[list[str], int]:
