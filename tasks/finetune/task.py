@@ -21,7 +21,7 @@ from tasks import chat_template, events, gates, resuming
 from tasks.distributed import (Launch, LaunchConfigError, engine_command, remove_shm_segments, runtime_kind,
                                stage_runtime, with_port)
 from tasks.finetune import ds_config, engine_env
-from tasks.finetune.config import FinetuneConfig, validate
+from tasks.finetune.config import FinetuneConfig, moe_lora_refusal, validate
 from tasks.stage import StageContext, StageOutput
 
 WORKER = Path(__file__).with_name("worker.py")
@@ -52,18 +52,12 @@ def check_inputs(ctx: StageContext, cfg: FinetuneConfig) -> None:
 
 
 def moe_lora_problem(src: Path, cfg: FinetuneConfig) -> str | None:
-    """LoRA on a mixture of experts is refused: transformers keeps a layer's experts as fused 3-D parameters, which
-    peft's target_modules (Linear modules) cannot reach, so the adapters would miss every expert. peft's
-    target_parameters reaches them (tried with peft 0.21 in memory), but the ZeRO → HF merge does not read those
-    adapters yet."""
+    """LoRA on an input whose own config.json is a mixture of experts (a `--from` model the config does not describe
+    as one)."""
     moe = hf.moe_of_hf_config(json.loads((src / "config.json").read_text())) if cfg.lora.enabled else None
     if moe is None:
         return None
-    return (f"finetune.lora.enabled: the input {src} is a mixture of experts ({moe['num_experts']} experts, "
-            "config.json); transformers holds its experts as fused 3-D parameters, which peft's target_modules "
-            "(Linear modules only) cannot reach, so adapters would train attention and miss every expert; peft's "
-            "target_parameters for them is not merged by baton's ZeRO → HF export yet: finetune every weight "
-            "(finetune.lora.enabled: false)")
+    return moe_lora_refusal(f"the input {src} is a mixture of experts ({moe['num_experts']} experts, config.json)")
 
 
 def command(ctx: StageContext, cfg: FinetuneConfig, spec_path: Path) -> tuple[list[str], int]:
