@@ -63,7 +63,8 @@ METRICS = {
     TRAIN_LR: ("", "learning rate of the step"),
     TRAIN_GRAD_NORM: ("", "gradient norm (pretrain, rlhf)"),
     TRAIN_ROUTER_AUX_LOSS: ("", "a mixture of experts' router load-balancing loss, before its coefficient: "
-                                "finetune (train/loss includes it times router_aux_loss_coef), pretrain (Megatron's, "
+                                "finetune and rlhf (train/loss includes it times router_aux_loss_coef; in rlhf TRL's "
+                                "own), pretrain (Megatron's, "
                                 "mean over MoE layers; train/loss is the language-model loss alone)"),
     TRAIN_EXPERT_LOAD_IMBALANCE: ("ratio", "pretrain of a mixture of experts: tokens routed to the step's busiest "
                                            "expert over the mean per expert, in the worst layer (1 is even, "

@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from conftest import TINY, baton
+from conftest import REPO, TINY, baton
 from flows.config import ConfigError, load
 from flows.chain_planner import plan
 
@@ -65,3 +65,14 @@ def test_fingerprints_follow_config_and_lineage():
     same = [x.fingerprint == y.fingerprint for x, y in zip(a, b)]
     i = [s.label for s in a].index("finetune")
     assert all(same[:i]) and not any(same[i:])  # the change and everything downstream re-runs
+
+
+def test_lora_on_a_mixture_of_experts_is_refused_when_the_config_is_read():
+    """tiny-moe.yaml's model is a mixture of experts: finetune LoRA is refused before the run starts, naming the key
+    (peft's target_modules cannot reach transformers' fused experts; docs/moe.md)."""
+    moe = REPO / "configs" / "tiny-moe.yaml"
+    with pytest.raises(ConfigError, match=r"finetune\.lora\.enabled: the model is a mixture of experts \(model\.moe: "
+                                          r"4 experts\).*target_modules"):
+        load(moe, ["finetune.lora.enabled=true"])
+    load(moe)
+    load(TINY, ["finetune.lora.enabled=true"])  # a dense model keeps LoRA

@@ -5,6 +5,7 @@ per-expert layout the input had (what from_pretrained and the servers read), and
 exactly the engine's fused expert parameters."""
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -220,3 +221,48 @@ def test_a_dropped_shared_expert_fails_the_gate_naming_the_tensor(qwen2_moe_zero
     assert "model.layers.0.mlp.shared_expert.gate_proj.weight: in the source, missing from the output" in detail, \
         detail
 
+
+
+# ---- rlhf: GRPO on a Mixtral with the router's load-balancing loss --------------------------------------------
+def test_grpo_on_a_mixtral_adds_the_routers_aux_loss_to_its_loss(tmp_path, tiny_config, data_dir):
+    """TRL's GRPO on a Mixtral (router_aux_loss_coef 0.001, transformers' default) trains with the router's
+    load-balancing loss and logs it as train/router_aux_loss. The random-init model's first rollouts all earn the
+    preference reward 0, so every advantage is 0 and, without a KL term (beta 0), the policy loss and its gradient are
+    exactly 0: the step's loss is the coefficient times the aux loss alone, and the aux loss's gradient alone moves the
+    weights (the routers, not the output layer, which it does not reach). Dropping the aux loss fails all three."""
+    from tasks.rlhf.config import RlhfConfig
+    from tasks.rlhf.task import run_rlhf
+    from tasks.stage import StageContext
+
+    src = make_moe_checkpoint(tmp_path / "input", "mixtral", data_dir / "tokenizer")
+    coef = json.loads((src / "config.json").read_text())["router_aux_loss_coef"]
+    work = tmp_path / "rlhf"
+    ctx = StageContext(stage="rlhf", run_id="test", run_dir=work, work_dir=work, model=tiny_config.model.model_dump(),
+                       seed=0, data_dir=data_dir, input=src, input_format="hf-safetensors")
+    cfg = RlhfConfig(algorithm="grpo", steps=1, micro_batch_size=4, num_generations=4, max_completion_length=4,
+                     lr=1e-3, beta=0.0, checkpoint_every=1000, timeout_s=600)
+    out = run_rlhf.fn(ctx, cfg)
+    assert out.gate["passed"], out.gate
+    (step,) = [m for m in logged_metrics(work) if events.TRAIN_LOSS in m]
+    assert step["train/reward"] == 0.0 and step["train/reward_std"] == 0.0, step
+    aux = step[events.TRAIN_ROUTER_AUX_LOSS]
+    assert aux > 0 and step[events.TRAIN_LOSS] == pytest.approx(coef * aux, rel=1e-5), step
+    before, after = hf.load_state_dict(src), hf.load_state_dict(out.output)
+    assert all(not torch.equal(before[n], after[n]) for n in before if n.endswith("block_sparse_moe.gate.weight"))
+    assert torch.equal(before["lm_head.weight"], after["lm_head.weight"])
+
+
+def test_lora_on_a_mixture_of_experts_is_refused_before_launch_naming_the_key(tmp_path, tiny_config, data_dir):
+    """peft's target_modules cannot reach transformers' fused experts: LoRA on an MoE input is refused before
+    anything launches, naming the key; without LoRA the same input passes the checks."""
+    from tasks.finetune.task import FinetuneInputError, check_inputs
+    from tasks.stage import StageContext
+
+    src = make_moe_checkpoint(tmp_path / "input", "mixtral", data_dir / "tokenizer")
+    ctx = StageContext(stage="finetune", run_id="test", run_dir=tmp_path, work_dir=tmp_path,
+                       model=tiny_config.model.model_dump(), seed=0, data_dir=data_dir, input=src,
+                       input_format="hf-safetensors")
+    with pytest.raises(FinetuneInputError, match=r"finetune\.lora\.enabled: the input .* is a mixture of experts "
+                                                 r"\(4 experts, config\.json\).*target_modules"):
+        check_inputs(ctx, FinetuneConfig(lora={"enabled": True}))
+    check_inputs(ctx, FinetuneConfig())

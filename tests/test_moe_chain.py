@@ -30,3 +30,6 @@ def test_tiny_moe_runs_every_stage_and_both_engines_serve_the_mixtral(tmp_path):
     for engine in ("vllm", "sglang"):
         parity = serve[f"{engine}.smoke.greedy_parity"]
         assert parity["passed"] and parity["detail"].startswith("4 prompts x 16 tokens identical to HF"), parity
+        # neither CPU build returns its routing: the mismatch is not measured, and the result says why
+        routing = stages["serve"]["routing_mismatch"][engine]
+        assert routing["measured"] is False and routing["reason"] == "engine_cpu_build", routing

@@ -168,3 +168,21 @@ def test_a_run_that_would_serve_head_dim_16_on_vllm_cpu_is_refused_before_its_fi
     assert r.returncode == 2, r.stderr[-2000:]
     assert "serve.engine vllm on serve.device cpu: head_dim 16" in r.stderr, r.stderr[-2000:]
     assert not (baton_home / "runs").exists()
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_mixtures_routing_mismatch_says_why_it_is_not_measured(tmp_path, engine, device):
+    """Neither pinned engine returns its routing on CPU (each server fails to start with the option, tried by hand):
+    the serve result of a mixture of experts says so with an enum reason, not a share of 0; a dense model has no
+    entry."""
+    from transformers import LlamaConfig, MixtralConfig
+
+    from tasks.serve.routing import RoutingUnavailable, routing_mismatch
+
+    MixtralConfig(num_local_experts=4, num_experts_per_tok=2).save_pretrained(str(tmp_path / "moe"))
+    LlamaConfig().save_pretrained(str(tmp_path / "dense"))
+    found = routing_mismatch(engine, device, tmp_path / "moe")
+    expected = RoutingUnavailable.ENGINE_CPU_BUILD if device == "cpu" else RoutingUnavailable.NOT_REQUESTED
+    assert found["measured"] is False and found["share"] is None and found["reason"] == expected.value, found
+    assert routing_mismatch(engine, device, tmp_path / "dense") is None

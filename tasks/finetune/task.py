@@ -21,7 +21,7 @@ from tasks import chat, chat_template, events, gates, resuming
 from tasks.distributed import (Launch, LaunchConfigError, engine_command, remove_shm_segments, runtime_kind,
                                stage_runtime, with_port)
 from tasks.finetune import ds_config, engine_env
-from tasks.finetune.config import FinetuneConfig, validate
+from tasks.finetune.config import FinetuneConfig, moe_lora_refusal, validate
 from tasks.stage import StageContext, StageOutput
 
 WORKER = Path(__file__).with_name("worker.py")
@@ -41,12 +41,23 @@ def check_inputs(ctx: StageContext, cfg: FinetuneConfig) -> None:
         if ctx.data_dir is None or not (Path(ctx.data_dir) / "sft" / f"{split}.jsonl").exists():
             problems.append(f"finetune: data {ctx.data_dir} lacks sft/{split}.jsonl (run the data stage)")
     problems += nvme_problems(cfg) + gates.lm_eval_path_errors(cfg.gate, "finetune")
+    if not problems and (problem := moe_lora_problem(Path(ctx.input), cfg)):
+        problems.append(problem)
     if not problems:  # the template's replies trained on what engines serve, before any launch
         rows = chat_template.first_rows(Path(ctx.data_dir) / "sft" / "train.jsonl")
         if problem := chat_template.boundary_problem("finetune", ctx, [r["messages"] for r in rows]):
             problems.append(problem)
     if problems:
         raise FinetuneInputError("; ".join(problems))
+
+
+def moe_lora_problem(src: Path, cfg: FinetuneConfig) -> str | None:
+    """LoRA on an input whose own config.json is a mixture of experts (a `--from` model the config does not describe
+    as one)."""
+    moe = hf.moe_of_hf_config(json.loads((src / "config.json").read_text())) if cfg.lora.enabled else None
+    if moe is None:
+        return None
+    return moe_lora_refusal(f"the input {src} is a mixture of experts ({moe['num_experts']} experts, config.json)")
 
 
 def command(ctx: StageContext, cfg: FinetuneConfig, spec_path: Path) -> tuple[list[str], int]:

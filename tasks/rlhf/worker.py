@@ -33,7 +33,8 @@ SKIP_LOGS = {"epoch", "total_flos", "train_runtime", "train_samples_per_second",
              "train_loss"}
 TRL_NAMES = {"loss": events.TRAIN_LOSS, "learning_rate": events.TRAIN_LR, "grad_norm": events.TRAIN_GRAD_NORM,
              "step_time": events.STEP_TIME_S, "rollout_time": events.ROLLOUT_TIME_S,
-             "rollout_tokens_per_s": events.ROLLOUT_TOKENS_PER_S, "rollout_share": events.ROLLOUT_SHARE}
+             "rollout_tokens_per_s": events.ROLLOUT_TOKENS_PER_S, "rollout_share": events.ROLLOUT_SHARE,
+             "aux_loss": events.TRAIN_ROUTER_AUX_LOSS}  # an MoE's router load-balancing loss (TRL adds it to the loss)
 
 
 # ---- main: the recipe; the phases follow in the order it runs them ---------------------------------------------------

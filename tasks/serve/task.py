@@ -21,6 +21,7 @@ from tasks import events, tracking
 from tasks.gates import LM_EVAL_WORKER
 from tasks.serve import engines, smoke, supervisor
 from tasks.serve.config import ServeConfig
+from tasks.serve.routing import routing_mismatch
 from tasks.serve.server import Server, ServerFailed, free_port, redactor
 from tasks.stage import StageContext, StageOutput
 
@@ -370,6 +371,9 @@ def serve(ctx: StageContext, cfg: ServeConfig, hold: bool = False) -> StageOutpu
              "servers_started": sum(1 for r in results.values() if r["server"].proc is not None),
              "champion": {k: champion[k] for k in ("name", "version", "previous")} if champion else None,
              "api_key_file": str(key_file)}
+    routing = {e: routing_mismatch(e, cfg.device, ctx.input) for e in results}
+    if any(routing.values()):  # a mixture of experts: per engine, the routing mismatch or why it was not measured
+        extra["routing_mismatch"] = routing
     kept = _kept_server(ctx, cfg, results, gate, extra, hold)
     if kept is not None and not kept.managed and champion and champion.get("changed"):
         record_promotion(kept.state_path, ident["name"], ident["version"])
