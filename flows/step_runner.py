@@ -51,13 +51,17 @@ def _cached(index: Index, step: Step) -> dict | None:
     rec = index.get(step.fingerprint)
     if not rec or rec.get("status") != Status.COMPLETED:
         return None
-    out = rec.get("output")
-    if out:
+    side = [s["output"] for s in ((rec.get("entry") or {}).get("side_outputs") or {}).values()]
+    for out in filter(None, [rec.get("output"), *side]):
         if not Path(out).exists():
             return None
         if not all(c["passed"] for c in verify.integrity(Path(out))):  # changed on disk since: run again
             return None
     return rec
+
+
+def _registered(entry: dict) -> bool:
+    return bool(entry.get("registered")) or any(s.get("registered") for s in (entry.get("side_outputs") or {}).values())
 
 
 RESUMABLE = (Status.RUNNING, Status.FAILED, Status.CANCELLED)  # index states whose work dir a new attempt resumes from
@@ -68,7 +72,7 @@ def _work_dir(index: Index, step: Step, run: RunInfo, position: int) -> Path:
     link = run.run_dir / f"{position:02d}-{step.label}"
     rec = index.get(step.fingerprint)  # read under the step's lock: its owner, if any, is dead
     if (rec and rec.get("status") in RESUMABLE and rec.get("work_dir") and Path(rec["work_dir"]).exists()
-            and not (rec.get("entry") or {}).get("registered")):
+            and not _registered(rec.get("entry") or {})):
         old = Path(rec["work_dir"])
         if old != link:
             if link.is_symlink() or link.exists():
@@ -97,7 +101,9 @@ def data_digest(data_dir: str | Path | None) -> str:
 
 
 def _register(c, cfg: PipelineConfig, step: Step, out: Path, run_id: str, mlflow_run: str,
-              data_dir: str | None) -> dict | None:
+              data_dir: str | None, variant: str | None = None) -> dict | None:
+    """A version of the config's registered model (or of `<model>-<format>` for another format than HF), alias
+    `candidate`; a side output's alias is its variant (`baton-tiny-gguf-file@q8_0`)."""
     m = mf.read(out)
     if m is None:
         return None
@@ -105,21 +111,34 @@ def _register(c, cfg: PipelineConfig, step: Step, out: Path, run_id: str, mlflow
     if fmt == Format.DATASET:
         return None
     name = cfg.tracking.registered_model if fmt == Format.HF_SAFETENSORS else f"{cfg.tracking.registered_model}-{fmt}"
+    alias = variant or "candidate"
     version = tracking.register_checkpoint(
         c, name, out, mlflow_run,
         tags={"stage": step.label, "format": fmt, "baton.run_id": run_id, "manifest_digest": mf.digest_of(m),
-              "data_digest": data_digest(data_dir)},
-        alias="candidate", upload_weights=cfg.tracking.upload_weights)
-    return {"name": name, "version": version, "alias": "candidate"}
+              "data_digest": data_digest(data_dir), **({"variant": variant} if variant else {})},
+        alias=alias, upload_weights=cfg.tracking.upload_weights,
+        artifact_path=f"checkpoint/{variant}" if variant else "checkpoint")
+    return {"name": name, "version": version, "alias": alias}
 
 
 def _register_if_tracked(c, cfg: PipelineConfig, step: Step, out: Path, run_id: str, mlflow_run: str | None,
-                         data_dir: str | None, missing: list) -> dict | None:
+                         data_dir: str | None, missing: list, variant: str | None = None) -> dict | None:
     """The checkpoint's registration, or None (listed as missing) while the tracking server is unreachable."""
     if mlflow_run is None:  # the stage ran without its MLflow run (listed already)
         return None
     return tracking.attempt(missing, tracking.REGISTRATION, _register, c, cfg, step, out, run_id,
-                            mlflow_run, data_dir)
+                            mlflow_run, data_dir, variant)
+
+
+def _register_outputs(c, cfg: PipelineConfig, step: Step, out: StageOutput, entry: dict, run_id: str,
+                      mlflow_run: str | None, data_dir: str | None, missing: list) -> None:
+    """Past the gate: the checkpoint, and each side output as its own version."""
+    if out.output:
+        entry["registered"] = _register_if_tracked(c, cfg, step, Path(out.output), run_id, mlflow_run, data_dir,
+                                                   missing)
+    for variant, side in entry.get("side_outputs", {}).items():
+        side["registered"] = _register_if_tracked(c, cfg, step, Path(side["output"]), run_id, mlflow_run, data_dir,
+                                                  missing, variant)
 
 
 # Only an infrastructure fault (a rank or launcher killed by a signal: preemption, a lost node; or a lost peer) is
@@ -348,6 +367,9 @@ def _record_output(c, mlflow_run: str | None, step: Step, work: Path, out: Stage
     entry.update(engine=out.engine, backend=out.backend, output=str(out.output) if out.output else None,
                  manifest=str(Path(out.output) / mf.MANIFEST_NAME) if out.output else None,
                  gate=out.gate, metrics=_metric_summary(out, history), eval=out.eval, **out.extra)
+    if out.side_outputs:
+        entry["side_outputs"] = {variant: {"output": str(path), "manifest": str(Path(path) / mf.MANIFEST_NAME)}
+                                 for variant, path in out.side_outputs.items()}
     changed = serving_changes(out.output)
     if changed:  # the gate's contract.serving check decides whether the change was asked for
         entry["serving_contract_changed"] = changed
@@ -360,6 +382,9 @@ def _record_output(c, mlflow_run: str | None, step: Step, work: Path, out: Stage
     tracking.attempt(missing, "gate.json", tracking.log_json, c, mlflow_run, out.gate, "gate.json")
     if out.output and (Path(out.output) / mf.MANIFEST_NAME).exists():
         tracking.attempt(missing, mf.MANIFEST_NAME, tracking.log_file, c, mlflow_run, Path(out.output) / mf.MANIFEST_NAME)
+    for variant, path in out.side_outputs.items():  # manifests, not weights: the registered versions point at the files
+        tracking.attempt(missing, f"{variant}/{mf.MANIFEST_NAME}", tracking.log_file, c, mlflow_run,
+                         Path(path) / mf.MANIFEST_NAME, variant)
     if plot:
         tracking.attempt(missing, plot.name, tracking.log_file, c, mlflow_run, plot)
     now = int(time.time() * 1000)
@@ -593,9 +618,8 @@ def _execute_locked(step: Step, cfg: PipelineConfig, run: RunInfo, position: int
             _record_output(c, mlflow_run, step, work, out, entry, missing)
             _memory_vs_plan(c, mlflow_run, cfg, step, entry, missing)
             _apply_gate(out, step, entry, smoke=cfg.smoke)
-            if out.output and not cfg.smoke:  # a smoke run's checkpoints are never registered
-                entry["registered"] = _register_if_tracked(c, cfg, step, Path(out.output), run.run_id, mlflow_run,
-                                                           data_dir, missing)
+            if not cfg.smoke:  # a smoke run's checkpoints are never registered
+                _register_outputs(c, cfg, step, out, entry, run.run_id, mlflow_run, data_dir, missing)
             entry["status"], ok = Status.COMPLETED, True
         except Exception as e:
             raise _failure(step, entry, e) from (None if isinstance(e, (StageFailed, LaunchError)) else e)

@@ -51,14 +51,15 @@ def convert(src: Path, out: Path, type_name: str) -> tuple[events.ExportResult |
     return events.ExportResult.model_validate({k: v for k, v in found[0].items() if k != "kind"}), ""
 
 
-def export(src: Path, dest: Path, type_name: str, max_logit_rms: float | None = None) -> Outcome:
-    """Export src (an HF folder) to DEST/model.gguf; published with its manifest only when the gate passed."""
+def export(src: Path, dest: Path, type_name: str, max_logit_rms: float | None = None, converter=convert) -> Outcome:
+    """Export src (an HF folder) to DEST/model.gguf; published with its manifest only when the gate passed.
+    `converter`: how the worker is launched (the pipeline's stage streams its log through its StageContext)."""
     gguf_export.export_type(type_name)  # a k-quant is refused before anything runs
     refuse_source(src)
     partial = durable.partial_of(dest)
     shutil.rmtree(partial, ignore_errors=True)
     out = partial / gguf_export.GGUF_NAME
-    result, why = convert(src, out, type_name)
+    result, why = converter(src, out, type_name)
     if result is None:
         shutil.rmtree(partial, ignore_errors=True)
         return Outcome({"passed": False, "checks": []}, None, None, f"the converter failed ({why})")
