@@ -9,7 +9,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from conversions import durable, gguf_export, manifest as mf
+from conversions import durable, gguf_export, manifest as mf, ollama
 from conversions.manifest import Format
 from tasks import events, runtimes
 from tasks.stage import REPO_ROOT
@@ -66,12 +66,23 @@ def export(src: Path, dest: Path, type_name: str, max_logit_rms: float | None = 
     rep = gguf_export.gate(out, src, type_name, max_logit_rms)
     if not rep["passed"]:
         return Outcome(rep, None, partial)
-    write_manifest(src, partial, type_name, result, rep)
+    modelfile = write_modelfile(src, partial)
+    write_manifest(src, partial, type_name, result, rep, modelfile)
     durable.publish_dir(partial, dest)
     return Outcome(rep, dest, None)
 
 
-def write_manifest(src: Path, folder: Path, type_name: str, result: events.ExportResult, rep: dict) -> None:
+def write_modelfile(src: Path, folder: Path) -> str:
+    """Ollama's Modelfile beside the GGUF file when the chat template is of a known family (conversions.ollama): the
+    family, or why there is none."""
+    text, family = ollama.modelfile(src, gguf_export.GGUF_NAME)
+    if text is not None:
+        durable.write_text(folder / ollama.MODELFILE, text)
+    return family
+
+
+def write_manifest(src: Path, folder: Path, type_name: str, result: events.ExportResult, rep: dict,
+                   modelfile: str) -> None:
     src_m = mf.read(src) or {}
     logits = next(c for c in rep["checks"] if c["name"] == "gguf.logits")
     m = mf.build(folder, format=Format.GGUF_FILE, stage="export", engine={"name": "llama.cpp",
@@ -79,5 +90,6 @@ def write_manifest(src: Path, folder: Path, type_name: str, result: events.Expor
                  architecture=dict(src_m.get("architecture") or {}), parameter_count=src_m.get("parameter_count"),
                  dtype=type_name, parent=mf.parent_ref(src),
                  extra={"gguf_type": type_name, "seconds": result.seconds, "size": result.size,
-                        "source": str(src.resolve()), "notes": result.notes, **{k: logits[k] for k in LOGIT_MEASURES}})
+                        "source": str(src.resolve()), "notes": result.notes, "modelfile": modelfile,
+                        **{k: logits[k] for k in LOGIT_MEASURES}})
     mf.write(folder, m)
