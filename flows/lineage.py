@@ -267,8 +267,9 @@ def describe_versions(summary: dict) -> None:
     for e in summary.get("stages", []):
         if e.get("status") != Status.COMPLETED:
             continue
+        sides = (e.get("side_outputs") or {}).values()
         for output, reg in [(e.get("output"), e.get("registered") or {}),
-                            *((s["output"], s.get("registered") or {}) for s in (e.get("side_outputs") or {}).values())]:
+                            *((s["output"], s.get("registered") or {}) for s in sides)]:
             if reg.get("name") and output:
                 c.update_model_version(reg["name"], str(reg["version"]),
                                        description=version_description(e, chain(Path(output))))

@@ -61,7 +61,8 @@ def _cached(index: Index, step: Step) -> dict | None:
 
 
 def _registered(entry: dict) -> bool:
-    return bool(entry.get("registered")) or any(s.get("registered") for s in (entry.get("side_outputs") or {}).values())
+    sides = (entry.get("side_outputs") or {}).values()
+    return bool(entry.get("registered")) or any(s.get("registered") for s in sides)
 
 
 RESUMABLE = (Status.RUNNING, Status.FAILED, Status.CANCELLED)  # index states whose work dir a new attempt resumes from
@@ -382,7 +383,7 @@ def _record_output(c, mlflow_run: str | None, step: Step, work: Path, out: Stage
     tracking.attempt(missing, "gate.json", tracking.log_json, c, mlflow_run, out.gate, "gate.json")
     if out.output and (Path(out.output) / mf.MANIFEST_NAME).exists():
         tracking.attempt(missing, mf.MANIFEST_NAME, tracking.log_file, c, mlflow_run, Path(out.output) / mf.MANIFEST_NAME)
-    for variant, path in out.side_outputs.items():  # manifests, not weights: the registered versions point at the files
+    for variant, path in out.side_outputs.items():  # manifests, not weights: the versions point at the files
         tracking.attempt(missing, f"{variant}/{mf.MANIFEST_NAME}", tracking.log_file, c, mlflow_run,
                          Path(path) / mf.MANIFEST_NAME, variant)
     if plot:

@@ -48,4 +48,5 @@ def test_a_checkpoint_of_an_unknown_template_family_gets_no_modelfile_and_a_reas
     src = shutil.copytree(hf_checkpoint, tmp_path / "src")
     (src / "chat_template.jinja").write_text(LLAMA3)
     text, why = ollama.modelfile(src, "model.gguf")
-    assert text is None and why == "no Modelfile: the chat template renders as none of the known families (chatml, gemma)"
+    assert text is None
+    assert why == "no Modelfile: the chat template renders as none of the known families (chatml, gemma)"

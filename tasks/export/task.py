@@ -31,7 +31,8 @@ def run_export(ctx: StageContext, cfg: ExportConfig) -> StageOutput:
         metrics.update(measures(type_name, outcome))
         if outcome.published is not None:
             published[type_name] = outcome.published
-    return StageOutput(output=None, engine="llama.cpp", gate=report(checks, seconds), metrics=metrics, side_outputs=published)
+    return StageOutput(output=None, engine="llama.cpp", gate=report(checks, seconds), metrics=metrics,
+                       side_outputs=published)
 
 
 def launched(ctx: StageContext, cfg: ExportConfig, type_name: str):
