@@ -41,14 +41,18 @@ def convert(src: Path, out: Path, type_name: str) -> tuple[events.ExportResult |
     """Run the worker in the llamacpp runtime; its result, or None and the tail of its log."""
     python = runtimes.python_for("llamacpp")
     with tempfile.TemporaryDirectory(prefix="baton-export-") as scratch:
-        spec = events.write_spec(Path(scratch) / "export_spec.json",
-                                 events.ExportSpec(src=src, out=out, out_type=type_name))
+        spec = events.write_spec(Path(scratch) / "export_spec.json", worker_spec(src, out, type_name))
         proc = subprocess.run([python, str(WORKER), "--spec", str(spec)], capture_output=True, text=True,
                               timeout=TIMEOUT_S, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT), HF_HUB_OFFLINE="1"))
     found = [e for line in proc.stdout.splitlines() if (e := events.parse(line)) and e["kind"] == "result"]
     if proc.returncode != 0 or len(found) != 1:
         return None, f"exit {proc.returncode}: {(proc.stderr or proc.stdout).strip()[-2000:]}"
     return events.ExportResult.model_validate({k: v for k, v in found[0].items() if k != "kind"}), ""
+
+
+def worker_spec(src: Path, out: Path, type_name: str) -> events.ExportSpec:
+    """What the worker is asked for one type (the command's converter and the stage's launch both hand it this)."""
+    return events.ExportSpec(src=src, out=out, out_type=type_name)
 
 
 def export(src: Path, dest: Path, type_name: str, max_logit_rms: float | None = None, converter=convert) -> Outcome:

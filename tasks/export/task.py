@@ -39,8 +39,7 @@ def launched(ctx: StageContext, cfg: ExportConfig, type_name: str):
     """run.export's converter: the worker in the llamacpp runtime through ctx.launch (a failure raises LaunchError,
     the step runner's engine failure)."""
     def convert(src: Path, out: Path, out_type: str) -> tuple[events.ExportResult, str]:
-        spec = events.write_spec(ctx.work_dir / f"export_spec_{type_name}.json",
-                                 events.ExportSpec(src=src, out=out, out_type=out_type))
+        spec = events.write_spec(ctx.work_dir / f"export_spec_{type_name}.json", run.worker_spec(src, out, out_type))
         res = ctx.launch([ctx.python("llamacpp"), str(run.WORKER), "--spec", str(spec)], name=f"export-{type_name}",
                          runtime="llamacpp", timeout=cfg.timeout_s)
         return res.result(events.ExportResult), ""
