@@ -214,5 +214,5 @@ def predecessor(cfg: PipelineConfig) -> Step | None:
         prior = [s for s in full[:end] if _role(s.name) == StageRole.MODEL]
     else:
         idx = next(i for i, s in enumerate(full) if s.name == listed[0])
-        prior = [s for s in full[:idx] if _role(s.name) != StageRole.DATA]
+        prior = [s for s in full[:idx] if _role(s.name) != StageRole.DATA and s.produces is not None]
     return prior[-1] if prior else None

@@ -16,6 +16,7 @@ from conversions.refusal import Refused
 from tasks import chat_template, paths, secrets
 from tasks.convert.config import ConvertConfig
 from tasks.data.config import DataConfig
+from tasks.export.config import ExportConfig
 from tasks.finetune.config import FinetuneConfig
 from tasks.pretrain.config import PretrainConfig
 from tasks.problems import ConfigProblem
@@ -168,6 +169,7 @@ class PipelineConfig(StrictModel):
     pretrain: PretrainConfig = PretrainConfig()
     rlhf: RlhfConfig = RlhfConfig()
     finetune: FinetuneConfig = FinetuneConfig()
+    export: ExportConfig = ExportConfig()
     convert: ConvertConfig = ConvertConfig()
     serve: ServeConfig = ServeConfig()
     tracking: TrackingConfig = TrackingConfig()

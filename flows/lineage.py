@@ -54,10 +54,15 @@ def _summary_for(path: Path) -> dict | None:
 
 
 def _entry_for(path: Path, summary: dict | None) -> dict | None:
+    """The summary entry of the step that wrote path; for a side output (an export's GGUF folder), that entry with
+    the side output's own registration."""
     target = path.resolve()
     for e in (summary or {}).get("stages", []):
         if e.get("output") and Path(e["output"]).resolve() == target:
             return e
+        for side in (e.get("side_outputs") or {}).values():
+            if Path(side["output"]).resolve() == target:
+                return {**e, "registered": side.get("registered")}
     return None
 
 
@@ -260,8 +265,11 @@ def describe_versions(summary: dict) -> None:
 
     c = tracking.client()
     for e in summary.get("stages", []):
-        reg = e.get("registered") or {}
-        if e.get("status") != Status.COMPLETED or not reg.get("name") or not e.get("output"):
+        if e.get("status") != Status.COMPLETED:
             continue
-        nodes = chain(Path(e["output"]))
-        c.update_model_version(reg["name"], str(reg["version"]), description=version_description(e, nodes))
+        sides = (e.get("side_outputs") or {}).values()
+        for output, reg in [(e.get("output"), e.get("registered") or {}),
+                            *((s["output"], s.get("registered") or {}) for s in sides)]:
+            if reg.get("name") and output:
+                c.update_model_version(reg["name"], str(reg["version"]),
+                                       description=version_description(e, chain(Path(output))))

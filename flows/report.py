@@ -36,6 +36,14 @@ def _fmt(v) -> str:
     return str(v)
 
 
+def _outputs(entry: dict) -> str:
+    """The step's checkpoint, or the folders it wrote beside the relay (export: one per GGUF type)."""
+    sides = entry.get("side_outputs") or {}
+    if sides and not entry.get("output"):
+        return "<br>".join(f"{variant}: `{side['output']}`" for variant, side in sides.items())
+    return f"`{entry.get('output') or ''}`"
+
+
 def markdown(summary: dict) -> str:
     lines = [f"# baton run `{summary['run_id']}`", "",
              f"Status: **{summary['status']}** · MLflow run `{summary.get('mlflow_run_id')}` · run dir `{summary.get('run_dir')}`", "",
@@ -50,7 +58,7 @@ def markdown(summary: dict) -> str:
         ev = s.get("eval") or {}
         ev_s = f"{ev.get('metric')}: {_fmt(ev.get('before'))} → {_fmt(ev.get('after'))}" if ev else ""
         lines.append(f"| {s['label']} | {s['status']} | {reasons_text(s.get('reason'))} | "
-                     f"{s.get('engine', '')} {s.get('backend', '')} | {g} | {metrics} | {ev_s} | `{s.get('output') or ''}` |")
+                     f"{s.get('engine', '')} {s.get('backend', '')} | {g} | {metrics} | {ev_s} | {_outputs(s)} |")
     mem = [s for s in summary["stages"] if (s.get("memory") or {}).get("measured_mb_max")]
     if mem:
         lines += ["", "## Memory per rank (measured peak vs `baton plan`)", "", "| stage | measured MiB | planned MiB |",

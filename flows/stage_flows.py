@@ -12,6 +12,7 @@ from flows.config import ConfigError, ModelConfig, PipelineConfig, TrackingConfi
 from flows.pipeline import pipeline
 from tasks.convert.config import ConvertConfig
 from tasks.data.config import DataConfig
+from tasks.export.config import ExportConfig
 from tasks.finetune.config import FinetuneConfig
 from tasks.pretrain.config import PretrainConfig
 from tasks.registry import DATA_STAGE
@@ -63,6 +64,16 @@ def finetune_flow(finetune: FinetuneConfig = FinetuneConfig(), from_ref: str | N
                   tracking: TrackingConfig = TrackingConfig(), seed: int = 0, use_cache: bool = True) -> dict:
     """DeepSpeed ZeRO fine-tuning of an HF checkpoint, then conversion back to HF."""
     return run_stage("finetune", finetune, model=model, data=data, tracking=tracking, seed=seed, from_ref=from_ref,
+                     use_cache=use_cache)
+
+
+@flow(name="baton-export", log_prints=True)
+def export_flow(export: ExportConfig = ExportConfig(), from_ref: str | None = None, model: ModelConfig = ModelConfig(),
+                data: DataConfig = DataConfig(), tracking: TrackingConfig = TrackingConfig(), seed: int = 0,
+                use_cache: bool = True) -> dict:
+    """GGUF files for llama.cpp / Ollama of an HF checkpoint (folder or name@alias), each gated against it and
+    registered as its own model version (`<model>-gguf-file@<type>`)."""
+    return run_stage("export", export, model=model, data=data, tracking=tracking, seed=seed, from_ref=from_ref,
                      use_cache=use_cache)
 
 

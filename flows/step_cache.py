@@ -21,13 +21,18 @@ def cached_record(index: Index, step: Step) -> dict | None:
     rec = index.get(step.fingerprint)
     if not rec or rec.get("status") != Status.COMPLETED:
         return None
-    out = rec.get("output")
-    if out:
+    side = [s["output"] for s in ((rec.get("entry") or {}).get("side_outputs") or {}).values()]
+    for out in filter(None, [rec.get("output"), *side]):
         if not Path(out).exists():
             return None
         if not all(c["passed"] for c in verify.integrity(Path(out))):  # changed on disk since: run again
             return None
     return rec
+
+
+def _registered(entry: dict) -> bool:
+    sides = (entry.get("side_outputs") or {}).values()
+    return bool(entry.get("registered")) or any(s.get("registered") for s in sides)
 
 
 RESUMABLE = (Status.RUNNING, Status.FAILED, Status.CANCELLED)  # index states whose work dir a new attempt resumes from
@@ -38,7 +43,7 @@ def step_work_dir(index: Index, step: Step, run: RunInfo, position: int) -> Path
     link = run.run_dir / f"{position:02d}-{step.label}"
     rec = index.get(step.fingerprint)  # read under the step's lock: its owner, if any, is dead
     if (rec and rec.get("status") in RESUMABLE and rec.get("work_dir") and Path(rec["work_dir"]).exists()
-            and not (rec.get("entry") or {}).get("registered")):
+            and not _registered(rec.get("entry") or {})):
         old = Path(rec["work_dir"])
         if old != link:
             if link.is_symlink() or link.exists():

@@ -22,7 +22,7 @@ from flows.step_entry import RunInfo, StageFailed, new_entry
 from flows.step_gate import apply_gate, with_finite_check, with_serving_contract_check
 from flows.step_retries import run_with_retries
 from flows.step_tracking import (close_dead_attempt, close_stage_run, memory_vs_plan, record_output,
-                                 register_if_tracked, start_stage_run)
+                                 register_outputs, start_stage_run)
 from tasks import chat_template, orchestration, streaming, tracking
 from tasks.launch import LaunchError
 from tasks import memory_plan as mp
@@ -130,9 +130,8 @@ def _execute_locked(step: Step, cfg: PipelineConfig, run: RunInfo, position: int
             record_output(c, mlflow_run, step, work, out, entry, missing)
             memory_vs_plan(c, mlflow_run, cfg, step, entry, missing)
             apply_gate(out, step, entry, smoke=cfg.smoke)
-            if out.output and not cfg.smoke:  # a smoke run's checkpoints are never registered
-                entry["registered"] = register_if_tracked(c, cfg, step, Path(out.output), run.run_id, mlflow_run,
-                                                          data_dir, missing)
+            if not cfg.smoke:  # a smoke run's checkpoints are never registered
+                register_outputs(c, cfg, step, out, entry, run.run_id, mlflow_run, data_dir, missing)
             entry["status"], ok = Status.COMPLETED, True
         except Exception as e:
             raise _failure(step, entry, e) from (None if isinstance(e, (StageFailed, LaunchError)) else e)

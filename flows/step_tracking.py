@@ -80,6 +80,9 @@ def record_output(c, mlflow_run: str | None, step: Step, work: Path, out: StageO
     entry.update(engine=out.engine, backend=out.backend, output=str(out.output) if out.output else None,
                  manifest=str(Path(out.output) / mf.MANIFEST_NAME) if out.output else None,
                  gate=out.gate, metrics=_metric_summary(out, history), eval=out.eval, **out.extra)
+    if out.side_outputs:
+        entry["side_outputs"] = {variant: {"output": str(path), "manifest": str(Path(path) / mf.MANIFEST_NAME)}
+                                 for variant, path in out.side_outputs.items()}
     changed = serving_changes(out.output)
     if changed:  # the gate's contract.serving check decides whether the change was asked for
         entry["serving_contract_changed"] = changed
@@ -92,6 +95,9 @@ def record_output(c, mlflow_run: str | None, step: Step, work: Path, out: StageO
     tracking.attempt(missing, "gate.json", tracking.log_json, c, mlflow_run, out.gate, "gate.json")
     if out.output and (Path(out.output) / mf.MANIFEST_NAME).exists():
         tracking.attempt(missing, mf.MANIFEST_NAME, tracking.log_file, c, mlflow_run, Path(out.output) / mf.MANIFEST_NAME)
+    for variant, path in out.side_outputs.items():  # manifests, not weights: the versions point at the files
+        tracking.attempt(missing, f"{variant}/{mf.MANIFEST_NAME}", tracking.log_file, c, mlflow_run,
+                         Path(path) / mf.MANIFEST_NAME, variant)
     if plot:
         tracking.attempt(missing, plot.name, tracking.log_file, c, mlflow_run, plot)
     now = int(time.time() * 1000)
@@ -143,17 +149,30 @@ def memory_vs_plan(c, mlflow_run: str | None, cfg: PipelineConfig, step: Step, e
                          events.summary_name("predicted_peak_mem_mib"), predicted)
 
 
-def register_if_tracked(c, cfg: PipelineConfig, step: Step, out: Path, run_id: str, mlflow_run: str | None,
-                        data_dir: str | None, missing: list) -> dict | None:
+def register_outputs(c, cfg: PipelineConfig, step: Step, out: StageOutput, entry: dict, run_id: str,
+                     mlflow_run: str | None, data_dir: str | None, missing: list) -> None:
+    """Past the gate: the checkpoint, and each side output as its own version."""
+    if out.output:
+        entry["registered"] = _register_if_tracked(c, cfg, step, Path(out.output), run_id, mlflow_run, data_dir,
+                                                   missing)
+    for variant, side in entry.get("side_outputs", {}).items():
+        side["registered"] = _register_if_tracked(c, cfg, step, Path(side["output"]), run_id, mlflow_run, data_dir,
+                                                  missing, variant)
+
+
+def _register_if_tracked(c, cfg: PipelineConfig, step: Step, out: Path, run_id: str, mlflow_run: str | None,
+                         data_dir: str | None, missing: list, variant: str | None = None) -> dict | None:
     """The checkpoint's registration, or None (listed as missing) while the tracking server is unreachable."""
     if mlflow_run is None:  # the stage ran without its MLflow run (listed already)
         return None
     return tracking.attempt(missing, tracking.REGISTRATION, _register, c, cfg, step, out, run_id,
-                            mlflow_run, data_dir)
+                            mlflow_run, data_dir, variant)
 
 
 def _register(c, cfg: PipelineConfig, step: Step, out: Path, run_id: str, mlflow_run: str,
-              data_dir: str | None) -> dict | None:
+              data_dir: str | None, variant: str | None = None) -> dict | None:
+    """A version of the config's registered model (or of `<model>-<format>` for another format than HF), alias
+    `candidate`; a side output's alias is its variant (`baton-tiny-gguf-file@q8_0`)."""
     m = mf.read(out)
     if m is None:
         return None
@@ -161,12 +180,14 @@ def _register(c, cfg: PipelineConfig, step: Step, out: Path, run_id: str, mlflow
     if fmt == Format.DATASET:
         return None
     name = cfg.tracking.registered_model if fmt == Format.HF_SAFETENSORS else f"{cfg.tracking.registered_model}-{fmt}"
+    alias = variant or "candidate"
     version = tracking.register_checkpoint(
         c, name, out, mlflow_run,
         tags={"stage": step.label, "format": fmt, "baton.run_id": run_id, "manifest_digest": mf.digest_of(m),
-              "data_digest": data_digest(data_dir)},
-        alias="candidate", upload_weights=cfg.tracking.upload_weights)
-    return {"name": name, "version": version, "alias": "candidate"}
+              "data_digest": data_digest(data_dir), **({"variant": variant} if variant else {})},
+        alias=alias, upload_weights=cfg.tracking.upload_weights,
+        artifact_path=f"checkpoint/{variant}" if variant else "checkpoint")
+    return {"name": name, "version": version, "alias": alias}
 
 
 def data_digest(data_dir: str | Path | None) -> str:

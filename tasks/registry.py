@@ -7,11 +7,12 @@ import os
 
 from conversions.refusal import Refused
 
-from tasks import convert, data, finetune, pretrain, rlhf, serve
+from tasks import convert, data, export, finetune, pretrain, rlhf, serve
 from tasks.stage import StageRole, StageSpec
 
 PLUGINS_ENV = "BATON_STAGES"  # comma-separated importable modules, each exposing STAGE (a StageSpec with `after`)
-BUILT_IN = (data.STAGE, pretrain.STAGE, rlhf.STAGE, finetune.STAGE, serve.STAGE, convert.STAGE)
+BUILT_IN = (data.STAGE, pretrain.STAGE, rlhf.STAGE, finetune.STAGE, export.STAGE, serve.STAGE, convert.STAGE)
+BUILT_IN_ORDER = ["data", "pretrain", "rlhf", "finetune", "export", "serve"]  # the order listed stages must follow
 DEFAULT_CHAIN = ["data", "pretrain", "rlhf", "finetune", "serve"]  # the stages a config without `stages:` runs
 
 
@@ -47,7 +48,7 @@ def chain_order(built_in: list[str], plugins: tuple[StageSpec, ...]) -> list[str
 
 PLUGINS = plugin_stages()
 PLUGIN_PACKAGES = frozenset(s.task.split(":")[0].split(".")[0] for s in PLUGINS)  # their code is in the cache key
-CHAIN_ORDER = chain_order(DEFAULT_CHAIN, PLUGINS)
+CHAIN_ORDER = chain_order(BUILT_IN_ORDER, PLUGINS)
 STAGES: dict[str, StageSpec] = {s.name: s for s in (*BUILT_IN, *PLUGINS)}
 TRAINING_STAGES = tuple(name for name, spec in STAGES.items() if spec.trains)  # pretrain, rlhf, finetune
 (DATA_STAGE,) = (name for name, spec in STAGES.items() if spec.role == StageRole.DATA)        # "data"

@@ -238,4 +238,8 @@ class StageOutput:
     eval: dict | None = None                     # {"metric", "before", "after"}
     history: dict = field(default_factory=dict)  # metric name -> [(step, value)] for plots
     extra: dict = field(default_factory=dict)
+    # Checkpoints written beside the relay, by variant (export: one GGUF folder per type, each with its manifest): each
+    # registered as its own model version (alias: the variant) once the gate passed, checked again before a reuse. The
+    # next stage still reads `output`, or this stage's input when that is None.
+    side_outputs: dict[str, Path] = field(default_factory=dict)
 

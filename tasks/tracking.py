@@ -378,8 +378,9 @@ def system_metrics(run_id: str):
 
 
 def register_checkpoint(c, model_name: str, path: Path, run_id: str, tags: dict, alias: str | None = "candidate",
-                        upload_weights: bool = False) -> str:
-    """A model version whose source is the checkpoint folder (weights stay where they are unless upload_weights)."""
+                        upload_weights: bool = False, artifact_path: str = "checkpoint") -> str:
+    """A model version whose source is the checkpoint folder (weights stay where they are unless upload_weights);
+    `artifact_path`: where in the run's artifacts (a stage that registers several folders gives each its own)."""
     from mlflow.exceptions import MlflowException
 
     try:
@@ -389,11 +390,11 @@ def register_checkpoint(c, model_name: str, path: Path, run_id: str, tags: dict,
     source = str(Path(path).resolve())
     tags = {**tags, "checkpoint_path": source}
     if upload_weights:
-        c.log_artifacts(run_id, source, "checkpoint")
-        source = f"{c.get_run(run_id).info.artifact_uri}/checkpoint"
+        c.log_artifacts(run_id, source, artifact_path)
+        source = f"{c.get_run(run_id).info.artifact_uri}/{artifact_path}"
     elif not tracking_uri().startswith("sqlite:"):  # a tracking server refuses sources outside the run's artifacts
-        c.log_artifact(run_id, str(Path(path) / "baton_manifest.json"), "checkpoint")
-        source = f"{c.get_run(run_id).info.artifact_uri}/checkpoint"
+        c.log_artifact(run_id, str(Path(path) / "baton_manifest.json"), artifact_path)
+        source = f"{c.get_run(run_id).info.artifact_uri}/{artifact_path}"
     mv = c.create_model_version(model_name, source=source, run_id=run_id,
                                 tags={k: str(v) for k, v in tags.items()})
     if alias:

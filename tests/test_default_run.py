@@ -16,7 +16,7 @@ from conftest import TINY, baton, cli
 
 pytestmark = pytest.mark.ops
 
-CHAIN = ["data", "pretrain", "convert-megatron-to-hf", "rlhf", "finetune", "convert-zero-to-hf", "serve"]
+CHAIN = ["data", "pretrain", "convert-megatron-to-hf", "rlhf", "finetune", "convert-zero-to-hf", "export", "serve"]
 SMOKE = ["server", "smoke.models", "smoke.auth_401", "smoke.chat", "smoke.chat_template_parity",
          "smoke.stops_at_end_of_turn", "smoke.generation_defaults", "smoke.json_schema", "smoke.regex",
          "smoke.greedy_parity"]
@@ -67,6 +67,16 @@ def test_the_served_model_is_the_champion(run):
     assert str(run.champion) == str(version)
     assert serve["served_model_names"] == {"vllm": f"baton-tiny:{version}", "sglang": f"baton-tiny-v{version}"}
     assert run.stages["convert-zero-to-hf"]["registered"]["alias"] == "candidate"
+
+
+def test_the_export_stage_published_and_registered_each_gguf_file(run, ops_stack):
+    from test_export_stage import check_exports
+
+    r = cli("lineage", "baton-tiny-gguf-file@q8_0", "--json", home=run.home, env=run.env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lineage = json.loads(r.stdout)
+    assert [n["label"] for n in lineage] == CHAIN[:-1]
+    check_exports(run.stages["export"], run.stages["convert-zero-to-hf"]["output"], ops_stack.mlflow(), lineage)
 
 
 def test_both_engines_pass_every_smoke_check(run):

@@ -37,7 +37,8 @@ def test_an_export_passes_its_gate_and_is_published_with_its_manifest(exports, h
     m = mf.read(dest)
     assert m["format"] == mf.Format.GGUF_FILE and m["extra"]["gguf_type"] == kind
     assert m["parent"]["digest"] == mf.digest_of(mf.read(hf_checkpoint))
-    assert [f["path"] for f in m["files"]] == ["model.gguf"]
+    assert sorted(f["path"] for f in m["files"]) == ["Modelfile", "model.gguf"]
+    assert m["extra"]["modelfile"] == "chatml" and (dest / "Modelfile").read_text().startswith("FROM ./model.gguf\n")
     assert not (dest.parent / f"{kind}.partial").exists()
 
 

@@ -70,7 +70,8 @@ def test_zombie_automation_is_installed(ops_stack):
 def test_every_deployment_has_a_typed_form(ops_stack):
     deps = {f"{d['flow_name']}/{d['name']}": d for d in _deployments(ops_stack)}
     assert set(deps) >= {"baton-pipeline/tiny", "baton-data/tiny", "baton-pretrain/tiny", "baton-rlhf/tiny",
-                         "baton-finetune/tiny", "baton-serve/tiny", "baton-convert/tiny", "baton-retrain/nightly"}
+                         "baton-finetune/tiny", "baton-export/tiny", "baton-serve/tiny", "baton-convert/tiny",
+                         "baton-retrain/nightly"}
     for name, d in deps.items():
         assert d["enforce_parameter_schema"], name
         assert d["pull_steps"] == [{"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}]

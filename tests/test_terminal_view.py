@@ -25,7 +25,7 @@ def _assert_calm(lines: list[str]) -> None:
 
 def _assert_step_logs(run_dir: Path) -> None:
     logs = {p.parent.name: p.read_text() for p in run_dir.glob("*/step.log")}
-    assert set(logs) == {f"{i:02d}-{label}" for i, label in enumerate(CHAIN + ["serve"])}, sorted(logs)
+    assert set(logs) == {f"{i:02d}-{label}" for i, label in enumerate(CHAIN + ["export", "serve"])}, sorted(logs)
     assert "[pretrain] step 20: held-out loss" in logs["01-pretrain"]
     assert "gate L2.logits_parity [ok]" in logs["02-convert-megatron-to-hf"]
     assert "Beginning flow run" in (run_dir / "run.log").read_text()  # Prefect's own lines: in the run log

@@ -9,7 +9,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from conversions import durable, gguf_export, manifest as mf
+from conversions import durable, gguf_export, manifest as mf, ollama
 from conversions.manifest import Format
 from tasks import events, runtimes
 from tasks.stage import REPO_ROOT
@@ -41,8 +41,7 @@ def convert(src: Path, out: Path, type_name: str) -> tuple[events.ExportResult |
     """Run the worker in the llamacpp runtime; its result, or None and the tail of its log."""
     python = runtimes.python_for("llamacpp")
     with tempfile.TemporaryDirectory(prefix="baton-export-") as scratch:
-        spec = events.write_spec(Path(scratch) / "export_spec.json",
-                                 events.ExportSpec(src=src, out=out, out_type=type_name))
+        spec = events.write_spec(Path(scratch) / "export_spec.json", worker_spec(src, out, type_name))
         proc = subprocess.run([python, str(WORKER), "--spec", str(spec)], capture_output=True, text=True,
                               timeout=TIMEOUT_S, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT), HF_HUB_OFFLINE="1"))
     found = [e for line in proc.stdout.splitlines() if (e := events.parse(line)) and e["kind"] == "result"]
@@ -51,26 +50,43 @@ def convert(src: Path, out: Path, type_name: str) -> tuple[events.ExportResult |
     return events.ExportResult.model_validate({k: v for k, v in found[0].items() if k != "kind"}), ""
 
 
-def export(src: Path, dest: Path, type_name: str, max_logit_rms: float | None = None) -> Outcome:
-    """Export src (an HF folder) to DEST/model.gguf; published with its manifest only when the gate passed."""
+def worker_spec(src: Path, out: Path, type_name: str) -> events.ExportSpec:
+    """What the worker is asked for one type (the command's converter and the stage's launch both hand it this)."""
+    return events.ExportSpec(src=src, out=out, out_type=type_name)
+
+
+def export(src: Path, dest: Path, type_name: str, max_logit_rms: float | None = None, converter=convert) -> Outcome:
+    """Export src (an HF folder) to DEST/model.gguf; published with its manifest only when the gate passed.
+    `converter`: how the worker is launched (the pipeline's stage streams its log through its StageContext)."""
     gguf_export.export_type(type_name)  # a k-quant is refused before anything runs
     refuse_source(src)
     partial = durable.partial_of(dest)
     shutil.rmtree(partial, ignore_errors=True)
     out = partial / gguf_export.GGUF_NAME
-    result, why = convert(src, out, type_name)
+    result, why = converter(src, out, type_name)
     if result is None:
         shutil.rmtree(partial, ignore_errors=True)
         return Outcome({"passed": False, "checks": []}, None, None, f"the converter failed ({why})")
     rep = gguf_export.gate(out, src, type_name, max_logit_rms)
     if not rep["passed"]:
         return Outcome(rep, None, partial)
-    write_manifest(src, partial, type_name, result, rep)
+    modelfile = write_modelfile(src, partial)
+    write_manifest(src, partial, type_name, result, rep, modelfile)
     durable.publish_dir(partial, dest)
     return Outcome(rep, dest, None)
 
 
-def write_manifest(src: Path, folder: Path, type_name: str, result: events.ExportResult, rep: dict) -> None:
+def write_modelfile(src: Path, folder: Path) -> str:
+    """Ollama's Modelfile beside the GGUF file when the chat template is of a known family (conversions.ollama): the
+    family, or why there is none."""
+    text, family = ollama.modelfile(src, gguf_export.GGUF_NAME)
+    if text is not None:
+        durable.write_text(folder / ollama.MODELFILE, text)
+    return family
+
+
+def write_manifest(src: Path, folder: Path, type_name: str, result: events.ExportResult, rep: dict,
+                   modelfile: str) -> None:
     src_m = mf.read(src) or {}
     logits = next(c for c in rep["checks"] if c["name"] == "gguf.logits")
     m = mf.build(folder, format=Format.GGUF_FILE, stage="export", engine={"name": "llama.cpp",
@@ -78,5 +94,6 @@ def write_manifest(src: Path, folder: Path, type_name: str, result: events.Expor
                  architecture=dict(src_m.get("architecture") or {}), parameter_count=src_m.get("parameter_count"),
                  dtype=type_name, parent=mf.parent_ref(src),
                  extra={"gguf_type": type_name, "seconds": result.seconds, "size": result.size,
-                        "source": str(src.resolve()), "notes": result.notes, **{k: logits[k] for k in LOGIT_MEASURES}})
+                        "source": str(src.resolve()), "notes": result.notes, "modelfile": modelfile,
+                        **{k: logits[k] for k in LOGIT_MEASURES}})
     mf.write(folder, m)
