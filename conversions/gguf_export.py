@@ -12,7 +12,7 @@ from pathlib import Path
 
 from . import gguf
 from .refusal import Refused
-from .verify import check, report, timed
+from .checks import check, report, timed
 
 GGUF_NAME = "model.gguf"
 PROBE_TOKENS = 48

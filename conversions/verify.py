@@ -12,16 +12,9 @@ import time
 from pathlib import Path
 
 from . import folder, hf, manifest as mf, probe
+from .checks import check, report, timed
+from .gguf_export import verify_export
 from .manifest import Format
-
-
-def check(name: str, passed: bool, detail: str = "") -> dict:
-    return {"name": name, "passed": bool(passed), "detail": detail}
-
-
-def report(checks: list[dict], seconds: dict | None = None) -> dict:
-    out = {"passed": all(c["passed"] for c in checks) and bool(checks), "checks": checks}
-    return {**out, "seconds": seconds} if seconds is not None else out
 
 
 # ---- L0 ------------------------------------------------------------------------------------------------------------
@@ -428,8 +421,6 @@ def verify(root: Path, against: Path | None = None, *, levels: tuple[str, ...] =
     if fmt == Format.DATASET:
         return report(checks, seconds)
     if fmt == Format.GGUF_FILE:
-        from .gguf_export import verify_export
-
         return report(checks + run("gguf", lambda: verify_export(root, against)), seconds)
     if "preflight" in levels:
         checks += run("preflight", lambda: preflight(root), guarded=False)
@@ -442,15 +433,6 @@ def verify(root: Path, against: Path | None = None, *, levels: tuple[str, ...] =
         if level in levels:
             checks += run(level, fn)
     return report(checks, seconds)
-
-
-def timed(seconds: dict, level: str, fn):
-    """fn(), its time added to seconds[level] (a gate that runs a level twice reports the sum)."""
-    t0 = time.perf_counter()
-    try:
-        return fn()
-    finally:
-        seconds[level] = round(seconds.get(level, 0) + time.perf_counter() - t0, 3)
 
 
 def _integrity_or_refusal(root: Path) -> list[dict]:
