@@ -40,9 +40,10 @@ def refuse_source(src: Path) -> None:
 def convert(src: Path, out: Path, type_name: str) -> tuple[events.ExportResult | None, str]:
     """Run the worker in the llamacpp runtime; its result, or None and the tail of its log."""
     python = runtimes.python_for("llamacpp")
+    quantize = gguf_export.export_type(type_name).quantize
     with tempfile.TemporaryDirectory(prefix="baton-export-") as scratch:
-        spec = events.write_spec(Path(scratch) / "export_spec.json",
-                                 events.ExportSpec(src=src, out=out, out_type=type_name))
+        spec = events.write_spec(Path(scratch) / "export_spec.json", events.ExportSpec(
+            src=src, out=out, out_type="f16" if quantize else type_name, quantize=quantize))
         proc = subprocess.run([python, str(WORKER), "--spec", str(spec)], capture_output=True, text=True,
                               timeout=TIMEOUT_S, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT), HF_HUB_OFFLINE="1"))
     found = [e for line in proc.stdout.splitlines() if (e := events.parse(line)) and e["kind"] == "result"]
@@ -53,7 +54,7 @@ def convert(src: Path, out: Path, type_name: str) -> tuple[events.ExportResult |
 
 def export(src: Path, dest: Path, type_name: str, max_logit_rms: float | None = None) -> Outcome:
     """Export src (an HF folder) to DEST/model.gguf; published with its manifest only when the gate passed."""
-    gguf_export.export_type(type_name)  # a k-quant is refused before anything runs
+    gguf_export.export_type(type_name)  # an unknown type is refused before anything runs
     refuse_source(src)
     partial = durable.partial_of(dest)
     shutil.rmtree(partial, ignore_errors=True)
