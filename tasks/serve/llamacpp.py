@@ -1,8 +1,13 @@
 """llama.cpp as a serving engine: llama-server (the llamacpp runtime) on a GGUF export (`baton export`), proven right
 as the HF engines are — /v1/models and 401 without the key, a chat completion rendered with the file's own chat
-template (prompt tokens as HF's rendering of the source's template), JSON-schema answers, and greedy token parity
-with HF generate on the same weights: the GGUF's, dequantised into the source's architecture (conversions.gguf_export),
+template (prompt tokens as HF's rendering of the source's template), and greedy token parity with HF generate on the
+same weights: the GGUF's, dequantised into the source's architecture (conversions.gguf_export),
 so a quantised file is compared with itself and only the engine is under test.
+
+Not yet: the JSON-schema smoke. llama-server takes response_format json_schema (a grammar), but its chat route parses
+the answer and fails the request (500, "does not match the expected peg-native format") when the text is not valid
+UTF-8, which a random-init model's byte tokens inside a JSON string often are; its grammar also allows whitespace
+between tokens, unlike the HF engines' flags.
 
 What is left for the serve stage (`serve.engine: llamacpp`): it consumes an HF checkpoint, so it would export f16
 first (the export stage) and promote the GGUF; today `check_gguf` is the engine's launch and gate, usable on any
@@ -71,7 +76,6 @@ def check_gguf(export_dir: Path, cfg: ServeConfig, work_dir: Path, runtime_specs
             ep = smoke.Endpoint(ENGINE, base_url, key, name)
             tok = AutoTokenizer.from_pretrained(str(hf_dir))
             checks = [smoke.models(ep), smoke.unauthorized(ep), smoke.chat(ep, tok, cfg.smoke.max_tokens),
-                      smoke.json_schema(ep, cfg.smoke.json_requests, cfg.smoke.max_tokens)[0],
                       smoke.greedy_parity(ep, reference, hf_dir, model)]
     except ServerFailed as e:
         checks = [check("serve.healthy", False, str(e)[-2000:])]
