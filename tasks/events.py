@@ -228,6 +228,7 @@ class ExportSpec(ProgramSpec):
     src: Path                                  # the HF folder
     out: Path                                  # the GGUF file to write
     out_type: str                              # llama.cpp's --outtype: f16, q8_0
+    quantize: str | None                       # llama-quantize's type (Q4_K_M, ...) applied to the converter's f16
 
 
 class FinetuneSpec(ProgramSpec):
@@ -484,6 +485,7 @@ class ExportResult(WorkerResult):
     seconds: float
     size: int                                  # bytes of the GGUF file
     converter: str                             # what wrote it: llama-cpp-python <version>'s convert_hf_to_gguf.py
+                                               # (and llama-quantize <type>)
     notes: list[str]                           # how the source was read where it differs from plain (worker.py)
 
 

@@ -20,7 +20,7 @@ def cmd_export(args) -> int:
     if unsafe := folder.unsafe_entries(src):
         print(f"baton export: {src}: {'; '.join(unsafe[:5])}; nothing written", file=sys.stderr)
         return 2
-    gguf_export.export_type(args.type)  # a Refused (a k-quant, not an HF source) is main's one line, before any write
+    gguf_export.export_type(args.type)  # a Refused (unknown type, not HF) is main's one line, before any write
     run.refuse_source(src)
     if dest.exists():
         dest.rmdir()  # empty, checked above
@@ -43,8 +43,8 @@ def add_parsers(sub) -> None:
     ex = sub.add_parser("export", help="export an HF checkpoint to GGUF (llama.cpp), gated against the source")
     ex.add_argument("src", help="an HF checkpoint: a folder, name@alias, name/version or a run id")
     ex.add_argument("dest", help="the folder to write: model.gguf and its manifest")
-    ex.add_argument("--type", default="f16", help=f"the GGUF type: {', '.join(TYPES)} (k-quants such as q4_K_M are "
-                                                  "refused with the llama-quantize recipe)")
+    ex.add_argument("--type", default="f16", help=f"the GGUF type: {', '.join(TYPES)} (f16 and q8_0 from llama.cpp's "
+                                                  "converter, the others by llama-quantize from its f16)")
     ex.add_argument("--max-logit-rms", type=float, default=None,
                     help="the gate's bound on the rms logit difference, in units of the source logits' std "
                          "(default: the type's, docs/export.md)")

@@ -52,13 +52,14 @@ def convert(src: Path, out: Path, type_name: str) -> tuple[events.ExportResult |
 
 def worker_spec(src: Path, out: Path, type_name: str) -> events.ExportSpec:
     """What the worker is asked for one type (the command's converter and the stage's launch both hand it this)."""
-    return events.ExportSpec(src=src, out=out, out_type=type_name)
+    quantize = gguf_export.export_type(type_name).quantize
+    return events.ExportSpec(src=src, out=out, out_type="f16" if quantize else type_name, quantize=quantize)
 
 
 def export(src: Path, dest: Path, type_name: str, max_logit_rms: float | None = None, converter=convert) -> Outcome:
     """Export src (an HF folder) to DEST/model.gguf; published with its manifest only when the gate passed.
     `converter`: how the worker is launched (the pipeline's stage streams its log through its StageContext)."""
-    gguf_export.export_type(type_name)  # a k-quant is refused before anything runs
+    gguf_export.export_type(type_name)  # an unknown type is refused before anything runs
     refuse_source(src)
     partial = durable.partial_of(dest)
     shutil.rmtree(partial, ignore_errors=True)

