@@ -13,16 +13,18 @@ importance-sampling correction (vllm_importance_sampling_*).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from conversions import chat
+from tasks import launch
 from tasks.distributed.net import free_port
 from tasks.health import wait_http_ok
 
@@ -31,7 +33,7 @@ SERVED_NAME = "policy"
 
 @dataclass
 class EngineServer:
-    """A running vLLM server, in a process group of its own."""
+    """A running vLLM server, in a process group of its own, killed if the worker dies."""
 
     process: subprocess.Popen
     base_url: str
@@ -39,13 +41,8 @@ class EngineServer:
     log_path: Path
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+        """The server and its engine processes (the whole group)."""
+        launch.kill_tree(self.process, grace=30)
 
 
 def vllm_command(python: str, model_dir: Path, port: int, max_model_len: int | None) -> tuple[list[str], dict]:
@@ -70,7 +67,8 @@ def start_vllm(python: str, model_dir: Path, log_path: Path, max_model_len: int 
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         process = subprocess.Popen(cmd, env={**os.environ, **env, "VLLM_API_KEY": api_key}, stdout=log,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
+                                   stderr=subprocess.STDOUT, start_new_session=True,
+                                   preexec_fn=launch._set_pdeathsig)  # gone with the worker, even on SIGKILL
     server = EngineServer(process, f"http://127.0.0.1:{port}", api_key, log_path)
     try:
         wait_http_ok(server.base_url + "/health", timeout, alive=lambda: process.poll() is None)
@@ -162,3 +160,23 @@ def attach(trainer, client: EngineClient, folder: Path) -> WeightSync:
     trainer.vllm_generation = sync
     trainer._last_loaded_step = trainer.state.global_step
     return sync
+
+
+@contextlib.contextmanager
+def serving(trainer, python: str | None, model_dir: Path, work: Path, log_path: Path, max_tokens: int):
+    """The trainer's rollouts sampled by a vLLM server (python: the vllm runtime's) on model_dir, the policy's
+    initial weights, for the length of the block; python None: TRL's HF generate, untouched. The policy goes to the
+    engine through work/engine_weights."""
+    if python is None:
+        yield None
+        return
+    tok = trainer.processing_class
+    stop_ids = sorted({tok.eos_token_id, *([chat.end_of_turn_id(tok)] if chat.end_of_turn_id(tok) is not None
+                                           else [])})
+    server = start_vllm(python, model_dir, log_path)
+    try:
+        client = EngineClient(server, stop_ids)
+        trainer.rollout_func = rollout_func(client, tok, max_tokens)
+        yield attach(trainer, client, Path(work) / "engine_weights")
+    finally:
+        server.stop()
