@@ -26,7 +26,7 @@ from pathlib import Path
 from conversions import chat
 from tasks import launch
 from tasks.distributed.net import free_port
-from tasks.health import wait_http_ok
+from tasks.health import Unhealthy, wait_http_ok
 
 SERVED_NAME = "policy"
 
@@ -72,6 +72,9 @@ def start_vllm(python: str, model_dir: Path, log_path: Path, max_model_len: int 
     server = EngineServer(process, f"http://127.0.0.1:{port}", api_key, log_path)
     try:
         wait_http_ok(server.base_url + "/health", timeout, alive=lambda: process.poll() is None)
+    except Unhealthy as e:
+        server.stop()
+        raise RuntimeError(f"the vLLM rollout engine did not start: {e} (its log: {log_path})") from e
     except BaseException:
         server.stop()
         raise
