@@ -53,6 +53,7 @@ MFU = "perf/mfu"
 ROLLOUT_TIME_S = "perf/rollout_time_s"
 ROLLOUT_TOKENS_PER_S = "perf/rollout_tokens_per_s"
 ROLLOUT_SHARE = "perf/rollout_share"
+ROLLOUT_LOGP_DIFF = "train/rollout_logp_diff"
 PEAK_MEM_MIB = "perf/peak_mem_mib"
 HELDOUT_LOSS = "eval/heldout_loss"
 HELDOUT_PPL = "eval/heldout_ppl"
@@ -76,6 +77,8 @@ METRICS = {
     ROLLOUT_TIME_S: ("s", "rlhf GRPO: time of the step's rollouts (generation), part of perf/step_time_s"),
     ROLLOUT_TOKENS_PER_S: ("tokens/s", "rlhf GRPO: completion tokens generated per second of rollout"),
     ROLLOUT_SHARE: ("ratio", "rlhf GRPO: the share of step time spent generating rollouts"),
+    ROLLOUT_LOGP_DIFF: ("nats/token", "rlhf GRPO with rollout_engine vllm: mean |engine - trainer| log-prob of the "
+                                      "sampled tokens (TRL's sampling/sampling_logp_difference/mean)"),
     PEAK_MEM_MIB: ("MiB", "peak memory of the busiest rank so far: GPU allocated, or RSS on CPU (finetune)"),
     "perf/rank<n>_peak_mem_mib": ("MiB", "the same, per rank (finetune)"),
     HELDOUT_LOSS: ("", "held-out loss (pretrain: every eval_interval; rlhf: before and after)"),
@@ -313,6 +316,8 @@ class RlhfSpec(ProgramSpec):
     reference_model: Path | None
     num_generations: int
     max_completion_length: int
+    rollout_engine: str                        # hf or vllm
+    rollout_engine_python: str | None          # vllm: the vllm runtime's python, which serves the rollouts
     dataset: str                               # preference or prompts
     rewards: list[RewardSpec]
     tools: list[str]                           # rlhf.tools: multi-turn episodes when not empty

@@ -10,10 +10,11 @@ from pathlib import Path
 from tasks.gates import lm_eval_errors
 from tasks.hardware import visible_gpus
 from tasks.problems import ConfigProblem
+from tasks.runtimes import check_available
 from tasks.rlhf.nemo_rl import NORMALIZE_REWARDS, TOKEN_LEVEL_LOSS
 
 GRPO_ONLY = ("num_generations", "max_completion_length", "rewards", "clip_epsilon", "clip_epsilon_high", "loss_type",
-             "scale_rewards", "tools", "max_turns", "tool_timeout_s", "environment")
+             "scale_rewards", "tools", "max_turns", "tool_timeout_s", "environment", "rollout_engine")
 TOOL_KEYS = ("max_turns", "tool_timeout_s")  # meaningful only with rlhf.tools or rlhf.environment
 ENVIRONMENT_METHODS = ("reset", "step")
 DPO_ONLY = ("reference", "reference_model", "sft_weight")
@@ -186,10 +187,31 @@ def tools_errors(cfg, backend: str) -> list[ConfigProblem]:
     return errors
 
 
+def rollout_engine_errors(cfg, backend: str) -> list[ConfigProblem]:
+    """rlhf.rollout_engine vllm: single-turn TRL GRPO in one process (episodes with tools generate with the trainer's
+    model; one engine serves one trainer)."""
+    if cfg.rollout_engine == "hf" or cfg.algorithm != "grpo":
+        return []
+    reasons = [reason for reason, bad in (
+        (f"backend {backend} samples with its own engine", backend != "trl"),
+        ("episodes with rlhf.tools or rlhf.environment generate with the trainer's model", cfg.tools or cfg.environment),
+        (f"one engine serves one trainer process (nproc_per_node is {cfg.nproc_per_node})", cfg.nproc_per_node > 1))
+        if bad]
+    return [ConfigProblem("rlhf.rollout_engine", f"rlhf.rollout_engine vllm: {r} (set rlhf.rollout_engine=hf)")
+            for r in reasons]
+
+
+def rollout_runtime_errors(cfg, runtimes: dict) -> list[ConfigProblem]:
+    if cfg.algorithm != "grpo" or cfg.rollout_engine != "vllm":
+        return []
+    problem = check_available("vllm", runtimes)
+    return [ConfigProblem("rlhf.rollout_engine", f"rlhf.rollout_engine vllm: {problem}")] if problem else []
+
+
 def host_errors(cfg, pipeline) -> list[ConfigProblem]:
     runtimes = getattr(pipeline, "runtimes", None) or {}
     if resolve_backend(cfg, runtimes) != "nemo_rl":
-        return sandbox_errors(cfg) + python_tool_errors(cfg)
+        return sandbox_errors(cfg) + python_tool_errors(cfg) + rollout_runtime_errors(cfg, runtimes)
     kind = nemo_rl_runtime(runtimes).get("kind", "venv")
     if runs_here_without_a_gpu(kind):
         return []  # validate's "needs an NVIDIA GPU" is decisive: nothing else matters on this machine
@@ -402,6 +424,7 @@ def validate(cfg, pipeline) -> list[ConfigProblem]:
     backend = resolve_backend(cfg, runtimes)
     errors += packing_errors(cfg, backend)
     errors += tools_errors(cfg, backend)
+    errors += rollout_engine_errors(cfg, backend)
     if backend == "nemo_rl":
         errors += nemo_rl_errors(cfg, nemo_rl_runtime(runtimes), host=False)  # tools: host_errors
     return errors

@@ -87,6 +87,10 @@ class RlhfConfig(TrainingConfig):
                                         json_schema_extra=paths.contents(paths.Contents.CHECKPOINT))
     num_generations: int = Field(4, ge=2, description="grpo: completions sampled per prompt")
     max_completion_length: int = Field(16, ge=1, description="grpo: new tokens per completion")
+    rollout_engine: Literal["hf", "vllm"] = Field(
+        "hf", description="grpo (trl): who samples the rollouts: hf (the trainer's model.generate) or vllm (a vLLM "
+                          "server from the vllm runtime, its weights reloaded from the policy after each step; TRL "
+                          "logs the per-token log-prob difference and corrects for it by importance sampling)")
     rewards: list[RewardConfig] = Field(default_factory=list, description="grpo: verifiable rewards on data.prompts, "
                                                                           "summed with their weights")
     tools: list[Literal["calculator", "python"]] = Field(

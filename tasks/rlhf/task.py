@@ -18,7 +18,7 @@ from prefect.cache_policies import NO_CACHE
 from conversions import folder, hf, manifest as mf, verify
 from conversions.manifest import Format
 from conversions.refusal import Refused
-from tasks import chat, chat_template, events, gates
+from tasks import chat, chat_template, events, gates, runtimes
 from tasks.distributed import Launch, LaunchConfigError, engine_command, runtime_kind, stage_runtime
 from tasks.rlhf import checks, nemo_rl
 from tasks.rlhf.config import RlhfConfig
@@ -106,9 +106,12 @@ def rollout_summary(res) -> dict:
     rollout, step = _series(res, events.ROLLOUT_TIME_S), _series(res, events.STEP_TIME_S)
     if not rollout or not step:
         return {}
-    tokens_per_s = _series(res, events.ROLLOUT_TOKENS_PER_S)
-    return {"rollout_time_s": sum(rollout) / len(rollout), "step_time_s": sum(step) / len(step),
-            "rollout_share": sum(rollout) / sum(step), "rollout_tokens_per_s": sum(tokens_per_s) / len(tokens_per_s)}
+    tokens_per_s, logp_diff = _series(res, events.ROLLOUT_TOKENS_PER_S), _series(res, events.ROLLOUT_LOGP_DIFF)
+    out = {"rollout_time_s": sum(rollout) / len(rollout), "step_time_s": sum(step) / len(step),
+           "rollout_share": sum(rollout) / sum(step), "rollout_tokens_per_s": sum(tokens_per_s) / len(tokens_per_s)}
+    if logp_diff:  # rollouts from an engine (rlhf.rollout_engine): its mismatch with the trainer, per token
+        out["rollout_logp_diff"] = sum(logp_diff) / len(logp_diff)
+    return out
 
 
 def _series(res, name: str) -> list[float]:
@@ -203,7 +206,9 @@ def worker_spec(ctx: StageContext, cfg: RlhfConfig, out: Path, template: Path | 
         precision=cfg.precision, beta=cfg.beta, max_seq_length=cfg.max_seq_length or ctx.model.get(
             "seq_length", 128), overlong=cfg.overlong, sft_weight=cfg.sft_weight, reference=cfg.reference,
         reference_model=cfg.reference_model, num_generations=cfg.num_generations,
-        max_completion_length=cfg.max_completion_length, dataset=dataset_of(cfg), rewards=reward_specs(cfg),
+        max_completion_length=cfg.max_completion_length, rollout_engine=cfg.rollout_engine,
+        rollout_engine_python=runtimes.python_for("vllm", ctx.runtimes) if cfg.rollout_engine == "vllm" else None,
+        dataset=dataset_of(cfg), rewards=reward_specs(cfg),
         tools=list(cfg.tools), max_turns=cfg.max_turns, tool_timeout_s=cfg.tool_timeout_s,
         environment=environment_spec(cfg),
         clip_epsilon=cfg.clip_epsilon, clip_epsilon_high=cfg.clip_epsilon_high, loss_type=cfg.loss_type,

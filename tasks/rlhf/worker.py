@@ -24,7 +24,7 @@ import torch
 from conversions import hf, manifest as mf, sealed
 from conversions.manifest import Format
 from tasks import chat, events, resuming
-from tasks.rlhf import episodes, rewards as rw
+from tasks.rlhf import engine_rollouts, episodes, rewards as rw
 from tasks.rlhf.environment import EnvironmentCode
 
 RANK = int(os.environ.get("RANK", "0"))
@@ -34,7 +34,8 @@ SKIP_LOGS = {"epoch", "total_flos", "train_runtime", "train_samples_per_second",
 TRL_NAMES = {"loss": events.TRAIN_LOSS, "learning_rate": events.TRAIN_LR, "grad_norm": events.TRAIN_GRAD_NORM,
              "step_time": events.STEP_TIME_S, "rollout_time": events.ROLLOUT_TIME_S,
              "rollout_tokens_per_s": events.ROLLOUT_TOKENS_PER_S, "rollout_share": events.ROLLOUT_SHARE,
-             "aux_loss": events.TRAIN_ROUTER_AUX_LOSS}  # an MoE's router load-balancing loss (TRL adds it to the loss)
+             "aux_loss": events.TRAIN_ROUTER_AUX_LOSS,  # an MoE's router load-balancing loss (TRL adds it to the loss)
+             "sampling/sampling_logp_difference/mean": events.ROLLOUT_LOGP_DIFF}
 
 
 # ---- main: the recipe; the phases follow in the order it runs them ---------------------------------------------------
@@ -91,7 +92,9 @@ def train(a: events.RlhfSpec, recipe: Recipe):
         TRAINING_EPISODES.update(episodes.load_totals(resume))
     if RANK == 0:
         events.started(resumed_from)
-    train_naming_a_full_disk(trainer, work, resume)
+    with engine_rollouts.serving(trainer, a.rollout_engine_python, a.input, work,
+                                 a.output.parent / "rollout_engine.log", a.max_completion_length):
+        train_naming_a_full_disk(trainer, work, resume)
     trainer.accelerator.wait_for_everyone()
     return trainer, resumed_from
 
