@@ -23,8 +23,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from conversions import chat
-from tasks import launch
+from tasks import chat, launch
 from tasks.distributed.net import free_port
 from tasks.health import Unhealthy, wait_http_ok
 
