@@ -30,9 +30,9 @@ FAMILIES = {
 STEPS = 4
 
 
-def make_moe_checkpoint(dest: Path, family: str, tokenizer_dir: Path, seed: int = 0) -> Path:
+def make_moe_checkpoint(dest: Path, family: str, tokenizer_dir: Path, seed: int = 0, **shape) -> Path:
     """A random-init MoE of transformers' own config class, saved with save_pretrained (per-expert tensors on
-    disk), plus the tokenizer and a manifest."""
+    disk), plus the tokenizer and a manifest; `shape` overrides MOE's sizes."""
     import transformers
     from transformers import AutoTokenizer
 
@@ -40,7 +40,7 @@ def make_moe_checkpoint(dest: Path, family: str, tokenizer_dir: Path, seed: int 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     config = getattr(transformers, config_cls)(vocab_size=len(tok), bos_token_id=tok.bos_token_id,
                                                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                                               **MOE, **sizes)
+                                               **{**MOE, **sizes, **shape})
     torch.manual_seed(seed)
     getattr(transformers, model_cls)(config).save_pretrained(str(dest))
     tok.save_pretrained(str(dest))
