@@ -130,7 +130,9 @@ gpu-check:
 # not part of `make test`; `--no-overhead` skips that part, and `benchmarks/overhead_bench.py WORK OUT.json --quick`
 # runs it alone):
 # writes benchmarks/results/bench.{json,md}, the README's Performance table and an MLflow run in `baton-benchmarks`.
-# Then MoE pretraining tokens/s by layout, dense / EP1 / EP2 / EP2×TP2 on 2 ranks (benchmarks/moe_bench.py, ~2 min).
+# Then MoE pretraining tokens/s by layout, dense / EP1 / EP2 / EP2×TP2 on 2 ranks (benchmarks/moe_bench.py, ~2 min),
+# and a finetune step's wall time with its MLflow server up, killed and frozen mid-training (benchmarks/outage_bench.py,
+# ~5 min; fails when an outage's step takes over 1.10× the undisturbed one or its run does not end completed).
 BENCH_ARGS ?=
 # On a real model too: SmolLM2-135M-Instruct (`make real-models`), imported once into $(BATON_HOME)/models (~1 min):
 # packing (17.5 min at load ~5 on the 2 shared cores, 2026-12-03; the tiny model's 27 s); rlhf and finetune tokens/s
@@ -141,6 +143,7 @@ bench: setup
 	$(VENV)/bin/python benchmarks/bench.py $(BENCH_ARGS)
 	$(VENV)/bin/python benchmarks/packing_bench.py
 	$(VENV)/bin/python benchmarks/moe_bench.py
+	$(VENV)/bin/python benchmarks/outage_bench.py
 	@test -f $(BENCH_REAL_MODEL)/baton_manifest.json || $(VENV)/bin/baton import \
 		gguf:$$($(PYTHON) infra/models/real_models.py smollm2-135m-instruct) $(BENCH_REAL_MODEL)
 	$(VENV)/bin/python benchmarks/packing_bench.py --model $(BENCH_REAL_MODEL) --window 256 --steps 5 \

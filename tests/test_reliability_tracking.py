@@ -10,11 +10,10 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
-from outage import wait_for_line
+from outage import start_mlflow, stop_mlflow, wait_for_line
 
 from tasks import events, launch, tracking
 
@@ -34,46 +33,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_http(url: str, timeout: float) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            urllib.request.urlopen(url, timeout=2)
-            return
-        except OSError:
-            time.sleep(1)
-    raise AssertionError(f"{url} not up after {timeout}s")
-
-
-def _start_mlflow(folder: Path, port: int) -> subprocess.Popen:
-    """An MLflow server as `make up` runs it, its store and artifacts in folder (a restart finds them again)."""
-    log = open(folder / "mlflow.log", "ab")
-    proc = subprocess.Popen([str(Path(sys.executable).with_name("mlflow")), "server", "--host", "127.0.0.1", "--port",
-                             str(port), "--artifacts-destination", str(folder / "artifacts"), "--workers", "1"],
-                            env=dict(os.environ, MLFLOW_BACKEND_STORE_URI=f"sqlite:///{folder / 'mlflow.db'}",
-                                     MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false"),
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    log.close()
-    _wait_http(f"http://127.0.0.1:{port}/health", 240)
-    return proc
-
-
-def _stop_mlflow(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:  # a test may have killed it already
-        os.killpg(proc.pid, signal.SIGCONT)
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(30)
-
-
 @pytest.fixture
 def mlflow_server(tmp_path, monkeypatch, baton_home):  # after baton_home, which clears MLFLOW_TRACKING_URI
     port = _free_port()
-    proc = _start_mlflow(tmp_path, port)
+    proc = start_mlflow(tmp_path, port)
     try:
         monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
         yield proc
     finally:
-        _stop_mlflow(proc)
+        stop_mlflow(proc)
 
 
 def test_mlflow_frozen_mid_stage_loses_no_metric(mlflow_server, baton_home, record_property, monkeypatch):
@@ -182,7 +150,7 @@ def test_a_stage_finishes_while_its_mlflow_server_is_gone(mlflow_server, baton_h
     assert "not recorded in MLflow" in output, output[-3000:]
 
     # the server back (its store kept): `baton resend` sends what it missed, and MLflow says what the run folder says
-    server = _start_mlflow(tmp_path, int(os.environ["MLFLOW_TRACKING_URI"].rsplit(":", 1)[1]))
+    server = start_mlflow(tmp_path, int(os.environ["MLFLOW_TRACKING_URI"].rsplit(":", 1)[1]))
     try:
         r = baton("resend", run_dir.name, home=home, env={"MLFLOW_TRACKING_URI": os.environ["MLFLOW_TRACKING_URI"]},
                   timeout=300)
@@ -194,7 +162,7 @@ def test_a_stage_finishes_while_its_mlflow_server_is_gone(mlflow_server, baton_h
         assert {m.step for m in losses} == {step for step, _ in _finetune_losses(engine_log)}
         assert {"gate.json", "stage.json", "step.log"} <= {a.path for a in c.list_artifacts(finetune["mlflow_run_id"])}
     finally:
-        _stop_mlflow(server)
+        stop_mlflow(server)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert tracking.MISSING not in summary and not unsent.exists()
     assert summary["stages"][1][tracking.MISSING] == [tracking.REGISTRATION], summary["stages"][1]
