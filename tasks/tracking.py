@@ -150,6 +150,7 @@ MISSING = "tracking_missing"  # summary.json (the run and each step): what the t
 REGISTRATION = "registration (alias candidate)"  # the one missing record `baton resend` cannot send afterwards
 CALL_LIMIT_S = 20.0  # the longest one bookkeeping call may hold a run (BATON_TRACKING_CALL_S)
 DOWN_FOR_S = 30.0  # after a failed call the server counts as down this long: further calls are not tried
+STUCK_AFTER_S = 10.0  # a metric send unanswered this long is a frozen server's: the stage's end does not wait on it
 _down_until: dict[str, float] = {}  # tracking URI -> until when it counts as down
 
 
@@ -228,6 +229,7 @@ class MetricSink:
         self.failures = 0
         self.unsent = 0
         self._send_lock = threading.Lock()  # one sender at a time: a batch is never sent twice
+        self._sending_since: float | None = None  # when the send in flight began (None: none in flight)
         self._save_lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -246,8 +248,20 @@ class MetricSink:
                 self.history.setdefault(k, []).append((int(step), float(v)))
 
     def _send_some(self) -> bool:
-        with self._send_lock:
+        """Send what is buffered; False when the server failed, or when another send hangs past STUCK_AFTER_S (a
+        frozen server holds its request for the client's whole timeout: the stage's end must not wait on it)."""
+        while not self._send_lock.acquire(timeout=0.5):
+            if self._stuck():
+                mark_unreachable()
+                return False
+        try:
             return self._send_buffered()
+        finally:
+            self._send_lock.release()
+
+    def _stuck(self) -> bool:
+        since = self._sending_since
+        return since is not None and time.time() - since > STUCK_AFTER_S
 
     def _send_buffered(self) -> bool:
         """Send what is buffered, oldest first; False when the server refused or failed (kept for the next try)."""
@@ -256,6 +270,7 @@ class MetricSink:
                 batch = self.buf[:900]
             if not batch:
                 return True
+            self._sending_since = time.time()
             try:
                 self.c.log_batch(self.run_id, metrics=batch)
             except Exception as e:  # an outage: keep the batch, try again later
@@ -264,6 +279,8 @@ class MetricSink:
                 logging.getLogger("baton.tracking").warning("metrics for run %s not sent yet (%s); retrying",
                                                             self.run_id, str(e).splitlines()[0][:200])
                 return False
+            finally:
+                self._sending_since = None
             reachable()
             with self.lock:
                 del self.buf[:len(batch)]
