@@ -29,7 +29,9 @@ def check_exports(stage: dict, hf_output: str, client, lineage: list[dict]) -> N
             assert logged[f"summary/{kind}_{fact}"] == stage["metrics"][f"{kind}_{fact}"], (kind, fact)
         assert [a.path for a in client.list_artifacts(stage["mlflow_run_id"], kind)] == [f"{kind}/{mf.MANIFEST_NAME}"]
         mv = client.get_model_version_by_alias(GGUF_MODEL, kind)
-        assert side["registered"] == {"name": GGUF_MODEL, "version": int(mv.version), "alias": kind}, side
+        registered = side["registered"]  # the version as the store returned it: an int from SQLite, a str over REST
+        assert (registered["name"], str(registered["version"]), registered["alias"]) == (GGUF_MODEL, str(mv.version),
+                                                                                          kind), side
         assert mv.tags["variant"] == kind and mv.tags["checkpoint_path"] == str(Path(side["output"]).resolve())
     assert lineage[-1]["label"] == "export" and lineage[-1]["format"] == mf.Format.GGUF_FILE
     assert lineage[-1]["registered"] == f"{GGUF_MODEL}/{stage['side_outputs']['q8_0']['registered']['version']}"
