@@ -47,7 +47,7 @@ STEP = "finetune"
 
 def hf_checkpoint(work: Path) -> Path:
     """A random-init HF checkpoint of the tiny architecture with a manifest, as the tests' hf_checkpoint fixture."""
-    from conftest import make_hf_checkpoint
+    from checkpoints import make_hf_checkpoint
     from conversions import hf, manifest as mf
     from flows.config import load
     from gpu_check import make_data
