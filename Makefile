@@ -144,6 +144,7 @@ bench: setup
 	$(VENV)/bin/python benchmarks/packing_bench.py
 	$(VENV)/bin/python benchmarks/moe_bench.py
 	$(VENV)/bin/python benchmarks/outage_bench.py
+	$(VENV)/bin/python benchmarks/demo_rl_bench.py
 	@test -f $(BENCH_REAL_MODEL)/baton_manifest.json || $(VENV)/bin/baton import \
 		gguf:$$($(PYTHON) infra/models/real_models.py smollm2-135m-instruct) $(BENCH_REAL_MODEL)
 	$(VENV)/bin/python benchmarks/packing_bench.py --model $(BENCH_REAL_MODEL) --window 256 --steps 5 \
