@@ -125,7 +125,8 @@ gpu-wheels: setup
 gpu-check:
 	$(GPU_PYTHON) benchmarks/gpu_check.py --device $(DEVICE) $(if $(filter cuda,$(DEVICE)),--wheels $(GPU_WHEELS))
 
-# Conversion, hashing and orchestration cost side by side (benchmarks/bench.py; ~22 min on the quiet 2-core machine
+# Conversion (dense, and MoE: zero3-moe, megatron-ep2-moe), hashing and orchestration cost side by side
+# (benchmarks/bench.py; ~22 min on the quiet 2-core machine before the MoE rows, whose quiet time is not measured yet,
 # with its checkpoints kept in ~/.cache/baton/bench, ~30 min on a fresh one; the orchestration part is ~15 of them;
 # not part of `make test`; `--no-overhead` skips that part, and `benchmarks/overhead_bench.py WORK OUT.json --quick`
 # runs it alone):

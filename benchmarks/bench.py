@@ -37,43 +37,50 @@ PERFORMANCE_PAGE = REPO / "docs" / "performance.md"  # its table between the ben
 VOCAB = 32000
 # Llama-shaped sizes: (layers, hidden, heads, KV groups, FFN) with a 32k vocabulary, untied embeddings
 SIZES = {"S": (8, 512, 8, 4, 1408), "M": (12, 768, 12, 4, 2048), "L": (24, 1024, 16, 8, 2816)}
-FORMATS = ("zero2", "megatron-tp1", "zero3", "megatron-tp2pp2")
+FORMATS = ("zero2", "megatron-tp1", "zero3", "megatron-tp2pp2", "zero3-moe", "megatron-ep2-moe")
+# the -moe formats: each MLP a mixture of 4 experts (top-2) half the size's FFN wide (a token's compute as dense);
+# ZeRO-3 writes an HF Mixtral's engine state, Megatron EP 2 on 2 ranks its experts' grid
+MOE = {"experts": 4, "top_k": 2}
+# TP, PP, EP of each Megatron format
+MEGATRON_LAYOUTS = {"megatron-tp1": (1, 1, 1), "megatron-tp2pp2": (2, 2, 1), "megatron-ep2-moe": (1, 1, 2)}
 
 
 # ---- 1. checkpoints ------------------------------------------------------------------------------------------------
-def zero_checkpoint(work: Path, size: str, stage: int) -> Path:
+def zero_checkpoint(work: Path, size: str, stage: int, moe: bool = False) -> Path:
     import zero_convert_bench as zb
 
     layers, hidden, heads, groups, ffn = SIZES[size]
-    out = work / f"{size}-zero{stage}"
+    out = work / (f"{size}-zero{stage}" + ("-moe" if moe else ""))
     if not (out / "latest").exists():
-        zb.build_at(out, {"hidden": hidden, "layers": layers, "ffn": ffn, "heads": heads, "kv_heads": groups,
-                          "vocab": VOCAB, "stage": stage})
+        zb.build_at(out, {"hidden": hidden, "layers": layers, "ffn": ffn // 2 if moe else ffn, "heads": heads,
+                          "kv_heads": groups, "vocab": VOCAB, "stage": stage, **(MOE if moe else {})})
     return out
 
 
-def megatron_checkpoint(work: Path, size: str, tp: int, pp: int) -> Path:
+def megatron_checkpoint(work: Path, size: str, tp: int, pp: int, ep: int = 1) -> Path:
     """The pretrain stage's own task body for one step: its worker saves the dist checkpoint (weights + optimizer)."""
+    layers, hidden, heads, groups, ffn = SIZES[size]
+    name = f"{size}-megatron-tp{tp}" + (f"pp{pp}" if pp > 1 else "") + (f"ep{ep}-moe" if ep > 1 else "")
+    d = work / name
+    if (d / "checkpoint" / "baton_manifest.json").exists():
+        return d / "checkpoint"
     from flows.config import load
     from gpu_check import make_data
     from tasks.pretrain.task import run_pretrain
     from tasks.stage import StageContext
 
-    layers, hidden, heads, groups, ffn = SIZES[size]
-    name = f"{size}-megatron-tp{tp}" + (f"pp{pp}" if pp > 1 else "")
-    d = work / name
-    if (d / "checkpoint" / "baton_manifest.json").exists():
-        return d / "checkpoint"
+    moe = [f"model.moe.num_experts={MOE['experts']}", f"model.moe.top_k={MOE['top_k']}",
+           f"model.moe.expert_ffn_hidden_size={ffn // 2}", f"pretrain.expert_parallel={ep}"] if ep > 1 else []
     cfg = load(REPO / "configs" / "tiny.yaml", [
         f"model.num_layers={layers}", f"model.hidden_size={hidden}", f"model.num_attention_heads={heads}",
         f"model.num_query_groups={groups}", f"model.ffn_hidden_size={ffn}", "data.pretrain_docs=300",
         "pretrain.steps=2", "pretrain.warmup_steps=1", "pretrain.micro_batch_size=1", "pretrain.global_batch_size=2",
         "pretrain.checkpoint_every=2", "pretrain.eval_interval=2", "pretrain.eval_iters=1",
-        f"pretrain.vocab_size={VOCAB}", f"pretrain.tensor_parallel={tp}", f"pretrain.nproc_per_node={tp}"],
+        f"pretrain.vocab_size={VOCAB}", f"pretrain.tensor_parallel={tp}", f"pretrain.nproc_per_node={tp * ep}", *moe],
         stages=["data", "pretrain"])
     # more ranks than cores is refused for training runs; for one step that only writes the layout, allow it
     cfg.pretrain.global_batch_size = 1 if pp > 1 else 2
-    cfg.pretrain.pipeline_parallel, cfg.pretrain.nproc_per_node = pp, tp * pp
+    cfg.pretrain.pipeline_parallel, cfg.pretrain.nproc_per_node = pp, tp * pp * ep
     data = work / "data"
     if not (data / "baton_manifest.json").exists():
         make_data(work, cfg)
@@ -153,6 +160,10 @@ IMPORT_FLOORS = {
     "baton-zero": "from conversions import zero; import safetensors.torch",
     "baton-megatron": ("from transformers import AutoTokenizer, GenerationConfig, LlamaConfig; "
                        "from conversions import megatron"),
+    # a mixture's experts are regrouped by transformers' own conversion mapping on a meta model (conversions/hf_layout)
+    "baton-zero-moe": ("from conversions import zero, hf_layout; import safetensors.torch; "
+                       "from transformers import AutoConfig, AutoModelForCausalLM, MixtralForCausalLM; "
+                       "from transformers.conversion_mapping import get_model_conversion_mapping"),
 }
 CONTENDERS = {**CONVERTERS, **{f"imports-{name}": code for name, code in IMPORT_FLOORS.items()}}
 
@@ -168,6 +179,11 @@ def run_converter(which: str, src: Path, dst: Path) -> dict:
     if p.returncode != 0:
         raise RuntimeError(f"{which} on {src} failed:\n{(p.stdout + p.stderr)[-3000:]}")
     return json.loads(next(l for l in p.stdout.splitlines() if l.startswith("@@bench "))[8:])
+
+
+def import_floor(fmt: str) -> str:
+    ours = "baton-megatron" if fmt.startswith("megatron") else "baton-zero"
+    return f"imports-{ours}-moe" if f"imports-{ours}-moe" in CONTENDERS and fmt.endswith("-moe") else f"imports-{ours}"
 
 
 def measure_conversion(fmt: str, src: Path, work: Path, reps: int) -> dict:
@@ -187,7 +203,7 @@ def measure_conversion(fmt: str, src: Path, work: Path, reps: int) -> dict:
         samples["write"].append({"seconds": write_bytes(out / "write", out_bytes)})
         samples["read_warm"].append({"seconds": read_all(files)})
         samples["baton_warm"].append(run_converter(ours, src, out / "baton"))
-        samples["imports"].append(run_converter("imports-" + ours, src, out / "imports"))
+        samples["imports"].append(run_converter(import_floor(fmt), src, out / "imports"))
         samples[theirs].append(run_converter(theirs, src, out / theirs))
     params, largest = parameters(out / "baton")
     shutil.rmtree(out, ignore_errors=True)
@@ -318,6 +334,11 @@ def markdown(res: dict) -> str:
             f"{bw['peak_rss_mb']['median']:.0f} ({bw['rss_over_largest_tensor']:.1f}×; "
             f"{_imports(c, 'peak_rss_mb', '{:.0f}')}) | "
             f"{c['other']} {o['seconds']['median']:.2f} / {o['peak_rss_mb']['median']:.0f} |")
+    added = [c for c in res["conversions"] if c.get("added")]
+    if added:
+        lines += ["", "Measured apart from the rest (`bench.py --add`): " + "; ".join(
+            f"{c['size']} {c['format']} at {c['added']['at']} (load {c['added']['load']:.1f}, {c['added']['reps']} "
+            "repetitions)" for c in added) + "."]
     lines += ["", targets(res["conversions"])]
     lines += ["", "Growth with size (fitted exponent of baton's warm time and peak RSS over parameters; 1.0 = linear):",
               ", ".join(f"{f}: time {e['time']}, RSS {e['rss']}" for f, e in res["exponents"].items()) + "."]
@@ -488,6 +509,9 @@ def main(argv=None) -> int:
                     help="use this overhead_bench.py result (JSON) instead of measuring the overhead again")
     ap.add_argument("--report-only", action="store_true", help="rewrite the report from bench.json (+ --overhead-from)")
     ap.add_argument("--prepare", action="store_true", help="only write the checkpoints (kept in --work)")
+    ap.add_argument("--add", action="store_true",
+                    help="measure only --formats and keep the other rows, hashing and overhead of bench.json (the "
+                         "added rows say when and at which load they were measured)")
     args = ap.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -501,25 +525,34 @@ def main(argv=None) -> int:
         for conv in res["conversions"]:
             derive_ceilings(conv)
     else:
-        res = {"machine": machine(), "reps": args.reps, "conversions": [], "started": time.strftime("%FT%TZ", time.gmtime())}
         sizes, formats = args.sizes.split(","), args.formats.split(",")
-        res["hashing"] = hashing(timed_make(res, args.work, sizes[-1], formats[0]), args.reps)
-        publish(res)
+        if args.add:
+            res = json.loads((RESULTS / "bench.json").read_text())
+            res["conversions"] = [c for c in res["conversions"] if c["format"] not in formats]
+        else:
+            res = {"machine": machine(), "reps": args.reps, "conversions": [],
+                   "started": time.strftime("%FT%TZ", time.gmtime())}
+            res["hashing"] = hashing(timed_make(res, args.work, sizes[-1], formats[0]), args.reps)
+            publish(res)
         for fmt in formats:  # one format at all sizes before the next: a run cut short still has its exponents
             for size in sizes:
-                src = timed_make(res, args.work, size, fmt)
+                src = timed_make({} if args.add else res, args.work, size, fmt)  # added: not the run's writing time
                 print(f"[bench] {size} {fmt}: {src}", flush=True)
-                res["conversions"].append({"size": size, **measure_conversion(fmt, src, args.work, args.reps)})
+                added = {"added": {"at": time.strftime("%FT%H:%MZ", time.gmtime()), "load": os.getloadavg()[0],
+                                   "reps": args.reps}} if args.add else {}
+                res["conversions"].append({"size": size, **measure_conversion(fmt, src, args.work, args.reps),
+                                           **added})
                 publish(res)
     if args.overhead_from:
         res["overhead"] = {**json.loads(args.overhead_from.read_text()), "source": str(args.overhead_from.name)}
-    elif args.overhead and not args.report_only:
+    elif args.overhead and not args.report_only and not args.add:
         import overhead_bench
 
         res["overhead"] = overhead_bench.run(args.work / "overhead", reps=args.reps,
                                              quick=args.overhead_profile == "quick")
-    res["finished"] = time.strftime("%FT%TZ", time.gmtime())
-    if not args.report_only:
+    if not args.add:
+        res["finished"] = time.strftime("%FT%TZ", time.gmtime())
+    if not args.report_only and not args.add:
         res["wall_s"] = round(time.perf_counter() - started, 1)
     table = publish(res)
     try:
@@ -547,18 +580,21 @@ def publish(res: dict) -> str:
 
 
 def timed_make(res: dict, work: Path, size: str, fmt: str) -> Path:
-    """make(), its time (0 when the checkpoint was kept from an earlier run) added to res["checkpoint_writing_s"]."""
+    """make() in a child process (`--prepare`), its time (~0 when the checkpoint was kept from an earlier run) added to
+    res["checkpoint_writing_s"]. Not in this process: a converter's peak RSS (ru_maxrss) starts at the RSS of the
+    process it was forked from, and the pretrain stage writing a Megatron checkpoint in-process leaves this one
+    hundreds of MB larger (measured: megatron-ep2-moe S 672 MB written in the same run, 291 MB kept)."""
     t0 = time.perf_counter()
-    out = make(work, size, fmt)
+    subprocess.run([sys.executable, str(Path(__file__).resolve()), "--prepare", "--sizes", size, "--formats", fmt,
+                    "--work", str(work)], check=True)
     res["checkpoint_writing_s"] = round(res.get("checkpoint_writing_s", 0) + time.perf_counter() - t0, 1)
-    return out
+    return make(work, size, fmt)  # kept: returns the folder at once
 
 
 def make(work: Path, size: str, fmt: str) -> Path:
     if fmt.startswith("zero"):
-        return zero_checkpoint(work, size, int(fmt[-1]))
-    tp, pp = (1, 1) if fmt == "megatron-tp1" else (2, 2)
-    return megatron_checkpoint(work, size, tp, pp)
+        return zero_checkpoint(work, size, int(fmt.removesuffix("-moe")[-1]), moe=fmt.endswith("-moe"))
+    return megatron_checkpoint(work, size, *MEGATRON_LAYOUTS[fmt])
 
 
 if __name__ == "__main__":

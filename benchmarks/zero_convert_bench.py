@@ -33,15 +33,12 @@ def make_checkpoint(out: Path, arch: dict) -> None:
     import deepspeed
     import torch
     import torch.distributed as dist
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=arch["vocab"], hidden_size=arch["hidden"], intermediate_size=arch["ffn"],
-                         num_hidden_layers=arch["layers"], num_attention_heads=arch["heads"],
-                         num_key_value_heads=arch["kv_heads"], max_position_embeddings=256,
-                         tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
-    model = LlamaForCausalLM(config)
+    config = model_config(arch)
+    model = AutoModelForCausalLM.from_config(config)
     ds_config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": 2,
                  "zero_optimization": {"stage": arch.get("stage", 2)}, "steps_per_print": 1 << 30,
                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}}
@@ -55,6 +52,20 @@ def make_checkpoint(out: Path, arch: dict) -> None:
     if dist.get_rank() == 0:
         config.save_pretrained(str(out))
         print(json.dumps({"parameters": sum(p.numel() for p in model.parameters())}), flush=True)
+
+
+def model_config(arch: dict):
+    """A Llama of arch's shape, or with arch["experts"] a Mixtral whose experts are arch["ffn"] wide (top
+    arch["top_k"])."""
+    from transformers import LlamaConfig, MixtralConfig
+
+    shape = dict(vocab_size=arch["vocab"], hidden_size=arch["hidden"], intermediate_size=arch["ffn"],
+                 num_hidden_layers=arch["layers"], num_attention_heads=arch["heads"],
+                 num_key_value_heads=arch["kv_heads"], max_position_embeddings=256, tie_word_embeddings=False)
+    if arch.get("experts"):
+        return MixtralConfig(**shape, num_local_experts=arch["experts"], num_experts_per_tok=arch["top_k"],
+                             architectures=["MixtralForCausalLM"])
+    return LlamaConfig(**shape, architectures=["LlamaForCausalLM"])
 
 
 def build(work: Path, arch: dict) -> tuple[Path, float]:

@@ -90,6 +90,8 @@ def record_output(c, mlflow_run: str | None, step: Step, work: Path, out: StageO
     plot = report.loss_plot(history, work / "loss.png", step.label)
     if plot:
         entry["loss_plot"] = str(plot)
+    if out.artifacts:
+        entry["artifacts"] = [str(p) for p in out.artifacts]
     if mlflow_run is None:
         return
     tracking.attempt(missing, "gate.json", tracking.log_json, c, mlflow_run, out.gate, "gate.json")
@@ -98,8 +100,8 @@ def record_output(c, mlflow_run: str | None, step: Step, work: Path, out: StageO
     for variant, path in out.side_outputs.items():  # manifests, not weights: the versions point at the files
         tracking.attempt(missing, f"{variant}/{mf.MANIFEST_NAME}", tracking.log_file, c, mlflow_run,
                          Path(path) / mf.MANIFEST_NAME, variant)
-    if plot:
-        tracking.attempt(missing, plot.name, tracking.log_file, c, mlflow_run, plot)
+    for path in ([plot] if plot else []) + out.artifacts:
+        tracking.attempt(missing, path.name, tracking.log_file, c, mlflow_run, path)
     now = int(time.time() * 1000)
     tracking.attempt(missing, "summary metrics", c.log_batch, mlflow_run,
                      metrics=[Metric(events.summary_name(k), float(v), now, 0)

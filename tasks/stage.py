@@ -242,4 +242,6 @@ class StageOutput:
     # registered as its own model version (alias: the variant) once the gate passed, checked again before a reuse. The
     # next stage still reads `output`, or this stage's input when that is None.
     side_outputs: dict[str, Path] = field(default_factory=dict)
+    # Files for people beside the metrics (e.g. a plot of a mixture's expert load): logged to the stage's MLflow run.
+    artifacts: list[Path] = field(default_factory=list)
 

@@ -252,6 +252,29 @@ def test_grpo_on_a_mixtral_adds_the_routers_aux_loss_to_its_loss(tmp_path, tiny_
     assert torch.equal(before["lm_head.weight"], after["lm_head.weight"])
 
 
+def test_dpo_on_a_mixtral_adds_the_routers_aux_loss_to_its_loss(tmp_path, tiny_config, data_dir):
+    """TRL's DPO on a Mixtral (configs/tiny-moe.yaml's rlhf is GRPO): its first step's policy is its reference (a frozen
+    copy), so the sigmoid DPO loss is exactly log 2 and, without the SFT term (sft_weight 0), the step's loss is log 2
+    plus the coefficient times the router's aux loss, logged as train/router_aux_loss. Dropping either fails."""
+    import math
+
+    from tasks.rlhf.config import RlhfConfig
+    from tasks.rlhf.task import run_rlhf
+    from tasks.stage import StageContext
+
+    src = make_moe_checkpoint(tmp_path / "input", "mixtral", data_dir / "tokenizer")
+    coef = json.loads((src / "config.json").read_text())["router_aux_loss_coef"]
+    work = tmp_path / "rlhf"
+    ctx = StageContext(stage="rlhf", run_id="test", run_dir=work, work_dir=work, model=tiny_config.model.model_dump(),
+                       seed=0, data_dir=data_dir, input=src, input_format="hf-safetensors")
+    cfg = RlhfConfig(algorithm="dpo", steps=1, micro_batch_size=4, lr=1e-3, beta=0.1, sft_weight=0.0,
+                     checkpoint_every=1000, timeout_s=600)
+    run_rlhf.fn(ctx, cfg)
+    (step,) = [m for m in logged_metrics(work) if events.TRAIN_LOSS in m]
+    aux = step[events.TRAIN_ROUTER_AUX_LOSS]
+    assert aux > 0 and step[events.TRAIN_LOSS] == pytest.approx(math.log(2) + coef * aux, rel=1e-5), step
+
+
 def test_lora_on_a_mixture_of_experts_is_refused_before_launch_naming_the_key(tmp_path, tiny_config, data_dir):
     """peft's target_modules cannot reach transformers' fused experts: LoRA on an MoE input is refused before
     anything launches, naming the key; without LoRA the same input passes the checks."""

@@ -77,6 +77,8 @@ def test_ep2_allgather_trains_checkpoints_and_holds_every_expert(ep2):
     imbalance = logged(work, events.TRAIN_EXPERT_LOAD_IMBALANCE)
     assert sorted(imbalance) == list(range(1, 13)) and all(1.0 <= v <= 4.0 for v in imbalance.values()), imbalance
     assert_expert_load(out, steps=12)
+    # the counts as a plot for the stage's MLflow run (tests/test_moe_chain.py finds it there)
+    assert out.artifacts == [work / "expert_load.png"] and out.artifacts[0].read_bytes()[:4] == b"\x89PNG"
 
 
 def test_resume_under_expert_parallel_1_continues_the_ep2_run(tmp_path, data_dir, ep2):

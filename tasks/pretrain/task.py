@@ -201,6 +201,37 @@ def expert_summary(counts: list[list[float]] | None) -> tuple[dict, dict]:
     return {"expert_load_imbalance": imbalance, "idle_experts": len(idle)}, extra
 
 
+def expert_load_plot(counts: list[list[float]], path: Path) -> Path:
+    """The run's tokens per expert as each layer's share (rows: layers, columns: experts; 1/E in every cell is an even
+    spread), beside the step-by-step train/expert_load_imbalance MLflow already plots."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shares = [[n / sum(layer) if sum(layer) else 0.0 for n in layer] for layer in counts]
+    layers, experts = len(shares), len(shares[0])
+    fig, ax = plt.subplots(figsize=(min(2 + 0.5 * experts, 16), min(1.5 + 0.4 * layers, 12)), dpi=100)
+    im = ax.imshow(shares, cmap="viridis", vmin=0.0, aspect="auto")
+    if layers * experts <= 256:  # the numbers themselves while they fit in the cells
+        for i, row in enumerate(shares):
+            for e, v in enumerate(row):
+                ax.text(e, i, f"{v:.2f}", ha="center", va="center", fontsize=7,
+                        color="w" if v < 0.6 * max(row) else "k")
+    ax.set_xlabel("expert")
+    ax.set_ylabel("layer")
+    ax.set_yticks(range(layers), [str(i) for i in range(1, layers + 1)])
+    ax.set_title(f"tokens per expert, share of the layer's (even: {1 / experts:.2f})", fontsize=9)
+    fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return durable.write_bytes(path, buf.getvalue())
+
+
 def _median(values):
     return statistics.median(values) if values else None
 
@@ -221,6 +252,7 @@ def run_pretrain(ctx: StageContext, cfg: PretrainConfig) -> StageOutput:
     train = [e for e in res.metrics() if events.TRAIN_LOSS in e]
     before, after = r.heldout_before, r.heldout_after
     expert_metrics, expert_extra = expert_summary(r.expert_tokens)
+    plots = [expert_load_plot(r.expert_tokens, ctx.work_dir / "expert_load.png")] if r.expert_tokens else []
     return StageOutput(
         output=out, engine="megatron-core",
         backend=backend(cfg, spec.device),
@@ -236,4 +268,5 @@ def run_pretrain(ctx: StageContext, cfg: PretrainConfig) -> StageOutput:
                "peak_tflops_source": r.peak_tflops_source, "layer_spec": r.layer_spec, **expert_extra,
                **({"input_rewritten": f"{ctx.input}: not sealed by this BATON_HOME ({rewritten}); Megatron loaded "
                                       f"baton's rewrite of its weights, {spec.input}"} if rewritten else {})},
+        artifacts=plots,
     )
