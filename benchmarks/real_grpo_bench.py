@@ -30,8 +30,9 @@ sys.path.insert(0, str(REPO))
 CONFIG = REPO / "configs" / "real-smollm2-grpo.yaml"
 SERIES = {"reward": "train/reward", "completion_length": "train/completions_mean_length",
           "step_time_s": "perf/step_time_s", "rollout_time_s": "perf/rollout_time_s",
-          "rollout_tokens_per_s": "perf/rollout_tokens_per_s", "rollout_logp_diff": "train/rollout_logp_diff"}
-TIMES = ("step_time_s", "rollout_time_s", "rollout_tokens_per_s", "rollout_logp_diff")
+          "rollout_tokens_per_s": "perf/rollout_tokens_per_s", "rollout_logp_diff": "train/rollout_logp_diff",
+          "engine_sync_s": "train/engine_sync_s"}
+TIMES = ("step_time_s", "rollout_time_s", "rollout_tokens_per_s", "rollout_logp_diff", "engine_sync_s")
 
 
 def step_series(lines, key: str) -> list[float]:
@@ -49,7 +50,12 @@ def step_series(lines, key: str) -> list[float]:
 def mean_after_first(values: list[float]) -> float | None:
     """The first step pays for warm-up (the engine's first request, lazy init): left out when there are others."""
     rest = values[1:] or values
-    return round(statistics.mean(rest), 4) if rest else None
+    return sig(statistics.mean(rest)) if rest else None
+
+
+def sig(x: float) -> float:
+    """4 significant digits: times and rates, and log-prob gaps of 1e-5 alike."""
+    return float(f"{x:.4g}")
 
 
 def run_one(hf_dir: Path, home: Path, sets: list[str]) -> dict:
@@ -81,7 +87,7 @@ def read_run(home: Path) -> dict:
             "heldout_solved_before": ev.get("solved_before"), "heldout_solved_after": ev.get("solved_after"),
             "stage_wall_s": metrics.get("wall_s"),
             "means_after_first_step": {name: mean_after_first(series[name]) for name in TIMES},
-            "per_step": {name: [round(x, 4) for x in v] for name, v in series.items() if v}}
+            "per_step": {name: [sig(x) for x in v] for name, v in series.items() if v}}
 
 
 def write(out: Path, res: dict) -> None:
