@@ -139,7 +139,7 @@ BENCH_ARGS ?=
 # under `baton run` vs a bare HF/PyTorch loop (benchmarks/real_model_bench.py, ~12 min here); serving throughput
 # through baton vs a bare `vllm serve` (benchmarks/serve_bench.py); GRPO on it (configs/real-smollm2-grpo.yaml,
 # benchmarks/real_grpo_bench.py): a few steps with HF `generate` vs vLLM rollouts, then the recipe on seeds 0 and 1
-# (~25 min each on the loaded 2 cores).
+# (15-25 min a seed on the loaded 2 cores, 2026-12-06).
 BENCH_REAL_MODEL = $(BATON_HOME)/models/smollm2-135m-instruct
 bench: setup
 	$(VENV)/bin/python benchmarks/bench.py $(BENCH_ARGS)
