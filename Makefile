@@ -138,7 +138,9 @@ BENCH_ARGS ?=
 # On a real model too: SmolLM2-135M-Instruct (`make real-models`), imported once into $(BATON_HOME)/models (~1 min):
 # packing (17.5 min at load ~5 on the 2 shared cores, 2026-12-03; the tiny model's 27 s); rlhf and finetune tokens/s
 # under `baton run` vs a bare HF/PyTorch loop (benchmarks/real_model_bench.py, ~12 min here); serving throughput
-# through baton vs a bare `vllm serve` (benchmarks/serve_bench.py).
+# through baton vs a bare `vllm serve` (benchmarks/serve_bench.py); GRPO on it (configs/real-smollm2-grpo.yaml,
+# benchmarks/real_grpo_bench.py): a few steps with HF `generate` vs vLLM rollouts, then the recipe on seeds 0 and 1
+# (15-25 min a seed on the loaded 2 cores, 2026-12-06).
 BENCH_REAL_MODEL = $(BATON_HOME)/models/smollm2-135m-instruct
 bench: setup
 	$(VENV)/bin/python benchmarks/bench.py $(BENCH_ARGS)
@@ -153,6 +155,10 @@ bench: setup
 	$(VENV)/bin/python benchmarks/real_model_bench.py $(BENCH_REAL_MODEL) $(BATON_HOME)/bench/real-model \
 		benchmarks/results/real_model.json
 	$(VENV)/bin/python benchmarks/serve_bench.py $(BENCH_REAL_MODEL) --out benchmarks/results/serve_smollm2.json
+	$(VENV)/bin/python benchmarks/real_grpo_bench.py $(BENCH_REAL_MODEL) $(BATON_HOME)/bench/real-grpo \
+		--engines hf vllm --steps 4 --out benchmarks/results/real_grpo_engines.json
+	$(VENV)/bin/python benchmarks/real_grpo_bench.py $(BENCH_REAL_MODEL) $(BATON_HOME)/bench/real-grpo \
+		--seeds 0 1 --out benchmarks/results/real_grpo.json
 
 # Mutated real checkpoints of every format (ZeRO torch.save, torch_dist, safetensors, manifest, seal) through baton's
 # readers in worker processes under a 3 GiB address-space limit, with a canary for executed code (benchmarks/fuzz.py;

@@ -76,3 +76,14 @@ def test_lora_on_a_mixture_of_experts_is_refused_when_the_config_is_read():
         load(moe, ["finetune.lora.enabled=true"])
     load(moe)
     load(TINY, ["finetune.lora.enabled=true"])  # a dense model keeps LoRA
+
+
+def test_the_real_grpo_recipe_loads_with_its_own_task_and_a_held_out_set_of_40():
+    """configs/real-smollm2-grpo.yaml (its learning is measured by benchmarks/real_grpo_bench.py, not here): the
+    config validates, its task is the shipped instruction sums and its reward the exact sum."""
+    from tasks.data.task import build_datasets
+
+    cfg = load(REPO / "configs" / "real-smollm2-grpo.yaml")
+    assert cfg.stages == ["data", "rlhf"] and cfg.rlhf.algorithm == "grpo" and cfg.data.arithmetic == "instruction"
+    assert [r.kind for r in cfg.rlhf.rewards] == ["exact_match"] and cfg.rlhf.rollout_engine == "hf"
+    assert len(build_datasets(cfg.data)[0]["prompts"][1]) == 40

@@ -66,3 +66,23 @@ def test_held_out_prompts_are_many_sums_grpo_never_trains_on_and_the_text_states
     for sentence in {s for d in docs for s in SUM.findall(d)}:
         a, b, total = map(int, re.findall(r"\d", sentence))
         assert a + b == total
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_instruction_task_holds_out_40_digit_pairs_and_leaves_the_pretraining_text_alone(seed):
+    """data.arithmetic: instruction (configs/real-smollm2-grpo.yaml): the held-out sums are 40 of the 100 pairs of
+    digits that no training prompt asks, every answer is the sum, and the other datasets are the default world's."""
+    cfg = DataConfig(seed=seed, arithmetic="instruction", arithmetic_prompts=200, **ARITHMETIC)
+    sets = build_datasets(cfg)[0]
+    train_prompts, held = sets["prompts"]
+    assert len(train_prompts) == 200 and build_datasets(cfg)[0]["prompts"] == (train_prompts, held)
+    for row in train_prompts + held:
+        system, user = row["prompt"]
+        assert system["role"] == "system" and "number only" in system["content"] and user["role"] == "user"
+        a, b = map(int, re.fullmatch(r"What is (\d) \+ (\d)\?", user["content"]).groups())
+        assert row["answer"] == str(a + b)
+    trained = {r["prompt"][1]["content"] for r in train_prompts}
+    held_out = [r["prompt"][1]["content"] for r in held]
+    assert len(held_out) == 40 == len(set(held_out)) and not trained & set(held_out)
+    assert 50 < len(trained) <= 60  # drawn with replacement from the other 60
+    assert sets["pretrain"] == build_datasets(DataConfig(seed=seed))[0]["pretrain"]  # no sums in its text

@@ -44,6 +44,11 @@ class DataConfig(StrictModel):
     sft_examples: int = Field(600, ge=10, description="synthetic instruction examples")
     arithmetic_prompts: int = Field(400, ge=10, description="synthetic prompts with answers (data.prompts "
                                                             "synthetic): sums like '3+4=' → '7'")
+    arithmetic: Literal["table", "instruction"] = Field(
+        "table", description="synthetic prompts: table: '3+4=' over the sums below 10, which the synthetic pretraining "
+                             "text then states (the tiny world); instruction: 'What is 3 + 4?' after a system message "
+                             "asking for the number only, over every pair of digits (40 of 100 held out), for an "
+                             "instruction-tuned model (--from)")
     heldout_fraction: float = Field(0.15, gt=0, lt=0.9, description="rows held out (seeded) from a source without "
                                                                    "heldout")
     label_noise: float = Field(0.0, ge=0, le=1, description="fraction of fine-tuning answers given a wrong category")

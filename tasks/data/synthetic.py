@@ -13,7 +13,11 @@
 - instruction → JSON: "Classify the word: dog" → {"category": "animal"} (held-out exact match rises under SFT;
   held-out pairs use (template, word) combinations never seen in training);
 - prompts with answers, only when data.prompts asks for them: "3+4=" → "7", sums below 10 so every answer is one
-  digit (held-out reward under GRPO rises; held-out prompts are sums GRPO never trains on).
+  digit (held-out reward under GRPO rises; held-out prompts are sums GRPO never trains on). With
+  data.arithmetic: instruction, the same task worded for an instruction-tuned model instead: a system message asking
+  for the number alone and "What is 3 + 4?", over every pair of digits (sums to 18); a small instruct model knows
+  most of these sums but answers in a sentence ("To solve this, we need..."), which a short completion limit cuts
+  off before the number, so what GRPO has to teach it is mostly the format.
 """
 from __future__ import annotations
 
@@ -138,6 +142,25 @@ def all_sums() -> list[tuple[int, int]]:
 def split_sums(rng: random.Random) -> tuple[list, list]:
     """all_sums split into the pairs GRPO trains on and the held-out pairs it never sees as prompts."""
     return _split_combos(all_sums(), HELDOUT_SUMS_FRACTION, rng)
+
+
+INSTRUCTION_SYSTEM = "You are a calculator. Reply with the number only."
+
+
+def digit_pairs() -> list[tuple[int, int]]:
+    """Every (a, b) of digits: the instruction task's 100 sums, 0 to 18."""
+    return [(a, b) for a in range(10) for b in range(10)]
+
+
+def instruction_prompts(n: int, rng: random.Random) -> tuple[list, list]:
+    """n prompts drawn from 60 of the 100 digit pairs, and one prompt per other pair (40 held out, never prompted)."""
+    train_c, held_c = _split_combos(digit_pairs(), HELDOUT_SUMS_FRACTION, rng)
+
+    def make(a, b):
+        return {"prompt": [{"role": "system", "content": INSTRUCTION_SYSTEM},
+                           {"role": "user", "content": f"What is {a} + {b}?"}], "answer": str(a + b)}
+
+    return [make(*rng.choice(train_c)) for _ in range(n)], [make(*x) for x in held_c]
 
 
 def arithmetic_prompts(n: int, sums: tuple[list, list], rng: random.Random) -> tuple[list, list]:

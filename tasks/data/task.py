@@ -35,7 +35,8 @@ def _sums_rng(cfg: DataConfig) -> random.Random:
 
 
 def _arithmetic(cfg: DataConfig) -> bool:
-    return [src.kind for _, src in cfg.sources("prompts")] == ["synthetic"]
+    """The tiny arithmetic world: synthetic table prompts, whose sums the pretraining text states."""
+    return [src.kind for _, src in cfg.sources("prompts")] == ["synthetic"] and cfg.arithmetic == "table"
 
 
 def _synthetic(kind: str, cfg: DataConfig, rng: random.Random) -> tuple[list, list]:
@@ -47,6 +48,8 @@ def _synthetic(kind: str, cfg: DataConfig, rng: random.Random) -> tuple[list, li
         return docs[k:], docs[:k]
     if kind == "preference":
         train, held = synthetic.preference_pairs(cfg.preference_pairs, cfg.heldout_fraction, rng)
+    elif kind == "prompts" and cfg.arithmetic == "instruction":
+        train, held = synthetic.instruction_prompts(cfg.arithmetic_prompts, _sums_rng(cfg))
     elif kind == "prompts":
         sums = synthetic.split_sums(_sums_rng(cfg))
         train, held = synthetic.arithmetic_prompts(cfg.arithmetic_prompts, sums, rng)
