@@ -131,6 +131,6 @@ def _loss_check(measured: dict, bound: float) -> dict:
     before, after = measured["heldout_loss_source"], measured["heldout_loss"]
     delta = after - before
     return {**check("quant.heldout_loss", abs(delta) <= bound,
-                    f"held-out loss {after:.4f} vs the source's {before:.4f} nats/token: {delta:+.4f} (bound "
-                    f"±{bound})"), "loss_delta": round(delta, 6), "bound": bound}
+                    f"held-out loss {after:.5f} vs the source's {before:.5f} nats/token: {delta:+.2e} (bound "
+                    f"±{bound})"), "loss_delta": delta, "bound": bound}
 

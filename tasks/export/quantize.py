@@ -26,8 +26,9 @@ MEASURES = ("heldout_loss_source", "heldout_loss", "quantized_modules")
 def data_files(data_dir: Path | None) -> tuple[Path, Path]:
     """The calibration and held-out files of a data stage's output; QuantError naming what is missing."""
     if data_dir is None:
-        raise vllm_quant.QuantError("a quantized export calibrates on the run's own data: give --calibration DATA_DIR "
-                                    "(a data stage's output, .baton/runs/<run-id>/data)")
+        raise vllm_quant.QuantError("a quantized export calibrates on the run's own data, a data stage's output "
+                                    "(.baton/runs/<run-id>/data): `baton export` takes it as --calibration DATA_DIR, "
+                                    "the relay's export stage from its data stage")
     m = mf.read(data_dir)
     if m is None or m["format"] != Format.DATASET:
         raise vllm_quant.QuantError(f"--calibration {data_dir}: not a data stage's output (no {Format.DATASET} "
