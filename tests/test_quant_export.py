@@ -18,7 +18,7 @@ ROWS = 16
 
 
 @pytest.fixture(scope="module")
-def w8a8(tmp_path_factory, hf_checkpoint, data_dir):
+def w8a8_export(tmp_path_factory, hf_checkpoint, data_dir):
     """(completed `baton export --type w8a8`, DEST)."""
     root = tmp_path_factory.mktemp("quant")
     dest = root / "w8a8"
@@ -27,10 +27,10 @@ def w8a8(tmp_path_factory, hf_checkpoint, data_dir):
     return r, dest
 
 
-def test_w8a8_passes_its_gate_and_is_published_with_its_calibration_digest(w8a8, hf_checkpoint, data_dir):
+def test_w8a8_passes_its_gate_and_is_published_with_its_calibration_digest(w8a8_export, hf_checkpoint, data_dir):
     from conversions import manifest as mf, vllm_quant
 
-    r, dest = w8a8
+    r, dest = w8a8_export
     assert r.returncode == 0, r.stdout + r.stderr
     for name in ("quant.scheme", "quant.coverage", "quant.heldout_loss"):
         assert f"[ok] {name}" in r.stdout, r.stdout
@@ -103,12 +103,12 @@ def test_the_cpu_kernel_rules_are_vllms_own():
     assert source.count(f"partition_weight_shape[1] % {VLLM_CPU_WNA16_MULTIPLE} != 0") == 1
 
 
-def test_a_scheme_vllm_cpu_cannot_serve_is_refused_before_any_server_starts(w8a8, tmp_path):
+def test_a_scheme_vllm_cpu_cannot_serve_is_refused_before_any_server_starts(w8a8_export, tmp_path):
     """The same folder, its config saying FP8: no server is launched (no log), the refusal names the scheme."""
     from tasks.serve.config import ServeConfig
     from tasks.serve.quantized import check_quantized
 
-    _, dest = w8a8
+    _, dest = w8a8_export
     fp8 = tmp_path / "fp8"
     shutil.copytree(dest, fp8)
     config = json.loads((fp8 / "config.json").read_text())
@@ -124,11 +124,11 @@ def test_a_scheme_vllm_cpu_cannot_serve_is_refused_before_any_server_starts(w8a8
 @pytest.mark.serve
 @pytest.mark.long  # a vLLM server (~1-3 min with its start) on the shared export
 @pytest.mark.timeout(900)
-def test_vllm_serves_the_w8a8_export(w8a8, tmp_path):
+def test_vllm_serves_the_w8a8_export(w8a8_export, tmp_path):
     from tasks.serve.config import ServeConfig, SmokeConfig
     from tasks.serve.quantized import check_quantized
 
-    _, dest = w8a8
+    _, dest = w8a8_export
     cfg = ServeConfig(engine="vllm", health_timeout_s=300, smoke=SmokeConfig(parity_prompts=2, parity_tokens=16))
     served = check_quantized(dest, cfg, tmp_path)
     checks = {c["name"]: c for c in served.report["checks"]}
