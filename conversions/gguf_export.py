@@ -12,7 +12,7 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import gguf
+from . import gguf, vllm_quant
 from .refusal import Refused
 from .checks import check, report, timed
 
@@ -58,8 +58,8 @@ def export_type(name: str) -> ExportType:
     """The ExportType of an --type value; ExportError naming the known ones."""
     if name in TYPES:
         return TYPES[name]
-    raise ExportError(f"--type {name}: not an export type (known: {', '.join(TYPES)}; llama.cpp's other "
-                      "quantisations are not gated here)")
+    raise ExportError(f"--type {name}: not an export type (known: {', '.join(TYPES)}, and for vLLM "
+                      f"{', '.join(vllm_quant.TYPES)}; llama.cpp's other quantisations are not gated here)")
 
 
 def gate(gguf_path: Path, src: Path, type_name: str, max_logit_rms: float | None = None) -> dict:

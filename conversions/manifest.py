@@ -26,6 +26,7 @@ class Format(StrEnum):
     DEEPSPEED_ZERO = "deepspeed-zero"
     DATASET = "dataset"
     GGUF_FILE = "gguf-file"
+    COMPRESSED_TENSORS = "hf-compressed-tensors"
 
 
 FORMATS = {
@@ -34,6 +35,8 @@ FORMATS = {
     Format.DEEPSPEED_ZERO: "DeepSpeed engine.save_checkpoint folder (ZeRO partitions)",
     Format.DATASET: "baton data stage output: datasets and tokenizer",
     Format.GGUF_FILE: "`baton export` output: one llama.cpp GGUF file (model.gguf), gated against its HF parent",
+    Format.COMPRESSED_TENSORS: "`baton export --type w8a8|w4a16` output: an HF folder whose weights llm-compressor "
+                               "quantized (compressed-tensors) for vLLM, gated against its HF parent",
 }
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",

@@ -234,6 +234,21 @@ class ExportSpec(ProgramSpec):
     quantize: str | None                       # llama-quantize's type (Q4_K_M, ...) applied to the converter's f16
 
 
+class QuantizeSpec(ProgramSpec):
+    """tasks/export/quantize_worker.py: llm-compressor's one-shot quantization of one HF checkpoint to a
+    compressed-tensors folder for vLLM, calibrated on rows of the run's own data, and the held-out loss of the source
+    and of the written folder (read back from disk)."""
+
+    src: Path                                  # the HF folder
+    out: Path                                  # the compressed-tensors folder to write
+    scheme: str                                # llm-compressor's preset scheme: W8A8, W4A16
+    calibration: Path                          # a jsonl of {"text": ...} rows (the data stage's pretrain train split)
+    calibration_rows: int
+    heldout: Path                              # a jsonl of {"text": ...} rows the calibration never saw
+    heldout_rows: int
+    max_seq_length: int
+
+
 class FinetuneSpec(ProgramSpec):
     """tasks/finetune/worker.py: paths as the worker sees them. probe: the batch finder's run (training steps only:
     no evaluation, no checkpoint)."""
@@ -492,6 +507,17 @@ class ExportResult(WorkerResult):
     converter: str                             # what wrote it: llama-cpp-python <version>'s convert_hf_to_gguf.py
                                                # (and llama-quantize <type>)
     notes: list[str]                           # how the source was read where it differs from plain (worker.py)
+
+
+class QuantizeResult(WorkerResult):
+    seconds: float                             # the quantization alone (loading and the losses not counted)
+    size: int                                  # bytes of the written weights (*.safetensors)
+    source_size: int                           # bytes of the source's weights
+    quantizer: str                             # llmcompressor <version> (compressed-tensors <version>): <modifier>
+    calibration_sha256: str                    # of the calibration rows' text as fed, in order
+    heldout_loss_source: float                 # mean token cross-entropy on the held-out rows (nats)
+    heldout_loss: float                        # the same, of the written folder read back from disk
+    quantized_modules: int                     # Linear layers the written config's quantization covers
 
 
 class PretrainResult(WorkerResult):

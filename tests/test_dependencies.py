@@ -37,7 +37,7 @@ def test_the_main_extra_is_exactly_main_txt():
     assert extras()["main"] == requirements(RUNTIMES / "main.txt")
 
 
-@pytest.mark.parametrize("name", ["vllm", "sglang", "llamacpp"])
+@pytest.mark.parametrize("name", ["vllm", "sglang", "llamacpp", "llmcompressor"])
 def test_a_serving_extra_asks_for_what_its_runtime_installs(name):
     installed = set(requirements(RUNTIMES / f"{name}.txt")) | installed_by_post_script(name)
     missing = [r for r in extras()[name] if r not in installed]

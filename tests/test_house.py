@@ -285,7 +285,8 @@ def test_the_deployments_tiny_model_and_data_are_configs_tiny():
 
 
 # Values manifests, plans and MLflow tags on disk already carry: renaming one would orphan every existing checkpoint.
-FORMATS_ON_DISK = {"hf-safetensors", "megatron-dist", "deepspeed-zero", "dataset", "gguf-file"}
+FORMATS_ON_DISK = {"hf-safetensors", "megatron-dist", "deepspeed-zero", "dataset", "gguf-file",
+                   "hf-compressed-tensors"}
 
 
 def _format_literals(tree: ast.Module, formats: set[str]) -> list[int]:

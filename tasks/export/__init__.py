@@ -1,9 +1,24 @@
-"""GGUF export: llama.cpp's own converter in the llamacpp runtime (worker.py), then the gate in
-conversions.gguf_export before anything is published. A relay stage (task.py: `export:` in a run config, after
-finetune) and a command on any HF checkpoint (`baton export`, run.py)."""
+"""Exports: GGUF by llama.cpp's own converter in the llamacpp runtime (worker.py), gated by conversions.gguf_export;
+quantized checkpoints for vLLM by llm-compressor in the llmcompressor runtime (quantize_worker.py), gated by
+conversions.vllm_quant; nothing published before its gate passed. A relay stage (task.py: `export:` in a run config,
+after finetune) and a command on any HF checkpoint (`baton export`, run.py and quantize.py)."""
 from conversions.manifest import Format
-from tasks.export.config import ExportConfig
+from tasks.export.config import ExportConfig, is_quantization
 from tasks.stage import StageSpec
+
+
+def _runtimes(cfg: ExportConfig) -> set[str]:
+    """The converters' runtimes; the gates read both files in the main runtime."""
+    wanted = {"main"}
+    wanted |= {"llmcompressor"} if any(map(is_quantization, cfg.types)) else set()
+    wanted |= {"llamacpp"} if not all(map(is_quantization, cfg.types)) else set()
+    return wanted
+
+
+def _smoke(cfg: ExportConfig) -> dict:
+    first = cfg.types[:1]
+    return {"types": first, "max_logit_rms": {k: v for k, v in cfg.max_logit_rms.items() if k in first},
+            "max_loss_delta": {k: v for k, v in cfg.max_loss_delta.items() if k in first}}
 
 STAGE = StageSpec(
     name="export",
@@ -11,8 +26,8 @@ STAGE = StageSpec(
     task="tasks.export.task:run_export",
     consumes=lambda cfg: Format.HF_SAFETENSORS,
     produces=lambda cfg: None,  # the GGUF files are side outputs: the next stage reads the HF checkpoint
-    runtimes=lambda cfg: {"main", "llamacpp"},  # the converter; the gate reads both files in the main runtime
-    smoke=lambda cfg: {"types": cfg.types[:1], "max_logit_rms": {k: v for k, v in cfg.max_logit_rms.items()
-                                                                  if k in cfg.types[:1]}},
-    description="GGUF files for llama.cpp / Ollama (llama.cpp's converter), gated against the HF checkpoint",
+    runtimes=_runtimes,
+    smoke=_smoke,
+    description="GGUF files for llama.cpp / Ollama (llama.cpp's converter) and quantized checkpoints for vLLM "
+                "(llm-compressor), gated against the HF checkpoint",
 )

@@ -11,6 +11,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from conversions import vllm_quant
 from tasks.serve.config import ServeConfig
 
 RUNTIME = {"vllm": "vllm", "sglang": "sglang", "llamacpp": "llamacpp"}
@@ -40,6 +41,34 @@ def vllm_cpu_head_dim_problem(cfg: ServeConfig, config: dict) -> str | None:
     return (f"head_dim {dim} ({source}): vLLM's CPU attention has no kernel for it (supported head sizes: "
             f"{', '.join(map(str, VLLM_CPU_HEAD_SIZES))}); serve another engine (serve.engine), on a GPU "
             "(serve.device: cuda), or a model with a supported head size")
+
+
+# The compressed-tensors schemes vllm-cpu 0.32.0 has CPU kernels for (vllm/model_executor/kernels/linear/): W8A8 int8
+# by CPUInt8ScaledMMLinearKernel (oneDNN; any shape), 4-bit weight-only by CPUWNA16LinearKernel (uint4/uint4b8 only,
+# every Linear's input and output width a multiple of 32, an even group size: the presets use 128). FP8 on CPU is
+# only block-quantized W8A16 on AMX CPUs (CPUFp8BlockScaledMMKernel), not checked here, so refused with the rest.
+VLLM_CPU_SCHEMES = ("W8A8", "W4A16", "W4A16_ASYM")
+VLLM_CPU_WNA16_MULTIPLE = 32
+VLLM_GPU_RECIPE = ("serve it on a GPU: serve.device cuda with the regular vllm package (infra/docker/vllm.Dockerfile), "
+                   "whose CUTLASS/Marlin kernels serve compressed-tensors W8A8, W4A16 and FP8")
+
+
+def vllm_cpu_quantization_problem(cfg: ServeConfig, config: dict) -> str | None:
+    """Why vLLM's CPU build cannot serve this config's quantization scheme, or None (no quantization, or served)."""
+    if cfg.device != "cpu" or "vllm" not in cfg.engines():
+        return None
+    scheme = vllm_quant.scheme_of(config)
+    if scheme is None or scheme == "W8A8":
+        return None
+    if scheme not in VLLM_CPU_SCHEMES:
+        return (f"quantization scheme {scheme}: vLLM's CPU build has kernels for {', '.join(VLLM_CPU_SCHEMES)} only; "
+                f"{VLLM_GPU_RECIPE}")
+    odd = {k: v for k, v in vllm_quant.linear_widths(config).items() if v % VLLM_CPU_WNA16_MULTIPLE}
+    if odd:
+        widths = ", ".join(f"{k} {v}" for k, v in odd.items())
+        return (f"quantization scheme {scheme}: vLLM's CPU 4-bit kernel (CPUWNA16) needs every Linear width a "
+                f"multiple of {VLLM_CPU_WNA16_MULTIPLE}, this model has {widths}; {VLLM_GPU_RECIPE}")
+    return None
 
 
 def vllm_command(cfg: ServeConfig, python: str, model_dir: Path, port: int, served_name: str,

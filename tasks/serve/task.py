@@ -61,6 +61,8 @@ def engine_checks(model_dir: Path, cfg: ServeConfig, runtimes: dict | None = Non
     checks = [served_architectures_check(config, cfg, runtimes)]
     problem = engines.vllm_cpu_head_dim_problem(cfg, config)
     checks += [verify.check("preflight.vllm_cpu_head_dim", False, problem)] if problem else []
+    problem = engines.vllm_cpu_quantization_problem(cfg, config)
+    checks += [verify.check("preflight.vllm_cpu_quantization", False, problem)] if problem else []
     return [c for c in checks if c is not None]
 
 
