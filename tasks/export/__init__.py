@@ -11,6 +11,7 @@ STAGE = StageSpec(
     task="tasks.export.task:run_export",
     consumes=lambda cfg: Format.HF_SAFETENSORS,
     produces=lambda cfg: None,  # the GGUF files are side outputs: the next stage reads the HF checkpoint
+    side_format=lambda cfg: Format.GGUF_FILE,  # ... unless it consumes GGUF: then the first type's file
     runtimes=lambda cfg: {"main", "llamacpp"},  # the converter; the gate reads both files in the main runtime
     smoke=lambda cfg: {"types": cfg.types[:1], "max_logit_rms": {k: v for k, v in cfg.max_logit_rms.items()
                                                                   if k in cfg.types[:1]}},
