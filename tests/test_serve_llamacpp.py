@@ -1,5 +1,5 @@
 """llama.cpp as a serving engine inside the serve stage (`serve.engine: llamacpp`, tasks/serve/llamacpp.py): the
-export stage writes the tiny model's f16 GGUF beside the relay, the serve stage reads that file (the relay hands it the
+export stage writes the tiny model's q4_K_M GGUF beside the relay, the serve stage reads that file (the relay hands it the
 side output of the format it consumes) and proves llama-server right with the HF engines' checks: models, 401 without
 the key, a chat rendered with the GGUF's own template, that rendering token for token, the stop at the end of a turn,
 greedy token parity with HF generate on the GGUF's own weights, lm-eval through the server. Where it cannot apply, the
@@ -21,13 +21,14 @@ CHECKS = {"L0.integrity", "preflight.gguf_source", "preflight.runtimes", "llamac
 
 def test_the_serve_stage_serves_the_exported_gguf_with_llama_server(baton_home, hf_checkpoint):
     r = baton("run", str(TINY), "--from", str(hf_checkpoint), "--stages", "export,serve", *DATA,
-              "--set", "export.types=[f16]", "--set", "serve.engine=llamacpp", "--set", "serve.health_timeout_s=120",
+              "--set", "export.types=[q4_K_M]", "--set", "serve.engine=llamacpp", "--set", "serve.health_timeout_s=120",
               "--set", "serve.smoke.parity_prompts=2", "--set", "serve.smoke.parity_tokens=16",
               "--set", "serve.lm_eval.limit=4", home=baton_home, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads((Path(r.stdout.strip().splitlines()[-1]) / "summary.json").read_text())
     export, serve = (next(e for e in summary["stages"] if e["name"] == n) for n in ("export", "serve"))
-    gguf = export["side_outputs"]["f16"]["output"]
+    gguf = export["side_outputs"]["q4_K_M"]["output"]
+    assert export["metrics"]["q4_k_m_logit_rms"] < 0.3, export["metrics"]  # metric names are lower case
     assert serve["status"] == "completed" and serve["served_checkpoint"] == gguf, serve
     checks = {c["name"]: c for c in serve["gate"]["checks"]}
     assert set(checks) == CHECKS, sorted(checks)

@@ -16,7 +16,7 @@ applies its own, not generation_config.json's.
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from conversions import gguf_export, manifest as mf
@@ -41,6 +41,8 @@ class Source:
 class Served:
     report: dict      # verify.report of the checks
     log: Path         # the server's (redacted) log
+    metrics: dict = field(default_factory=dict)  # smoke.performance of the live server (empty when it never started)
+    probed: object = None  # what `probe` returned
 
 
 def source_of(export_dir: Path) -> Path:
@@ -79,8 +81,9 @@ def gguf_model(gguf_file: Path, hf_dir: Path):
 
 
 def check_gguf(export_dir: Path, cfg: ServeConfig, work_dir: Path, runtime_specs: dict | None = None,
-               hf_dir: Path | None = None) -> Served:
-    """Serve export_dir/model.gguf with llama-server, run the checks, stop the server."""
+               hf_dir: Path | None = None, probe=None) -> Served:
+    """Serve export_dir/model.gguf with llama-server, run the checks and the decode benchmark, then `probe(endpoint)`
+    when given, stop the server (outside a pipeline: the benchmarks and the real-model lane)."""
     from transformers import AutoTokenizer
 
     from tasks.serve.reference import greedy_reference
@@ -102,6 +105,8 @@ def check_gguf(export_dir: Path, cfg: ServeConfig, work_dir: Path, runtime_specs
             tok = AutoTokenizer.from_pretrained(str(hf_dir))
             checks = [smoke.models(ep), smoke.unauthorized(ep), smoke.chat(ep, tok, cfg.smoke.max_tokens),
                       smoke.greedy_parity(ep, reference, hf_dir, model)]
+            metrics = smoke.performance(ep)
+            probed = probe(ep) if probe else None
     except ServerFailed as e:
-        checks = [check("serve.healthy", False, str(e)[-2000:])]
-    return Served(report(checks, {}), log)
+        return Served(report([check("serve.healthy", False, str(e)[-2000:])], {}), log)
+    return Served(report(checks, {}), log, metrics, probed)
