@@ -134,7 +134,8 @@ gpu-check:
 # and a finetune step's wall time with its MLflow server up, killed and frozen mid-training (benchmarks/outage_bench.py,
 # ~5 min; fails when an outage's step takes over 1.10× the undisturbed one or its run does not end completed).
 # Then GGUF exports per type (benchmarks/export_bench.py): size, llama-server decode tokens/s against HF generate, the
-# gate's quality delta; on the tiny model and SmolLM2 (fails when a type fails its gate or its served checks).
+# gate's quality delta; on the tiny model and SmolLM2 (fails when a type fails its gate; a failed served check is
+# recorded in its row).
 BENCH_ARGS ?=
 # On a real model too: SmolLM2-135M-Instruct (`make real-models`), imported once into $(BATON_HOME)/models (~1 min):
 # packing (17.5 min at load ~5 on the 2 shared cores, 2026-12-03; the tiny model's 27 s); rlhf and finetune tokens/s

@@ -105,7 +105,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"→ {out}")
-    if not all(r["gate_passed"] and r.get("served_checks_passed") for r in rows.values()):
+    if not all(r["gate_passed"] for r in rows.values()):  # a served check that fails is a finding, kept in the row
         raise SystemExit(1)
 
 
