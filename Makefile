@@ -134,6 +134,9 @@ gpu-check:
 # Then MoE pretraining tokens/s by layout, dense / EP1 / EP2 / EP2×TP2 on 2 ranks (benchmarks/moe_bench.py, ~2 min),
 # and a finetune step's wall time with its MLflow server up, killed and frozen mid-training (benchmarks/outage_bench.py,
 # ~5 min; fails when an outage's step takes over 1.10× the undisturbed one or its run does not end completed).
+# Then GGUF exports per type (benchmarks/export_bench.py): size, llama-server decode tokens/s against HF generate, the
+# gate's quality delta; on the tiny model and SmolLM2 (fails when a type fails its gate; a failed served check is
+# recorded in its row).
 BENCH_ARGS ?=
 # On a real model too: SmolLM2-135M-Instruct (`make real-models`), imported once into $(BATON_HOME)/models (~1 min):
 # packing (17.5 min at load ~5 on the 2 shared cores, 2026-12-03; the tiny model's 27 s); rlhf and finetune tokens/s
@@ -148,6 +151,7 @@ bench: setup
 	$(VENV)/bin/python benchmarks/moe_bench.py
 	$(VENV)/bin/python benchmarks/outage_bench.py
 	$(VENV)/bin/python benchmarks/demo_rl_bench.py
+	$(VENV)/bin/python benchmarks/export_bench.py
 	@test -f $(BENCH_REAL_MODEL)/baton_manifest.json || $(VENV)/bin/baton import \
 		gguf:$$($(PYTHON) infra/models/real_models.py smollm2-135m-instruct) $(BENCH_REAL_MODEL)
 	$(VENV)/bin/python benchmarks/packing_bench.py --model $(BENCH_REAL_MODEL) --window 256 --steps 5 \
@@ -159,6 +163,8 @@ bench: setup
 		--engines hf vllm --steps 4 --out benchmarks/results/real_grpo_engines.json
 	$(VENV)/bin/python benchmarks/real_grpo_bench.py $(BENCH_REAL_MODEL) $(BATON_HOME)/bench/real-grpo \
 		--seeds 0 1 --out benchmarks/results/real_grpo.json
+	$(VENV)/bin/python benchmarks/export_bench.py $(BENCH_REAL_MODEL) --types f16,q8_0,q4_K_M --bound q4_K_M=0.7 \
+		--out benchmarks/results/export_smollm2.json
 
 # Mutated real checkpoints of every format (ZeRO torch.save, torch_dist, safetensors, manifest, seal) through baton's
 # readers in worker processes under a 3 GiB address-space limit, with a canary for executed code (benchmarks/fuzz.py;

@@ -36,6 +36,7 @@ class Step:
     input_fingerprint: str | None = None
     extra: dict = field(default_factory=dict)
     facts: dict = field(default_factory=dict)  # what the fingerprint digests: config, code, files, input (chain_planner)
+    reads_side_of: str | None = None  # the earlier step whose first side output is its input (not the relay's)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -62,6 +63,7 @@ def build_steps(cfg: PipelineConfig, stages: list[str], input_format: str | None
     steps: list[Step] = []
     current = input_format
     prev_stage = None
+    sides: dict[str, str] = {}  # format -> the latest step writing side outputs of it
     for s in stages:
         spec = STAGES[s]
         scfg = cfg.stage_config(s)
@@ -76,12 +78,15 @@ def build_steps(cfg: PipelineConfig, stages: list[str], input_format: str | None
             current, prev_stage = target, s
             continue
         want = spec.consumes(scfg)
-        if current is not None and want is not None and current != want:
+        side_of = sides.get(want) if want != current else None
+        if side_of is None and current is not None and want is not None and current != want:
             steps.append(_convert(current, want, prev_stage, implicit=True))
             current = want
-        steps.append(Step(s, s, want, spec.produces(scfg)))
+        steps.append(Step(s, s, want, spec.produces(scfg), reads_side_of=side_of))
         current = spec.produces(scfg) or current
         prev_stage = s
+        if (side := spec.side_format(scfg)) is not None:
+            sides[side] = s
     if current not in (None, Format.HF_SAFETENSORS, Format.DATASET):
         steps.append(_convert(current, Format.HF_SAFETENSORS, prev_stage, implicit=True))
     labels: dict[str, int] = {}
@@ -146,13 +151,14 @@ def fingerprint_steps(cfg: PipelineConfig, steps: list[Step], input_fingerprint:
     data = data_facts(cfg, root, input_format, input_fingerprint)
     data_fp = _hash([DATA_STAGE, data])
     prev = input_fingerprint
+    done: dict[str, str] = {}  # label -> fingerprint, for a step that reads an earlier one's side output
     for st in steps:
         if _role(st.name) == StageRole.DATA:
             st.facts, st.fingerprint = data, data_fp
             continue
-        st.input_fingerprint = prev
-        st.facts = step_facts(cfg, st, root, data_fp, prev)
-        st.fingerprint = _hash([st.name, st.facts])
+        st.input_fingerprint = done[st.reads_side_of] if st.reads_side_of else prev
+        st.facts = step_facts(cfg, st, root, data_fp, st.input_fingerprint)
+        st.fingerprint = done[st.label] = _hash([st.name, st.facts])
         if st.produces is not None:
             prev = st.fingerprint
 

@@ -199,6 +199,17 @@ class PipelineConfig(StrictModel):
     def stage_config(self, name: str):
         return getattr(self, name)
 
+    def formats_before(self, name: str) -> set[str]:
+        """The checkpoint formats the stages listed before `name` write, on the relay or beside it."""
+        before = self.stages[:self.stages.index(name)] if name in self.stages else []
+        return {fmt for s in before for fmt in (STAGES[s].produces(self.stage_config(s)),
+                                                STAGES[s].side_format(self.stage_config(s))) if fmt}
+
+    def writers(self, fmt: str) -> list[str]:
+        """The registered stages that write `fmt` (on the relay or beside it) as this config sets them."""
+        return [s for s in CHAIN_ORDER if fmt in (STAGES[s].produces(self.stage_config(s)),
+                                                  STAGES[s].side_format(self.stage_config(s)))]
+
     def validate_stages(self, host: bool = True) -> list[ConfigProblem]:
         """Cross-field checks each stage declares (e.g. heads divisible by TP), run before anything launches; `host`:
         also what this machine must have to launch it (False when the stages run elsewhere, e.g. `baton k8s`)."""

@@ -102,9 +102,11 @@ def prepare(cfg: PipelineConfig, from_ref: str | None):
     steps = planning.plan(cfg, input_format, input_fp)
     from conversions.registry import supported
 
-    for st in steps:
+    for i, st in enumerate(steps):
         if st.name == CONVERT_STAGE and not supported(st.consumes, st.produces):
-            raise ConfigError(f"step {st.label}: no converter from {st.consumes} to {st.produces}")
+            reader = steps[i + 1] if st.implicit and i + 1 < len(steps) else None
+            why = f" (stage '{reader.label}' reads {st.produces}, as its config sets it)" if reader else ""
+            raise ConfigError(f"step {st.label}: no converter from {st.consumes} to {st.produces}{why}")
     check_chat_template(cfg, steps, input_path, input_format)
     check_architectures(cfg, steps, input_path, input_format)
     first_real = next((s for s in steps if s.name != DATA_STAGE), None)
@@ -173,13 +175,16 @@ def _run_steps(cfg: PipelineConfig, steps: list, run: RunInfo, summary: dict, in
     current, current_fmt = (str(input_path) if input_path else None), input_format
     data_dir = None
     failed = None
+    sides: dict[str, dict[str, str]] = {}  # step label -> format -> its first side output of that format
     for i, step in enumerate(steps):
         if failed:
             summary["stages"].append({"name": step.name, "label": step.label, "status": Status.SKIPPED,
                                       "fingerprint": step.fingerprint})
             continue
         try:
-            entry = run_step(step, cfg, run, i, current, current_fmt, data_dir, use_cache)
+            into, into_fmt = (((sides.get(step.reads_side_of) or {}).get(step.consumes), step.consumes)
+                              if step.reads_side_of else (current, current_fmt))
+            entry = run_step(step, cfg, run, i, into, into_fmt, data_dir, use_cache)
         except StageFailed as e:
             failed = str(e)
             entry = e.entry or {"name": step.name, "label": step.label, "error": failed}
@@ -187,11 +192,24 @@ def _run_steps(cfg: PipelineConfig, steps: list, run: RunInfo, summary: dict, in
         summary["stages"].append(entry)
         runs.write_summary(run.run_dir, summary)
         if entry["status"] in (Status.COMPLETED, Status.CACHED):
+            if entry.get("side_outputs"):
+                sides[step.label] = first_side_output_by_format(entry["side_outputs"])
             if step.name == DATA_STAGE:
                 data_dir = entry.get("output")
             elif entry.get("output") and step.produces is not None:
                 current, current_fmt = entry["output"], step.produces
     return failed
+
+
+def first_side_output_by_format(side_outputs: dict) -> dict[str, str]:
+    """Each format's first side output (as the stage listed them), read from its manifest: an export of q4_K_M and
+    w8a8 writes a GGUF file and a quantized HF folder, and a later llama.cpp serve reads the GGUF."""
+    firsts: dict[str, str] = {}
+    for side in side_outputs.values():
+        fmt = (mf.read(Path(side["output"])) or {}).get("format")
+        if fmt:
+            firsts.setdefault(fmt, side["output"])
+    return firsts
 
 
 def _lineage_markdown(summary: dict) -> str:

@@ -181,7 +181,7 @@ def _register(c, cfg: PipelineConfig, step: Step, out: Path, run_id: str, mlflow
     fmt = m["format"]
     if fmt == Format.DATASET:
         return None
-    name = cfg.tracking.registered_model if fmt == Format.HF_SAFETENSORS else f"{cfg.tracking.registered_model}-{fmt}"
+    name = tracking.registered_name(cfg.tracking.registered_model, fmt)
     alias = variant or "candidate"
     version = tracking.register_checkpoint(
         c, name, out, mlflow_run,

@@ -144,6 +144,9 @@ class StageSpec:
     task: str                                   # "module:function", a Prefect task taking (ctx, cfg)
     consumes: Callable[[Any], str | None]       # checkpoint format the stage reads (None: no checkpoint input)
     produces: Callable[[Any], str | None]       # checkpoint format it writes (None: no checkpoint)
+    # format of the checkpoints it writes beside the relay (StageOutput.side_outputs; None: none): a later stage that
+    # consumes this format, where the relay carries another, reads the first of them
+    side_format: Callable[[Any], str | None] = lambda cfg: None
     input_required: bool = True                 # False: runs without an input checkpoint (e.g. pretrain from scratch)
     validate: Callable[[Any, Any], list[ConfigProblem]] = lambda cfg, pipeline: []  # found before anything launches
     validate_host: Callable[[Any, Any], list[ConfigProblem]] = lambda cfg, pipeline: []  # what this machine lacks

@@ -394,6 +394,13 @@ def system_metrics(run_id: str):
         return None
 
 
+def registered_name(base: str, fmt: str) -> str:
+    """The registered model a checkpoint of this format is a version of: `base` for HF, `<base>-<format>` else."""
+    from conversions.manifest import Format
+
+    return base if fmt == Format.HF_SAFETENSORS else f"{base}-{fmt}"
+
+
 def register_checkpoint(c, model_name: str, path: Path, run_id: str, tags: dict, alias: str | None = "candidate",
                         upload_weights: bool = False, artifact_path: str = "checkpoint") -> str:
     """A model version whose source is the checkpoint folder (weights stay where they are unless upload_weights);

@@ -1,33 +1,72 @@
-"""llama.cpp as a serving engine (tasks/serve/llamacpp.py): llama-server from the llamacpp runtime on the tiny
-model's f16 export, with the smoke checks of the HF engines (models, 401 without the key, a chat rendered with the
-GGUF's own template) and greedy token parity with HF generate on the GGUF's own weights."""
+"""llama.cpp as a serving engine inside the serve stage (`serve.engine: llamacpp`, tasks/serve/llamacpp.py): the
+export stage writes the tiny model's q4_K_M GGUF beside the relay, the serve stage reads that file (the relay hands it the
+side output of the format it consumes) and proves llama-server right with the HF engines' checks: models, 401 without
+the key, a chat rendered with the GGUF's own template, that rendering token for token, the stop at the end of a turn,
+greedy token parity with HF generate on the GGUF's own weights, lm-eval through the server. Where it cannot apply, the
+run is refused before anything launches, naming the key."""
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 
-from conftest import cli
+from conftest import TINY, baton
+
+DATA = ("--set", "data.pretrain_docs=200", "--set", "data.preference_pairs=40", "--set", "data.sft_examples=60")
+CHECKS = {"L0.integrity", "preflight.gguf_source", "preflight.runtimes", "llamacpp.server", "llamacpp.smoke.models",
+          "llamacpp.smoke.auth_401", "llamacpp.smoke.chat", "llamacpp.smoke.chat_template_parity",
+          "llamacpp.smoke.stops_at_end_of_turn", "llamacpp.smoke.greedy_parity", "promotion.lm_eval"}
 
 
-@pytest.fixture(scope="module")
-def f16_export(tmp_path_factory, hf_checkpoint):
-    dest = tmp_path_factory.mktemp("llamacpp") / "f16"
-    r = cli("export", str(hf_checkpoint), str(dest), "--type", "f16", home=dest.parent / "home")
-    assert r.returncode == 0, r.stdout + r.stderr
-    return dest
+def test_the_serve_stage_serves_the_exported_gguf_with_llama_server(baton_home, hf_checkpoint):
+    r = baton("run", str(TINY), "--from", str(hf_checkpoint), "--stages", "export,serve", *DATA,
+              "--set", "export.types=[q4_K_M]", "--set", "serve.engine=llamacpp", "--set", "serve.health_timeout_s=120",
+              "--set", "serve.smoke.parity_prompts=2", "--set", "serve.smoke.parity_tokens=16",
+              "--set", "serve.lm_eval.limit=4", home=baton_home, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    summary = json.loads((Path(r.stdout.strip().splitlines()[-1]) / "summary.json").read_text())
+    export, serve = (next(e for e in summary["stages"] if e["name"] == n) for n in ("export", "serve"))
+    gguf = export["side_outputs"]["q4_K_M"]["output"]
+    assert export["metrics"]["q4_k_m_logit_rms"] < 0.3, export["metrics"]  # metric names are lower case
+    assert serve["status"] == "completed" and serve["served_checkpoint"] == gguf, serve
+    checks = {c["name"]: c for c in serve["gate"]["checks"]}
+    assert set(checks) == CHECKS, sorted(checks)
+    assert "2 prompts x 16 tokens identical" in checks["llamacpp.smoke.greedy_parity"]["detail"]
+    assert serve["metrics"]["llamacpp_tokens_per_s"] > 0 and "lm_eval_wall_s" in serve["metrics"], serve["metrics"]
+    champion = serve["champion"]
+    assert champion["name"] == "baton-tiny-gguf-file", champion  # a version of the GGUF's own registered model
 
 
-def config():
-    from tasks.serve.config import ServeConfig, SmokeConfig
+@pytest.mark.fast
+def test_llamacpp_without_a_gguf_upstream_is_refused_naming_the_key():
+    from flows.config import ConfigError, load
 
-    return ServeConfig(health_timeout_s=120, smoke=SmokeConfig(parity_prompts=2, parity_tokens=16))
+    with pytest.raises(ConfigError, match=r"serve\.engine llamacpp serves a gguf-file checkpoint, and no stage listed "
+                                          r"before serve writes one .*\(export\) before serve"):
+        load(TINY, ["serve.engine=llamacpp", "stages=[data,pretrain,rlhf,finetune,serve]"])
+    with pytest.raises(ConfigError, match=r"serve\.device cuda: serve\.engine llamacpp"):
+        load(TINY, ["serve.engine=llamacpp", "serve.device=cuda"])
 
 
-def test_llama_server_serves_the_f16_export_with_greedy_parity(f16_export, tmp_path):
-    from tasks.serve import llamacpp
+@pytest.mark.fast
+def test_the_planner_hands_llamacpp_the_export_side_output_and_vllm_the_relay():
+    from flows import chain_planner
+    from flows.config import load
 
-    served = llamacpp.check_gguf(f16_export, config(), tmp_path)
-    checks = {c["name"]: c for c in served.report["checks"]}
-    assert served.report["passed"], served.report
-    assert set(checks) == {"smoke.models", "smoke.auth_401", "smoke.chat", "smoke.greedy_parity"}
-    assert "2 prompts x 16 tokens identical" in checks["smoke.greedy_parity"]["detail"]
+    for engine, consumes, side_of in (("llamacpp", "gguf-file", "export"), ("vllm", "hf-safetensors", None)):
+        steps = chain_planner.plan(load(TINY, [f"serve.engine={engine}"]))
+        serve, export = (next(s for s in steps if s.name == n) for n in ("serve", "export"))
+        assert (serve.consumes, serve.reads_side_of) == (consumes, side_of), serve
+        assert serve.input_fingerprint == (export.fingerprint if side_of else export.input_fingerprint)
+        assert not any(s.name == "convert" and s.produces == "gguf-file" for s in steps)
 
+
+@pytest.mark.fast
+def test_a_format_the_engine_does_not_serve_is_refused_by_the_serve_preflight(hf_checkpoint):
+    from tasks.serve.config import ServeConfig
+    from tasks.serve.task import preflight
+
+    failed = [c for c in preflight(hf_checkpoint, ServeConfig(engine="llamacpp")) if not c["passed"]]
+    assert [c["name"] for c in failed] == ["preflight.format"], failed
+    assert "serve.engine llamacpp serves gguf-file" in failed[0]["detail"] and "baton export" in failed[0]["detail"]

@@ -20,12 +20,19 @@ def _smoke(cfg: ExportConfig) -> dict:
     return {"types": first, "max_logit_rms": {k: v for k, v in cfg.max_logit_rms.items() if k in first},
             "max_loss_delta": {k: v for k, v in cfg.max_loss_delta.items() if k in first}}
 
+
+def _side_format(cfg: ExportConfig) -> str | None:
+    """GGUF when a GGUF type is exported: the quantized vLLM folders are side outputs too, but of another format."""
+    return None if all(map(is_quantization, cfg.types)) else Format.GGUF_FILE
+
+
 STAGE = StageSpec(
     name="export",
     config_model=ExportConfig,
     task="tasks.export.task:run_export",
     consumes=lambda cfg: Format.HF_SAFETENSORS,
     produces=lambda cfg: None,  # the GGUF files are side outputs: the next stage reads the HF checkpoint
+    side_format=_side_format,  # a later stage that consumes GGUF gets the first GGUF type's file
     runtimes=_runtimes,
     smoke=_smoke,
     description="GGUF files for llama.cpp / Ollama (llama.cpp's converter) and quantized checkpoints for vLLM "

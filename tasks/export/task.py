@@ -67,15 +67,17 @@ def launched_quantizer(ctx: StageContext, cfg: ExportConfig, type_name: str):
 
 def measures(type_name: str, outcome: run.Outcome) -> dict:
     """The gate's numbers of one type as the stage's metrics: the logit measures (a failed check's too), the gate's
-    seconds, and for a published file its size and the conversion's seconds."""
+    seconds, and for a published file its size and the conversion's seconds. Named by the type in lower case (metric
+    names are lower_snake_case: q4_K_M's are q4_k_m_*)."""
     by_name = {c["name"]: c for c in outcome.report["checks"]}
     logits = by_name.get("gguf.logits", {})
-    out = {f"{type_name}_{k}": logits[k] for k in run.LOGIT_MEASURES if k in logits}
+    kind = type_name.lower()
+    out = {f"{kind}_{k}": logits[k] for k in run.LOGIT_MEASURES if k in logits}
     if "loss_delta" in by_name.get("quant.heldout_loss", {}):
-        out[f"{type_name}_loss_delta"] = by_name["quant.heldout_loss"]["loss_delta"]
-    out[f"{type_name}_gate_s"] = round(sum((outcome.report.get("seconds") or {}).values()), 3)
+        out[f"{kind}_loss_delta"] = by_name["quant.heldout_loss"]["loss_delta"]
+    out[f"{kind}_gate_s"] = round(sum((outcome.report.get("seconds") or {}).values()), 3)
     if outcome.published is not None:
         extra = mf.read(outcome.published)["extra"]
-        out.update({f"{type_name}_size_bytes": extra["size"], f"{type_name}_convert_s": extra["seconds"]})
-        out.update({f"{type_name}_{k}": extra[k] for k in ("heldout_loss", "heldout_loss_source") if k in extra})
+        out.update({f"{kind}_size_bytes": extra["size"], f"{kind}_convert_s": extra["seconds"]})
+        out.update({f"{kind}_{k}": extra[k] for k in ("heldout_loss", "heldout_loss_source") if k in extra})
     return out

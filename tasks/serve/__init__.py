@@ -28,6 +28,7 @@ def validate(cfg: ServeConfig, pipeline) -> list[ConfigProblem]:
             if problem:
                 errors.append(ConfigProblem("serve.engine", f"serve.engine {cfg.engine} on serve.device cpu: the "
                                             f"model section's {problem}"))
+    errors += llamacpp_problems(cfg, pipeline)
     if cfg.api_key_file and not cfg.api_key_file.is_file():
         errors.append(ConfigProblem("serve.api_key_file", f"serve.api_key_file: {cfg.api_key_file}: no such file"))
     if cfg.device == "cpu" and cfg.tensor_parallel > 1:
@@ -36,11 +37,30 @@ def validate(cfg: ServeConfig, pipeline) -> list[ConfigProblem]:
     return errors
 
 
+def llamacpp_problems(cfg: ServeConfig, pipeline) -> list[ConfigProblem]:
+    """llama-server serves a GGUF file on CPU: an earlier stage must write one (a run whose first model stage is serve
+    takes its GGUF folder from --from)."""
+    if cfg.engine != "llamacpp":
+        return []
+    errors = []
+    if cfg.device != "cpu":
+        errors.append(ConfigProblem("serve.device", "serve.device cuda: serve.engine llamacpp runs the llamacpp "
+                                    "runtime's llama-server, built for CPU"))
+    upstream = pipeline.formats_before("serve") - {Format.DATASET} if hasattr(pipeline, "formats_before") else set()
+    if upstream and Format.GGUF_FILE not in upstream:
+        writers = ", ".join(pipeline.writers(Format.GGUF_FILE)) or "none is registered"
+        errors.append(ConfigProblem("serve.engine", f"serve.engine llamacpp serves a {Format.GGUF_FILE} checkpoint, "
+                                    f"and no stage listed before serve writes one (they write "
+                                    f"{', '.join(sorted(upstream))}); list a stage that does ({writers}) before "
+                                    "serve, or serve with vllm or sglang"))
+    return errors
+
+
 STAGE = StageSpec(
     name="serve",
     config_model=ServeConfig,
     task="tasks.serve.task:run_serve",
-    consumes=lambda cfg: Format.HF_SAFETENSORS,
+    consumes=lambda cfg: cfg.input_format(),
     produces=lambda cfg: None,
     validate=validate,
     validate_host=lambda cfg, pipeline: read_errors("serve.lm_eval.include_path", cfg.lm_eval.include_path, "dir"),

@@ -74,7 +74,9 @@ class ServeConfig(StrictModel):
     renamed: ClassVar[dict[str, str]] = {"dtype": "precision", "health_timeout": "health_timeout_s",
                                          "tensor_parallel_size": "tensor_parallel"}
 
-    engine: Literal["vllm", "sglang", "both"] = Field("both", description="vllm, sglang, or both one at a time")
+    engine: Literal["vllm", "sglang", "both", "llamacpp"] = Field(
+        "both", description="vllm, sglang, or both one at a time (an HF checkpoint); llamacpp: llama-server on the "
+                            "GGUF file an earlier stage exported (its first type), or on a GGUF folder from --from")
     device: Literal["cpu", "cuda"] = Field("cpu", description="cpu: the CPU runtimes and flags; cuda: GPU images")
     host: str = Field("127.0.0.1", description="address the server listens on; other than loopback needs allow_remote")
     allow_remote: bool = Field(False, description="let serve.host be reachable from other machines (API key only)")
@@ -85,7 +87,7 @@ class ServeConfig(StrictModel):
     precision: Literal["fp32", "bf16", "fp16", "auto"] = Field(
         "fp32", description="weights and activations on the server; auto: the checkpoint's own dtype")
     tensor_parallel: int = Field(1, ge=1, description="GPUs one server shards the model over")
-    engine_args: dict[Literal["vllm", "sglang"], list[str]] = Field(
+    engine_args: dict[Literal["vllm", "sglang", "llamacpp"], list[str]] = Field(
         default_factory=dict, description="extra command-line flags per engine, appended last")
     gpu_memory_utilization: float | None = Field(
         None, gt=0, le=1, description="cuda: fraction of GPU memory the server may take (vLLM "
@@ -122,3 +124,9 @@ class ServeConfig(StrictModel):
 
     def engines(self) -> list[str]:
         return ["vllm", "sglang"] if self.engine == "both" else [self.engine]
+
+    def input_format(self) -> str:
+        """The checkpoint format the chosen engine serves."""
+        from conversions.manifest import Format
+
+        return Format.GGUF_FILE if self.engine == "llamacpp" else Format.HF_SAFETENSORS

@@ -2,7 +2,7 @@
 
 CPU flags follow the measured recipes (shared notes vllm-on-cpu.md, sglang-on-cpu.md); on `device: cuda` only the
 portable flags are passed and the regular GPU packages / images are expected. llama.cpp's llama-server serves a GGUF
-file (`baton export`), not the HF folder: tasks.serve.llamacpp.
+file (an export folder), not the HF folder: tasks.serve.llamacpp.
 """
 from __future__ import annotations
 
@@ -132,12 +132,14 @@ def sglang_command(cfg: ServeConfig, python: str, model_dir: Path, port: int, se
     return cmd + list(cfg.engine_args.get("sglang", [])), env
 
 
-def llamacpp_command(cfg: ServeConfig, python: str, gguf_file: Path, port: int, served_name: str,
+def llamacpp_command(cfg: ServeConfig, python: str, model_dir: Path, port: int, served_name: str,
                      api_key: str, secrets_dir: Path | None = None) -> tuple[list[str], dict]:
-    """llama-server (built into the llamacpp runtime's bin by llamacpp.post.sh) on one GGUF file: the chat template
-    is the file's own tokenizer.chat_template, rendered by its Jinja engine (--jinja)."""
+    """llama-server (built into the llamacpp runtime's bin by llamacpp.post.sh) on an export folder's GGUF file: the
+    chat template is the file's own tokenizer.chat_template, rendered by its Jinja engine (--jinja)."""
+    from conversions.gguf_export import GGUF_NAME
+
     server = Path(python).parent / "llama-server"
-    cmd = [str(server), "--model", str(gguf_file), "--host", cfg.host, "--port", str(port), "--alias", served_name,
+    cmd = [str(server), "--model", str(Path(model_dir) / GGUF_NAME), "--host", cfg.host, "--port", str(port), "--alias", served_name,
            "--jinja", "--no-webui", "--ctx-size", str(cfg.max_model_len or 0)]  # 0: the file's context length
     env = {"LLAMA_API_KEY": api_key}  # through the environment: never on a command line or in a log
     return cmd + list(cfg.engine_args.get("llamacpp", [])), env

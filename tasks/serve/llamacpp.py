@@ -1,22 +1,22 @@
-"""llama.cpp as a serving engine: llama-server (the llamacpp runtime) on a GGUF export (`baton export`), proven right
-as the HF engines are — /v1/models and 401 without the key, a chat completion rendered with the file's own chat
-template (prompt tokens as HF's rendering of the source's template), and greedy token parity with HF generate on the
-same weights: the GGUF's, dequantised into the source's architecture (conversions.gguf_export),
-so a quantised file is compared with itself and only the engine is under test.
+"""llama.cpp as a serving engine (`serve.engine: llamacpp`): llama-server (the llamacpp runtime) on a GGUF export
+folder, proven right as the HF engines are. The serve stage runs it on the GGUF an earlier stage exported (the relay
+hands it the first side output of that format) or on a GGUF folder given with --from; `check_gguf` is the same launch
+and checks outside a pipeline. The checks: /v1/models and 401 without the key, a chat completion rendered with the
+file's own chat template (prompt tokens as HF's rendering of the source's template, the rendering token for token, the
+stop at the end of a turn), and greedy token parity with HF generate on the same weights: the GGUF's, dequantised into
+the source's architecture (conversions.gguf_export), so a quantised file is compared with itself and only the engine
+is under test.
 
-Not yet: the JSON-schema smoke. llama-server takes response_format json_schema (a grammar), but its chat route parses
-the answer and fails the request (500, "does not match the expected peg-native format") when the text is not valid
-UTF-8, which a random-init model's byte tokens inside a JSON string often are; its grammar also allows whitespace
-between tokens, unlike the HF engines' flags.
-
-What is left for the serve stage (`serve.engine: llamacpp`): it consumes an HF checkpoint, so it would export f16
-first (the export stage) and promote the GGUF; today `check_gguf` is the engine's launch and gate, usable on any
-export folder whose parent HF checkpoint is still there.
+Not checked here: the JSON-schema and regex smokes. llama-server takes response_format json_schema (a grammar), but its
+chat route parses the answer and fails the request (500, "does not match the expected peg-native format") when the text
+is not valid UTF-8, which a random-init model's byte tokens inside a JSON string often are; its grammar also allows
+whitespace between tokens, unlike the HF engines' flags; it takes no regex. Nor the sampling defaults: llama-server
+applies its own, not generation_config.json's.
 """
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from conversions import gguf_export, manifest as mf
@@ -30,9 +30,19 @@ ENGINE = "llamacpp"
 
 
 @dataclass
+class Source:
+    """What a GGUF file is proven against: its HF parent (tokenizer, template, architecture) and the file's own
+    weights in that architecture."""
+    hf_dir: Path
+    model: object  # a transformers model, fp32
+
+
+@dataclass
 class Served:
     report: dict      # verify.report of the checks
     log: Path         # the server's (redacted) log
+    metrics: dict = field(default_factory=dict)  # smoke.performance of the live server (empty when it never started)
+    probed: object = None  # what `probe` returned
 
 
 def source_of(export_dir: Path) -> Path:
@@ -44,6 +54,24 @@ def source_of(export_dir: Path) -> Path:
     return parent
 
 
+def preflight(export_dir: Path) -> list[dict]:
+    """Before llama-server starts: the folder holds a GGUF file whose HF parent is still here."""
+    gguf_file = Path(export_dir) / gguf_export.GGUF_NAME
+    if not gguf_file.is_file():
+        return [check("preflight.gguf", False, f"{gguf_file}: missing")]
+    try:
+        parent = source_of(export_dir)
+    except gguf_export.ExportError as e:
+        return [check("preflight.gguf_source", False, str(e))]
+    return [check("preflight.gguf_source", True, f"{gguf_file.name} of {(mf.read(export_dir) or {}).get('dtype')}, "
+                                                 f"proven against its HF parent {parent}")]
+
+
+def source(export_dir: Path) -> Source:
+    hf_dir = source_of(export_dir)
+    return Source(hf_dir, gguf_model(Path(export_dir) / gguf_export.GGUF_NAME, hf_dir))
+
+
 def gguf_model(gguf_file: Path, hf_dir: Path):
     """The GGUF file's weights in the source's architecture (fp32), as the export gate builds it."""
     from transformers import AutoConfig
@@ -53,20 +81,20 @@ def gguf_model(gguf_file: Path, hf_dir: Path):
 
 
 def check_gguf(export_dir: Path, cfg: ServeConfig, work_dir: Path, runtime_specs: dict | None = None,
-               hf_dir: Path | None = None) -> Served:
-    """Serve export_dir/model.gguf with llama-server, run the checks, stop the server."""
+               hf_dir: Path | None = None, probe=None) -> Served:
+    """Serve export_dir/model.gguf with llama-server, run the checks and the decode benchmark, then `probe(endpoint)`
+    when given, stop the server (outside a pipeline: the benchmarks and the real-model lane)."""
     from transformers import AutoTokenizer
 
     from tasks.serve.reference import greedy_reference
 
-    gguf_file = Path(export_dir) / gguf_export.GGUF_NAME
     hf_dir = hf_dir or source_of(export_dir)
-    model = gguf_model(gguf_file, hf_dir)
+    model = gguf_model(Path(export_dir) / gguf_export.GGUF_NAME, hf_dir)
     reference = greedy_reference(hf_dir, cfg.smoke.parity_prompts, cfg.smoke.parity_tokens, model=model)
     key, port = "baton-" + secrets.token_urlsafe(24), cfg.port or free_port()
     name = cfg.served_model_name or Path(export_dir).name
-    cmd, env = engines.llamacpp_command(cfg, runtimes.python_for(engines.RUNTIME[ENGINE], runtime_specs), gguf_file,
-                                        port, name, key)
+    cmd, env = engines.llamacpp_command(cfg, runtimes.python_for(engines.RUNTIME[ENGINE], runtime_specs),
+                                        Path(export_dir), port, name, key)
     base_url = f"http://{cfg.host}:{port}"
     log = Path(work_dir) / f"server-{ENGINE}.log"
     server = Server(ENGINE, cmd, env, base_url, log, redactor(key))
@@ -77,6 +105,8 @@ def check_gguf(export_dir: Path, cfg: ServeConfig, work_dir: Path, runtime_specs
             tok = AutoTokenizer.from_pretrained(str(hf_dir))
             checks = [smoke.models(ep), smoke.unauthorized(ep), smoke.chat(ep, tok, cfg.smoke.max_tokens),
                       smoke.greedy_parity(ep, reference, hf_dir, model)]
+            metrics = smoke.performance(ep)
+            probed = probe(ep) if probe else None
     except ServerFailed as e:
-        checks = [check("serve.healthy", False, str(e)[-2000:])]
-    return Served(report(checks, {}), log)
+        return Served(report([check("serve.healthy", False, str(e)[-2000:])], {}), log)
+    return Served(report(checks, {}), log, metrics, probed)

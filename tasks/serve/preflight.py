@@ -11,6 +11,8 @@ def check_input(pipeline, step, config: dict, input_path: Path) -> str | None:
     from tasks.serve.engines import vllm_cpu_head_dim_problem
 
     serve = pipeline.stage_config(step.name)
+    if serve.engine == "llamacpp":
+        return None  # it serves the GGUF file an earlier stage wrote: that stage's converter decides what it reads
     if problem := vllm_cpu_head_dim_problem(serve, config):
         return f"serve.engine {serve.engine} on serve.device cpu: {problem}"
     archs = config.get("architectures") if isinstance(config.get("architectures"), list) else []

@@ -23,6 +23,7 @@ JSON_SCHEMA = {
     "additionalProperties": False,
 }
 REGEX = r"(fruit|animal|color|city): [a-z]{2,8}"
+STRUCTURED_ENGINES = ("vllm", "sglang")  # those asked for JSON-schema and regex answers (tasks.serve.llamacpp: why not)
 WORDS = ["apple", "tiger", "paris", "purple", "mango", "wolf", "lima", "green", "kiwi", "bear"]
 
 
@@ -203,6 +204,12 @@ def first_difference(a: list, b: list) -> int:
 
 
 def served_rendering(ep: Endpoint, messages: list[dict]) -> list[int]:
+    if ep.engine == "llamacpp":  # its template route, then its tokenizer as its chat route calls it (specials on)
+        r = ep.post("/apply-template", {"messages": messages})
+        r.raise_for_status()
+        r = ep.post("/tokenize", {"content": r.json()["prompt"], "add_special": True, "parse_special": True})
+        r.raise_for_status()
+        return list(r.json()["tokens"])
     r = ep.post(TOKENIZE_PATH[ep.engine], {"model": ep.model, "messages": messages})
     r.raise_for_status()
     return list(r.json()["tokens"])

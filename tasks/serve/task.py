@@ -1,5 +1,6 @@
 """Serve stage: preflight the HF checkpoint, serve it with vLLM and/or SGLang (one server at a time), prove each
-server right with smoke checks and lm-eval, then move the registry alias `champion` to it.
+server right with smoke checks and lm-eval, then move the registry alias `champion` to it. With `engine: llamacpp` the
+checkpoint is a GGUF export folder, served by llama-server and proven against its HF parent (tasks.serve.llamacpp).
 
 A checkpoint that fails preflight is refused before any server starts; nothing is promoted unless every check passed.
 """
@@ -17,9 +18,10 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from conversions import manifest as mf, verify
+from conversions.manifest import Format
 from tasks import events, tracking
 from tasks.gates import LM_EVAL_WORKER
-from tasks.serve import engines, smoke, supervisor
+from tasks.serve import engines, llamacpp, smoke, supervisor
 from tasks.serve.config import ServeConfig
 from tasks.serve.routing import routing_mismatch
 from tasks.serve.server import Server, ServerFailed, free_port, redactor
@@ -39,19 +41,39 @@ def _logger():
         return logging.getLogger("baton.serve")
 
 
-def preflight(model_dir: Path) -> list[dict]:
-    """L0 integrity + the serving preflight; later checks are skipped once the files are known corrupt."""
+def preflight(model_dir: Path, cfg: ServeConfig | None = None) -> list[dict]:
+    """L0 integrity + the serving preflight of the format the engine serves; later checks are skipped once the files
+    are known corrupt or of another format."""
     try:
         checks = verify.integrity(model_dir)
     except mf.ManifestError as e:
         return [verify.check("L0.integrity", False, str(e))]
     if not checks[-1]["passed"]:
         return checks
+    want = cfg.input_format() if cfg else Format.HF_SAFETENSORS
+    if (problem := format_problem(model_dir, cfg, want)) is not None:
+        return checks + [problem]
+    if want == Format.GGUF_FILE:
+        return checks + llamacpp.preflight(model_dir)
     return checks + verify.preflight(model_dir) + verify.finite_weights(model_dir)
+
+
+def format_problem(model_dir: Path, cfg: ServeConfig | None, want: str) -> dict | None:
+    """A failed check when the folder is not of the format serve.engine serves (a folder without a manifest is
+    taken as HF)."""
+    fmt = (mf.read(model_dir) or {}).get("format") or Format.HF_SAFETENSORS
+    if fmt == want:
+        return None
+    fix = ("export it to GGUF first (`baton export`)" if want == Format.GGUF_FILE
+           else "serve it with serve.engine llamacpp")
+    return verify.check("preflight.format", False, f"serve.engine {cfg.engine if cfg else 'both'} serves {want}; "
+                                                   f"{model_dir} is {fmt}: {fix}")
 
 
 def engine_checks(model_dir: Path, cfg: ServeConfig, runtimes: dict | None = None) -> list[dict]:
     """What the chosen engines on this device cannot run, found before a server starts and crashes."""
+    if cfg.input_format() != Format.HF_SAFETENSORS:
+        return []  # llama-server reads what the export's converter wrote; the models' registries are the HF engines'
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, json.JSONDecodeError):
@@ -107,8 +129,9 @@ def api_key(work_dir: Path, cfg: ServeConfig) -> tuple[str, Path]:
 def model_identity(ctx: StageContext, cfg: ServeConfig, register: bool) -> dict:
     """{"name", "version", "digest"}: the registry entry of the input (found by its manifest digest tag, registered
     here when missing and `register`), and the served model name `<name>:<version>` (else the folder name)."""
-    name = (ctx.tracking or {}).get("registered_model") or "baton"
     m = mf.read(ctx.input)
+    name = tracking.registered_name((ctx.tracking or {}).get("registered_model") or "baton",
+                                    (m or {}).get("format") or Format.HF_SAFETENSORS)
     digest = mf.digest_of(m) if m else None
     version = None
     if digest:
@@ -170,9 +193,11 @@ def primary_score(scores: dict) -> float | None:
 
 
 def serve_engine(ctx: StageContext, cfg: ServeConfig, engine: str, ident: dict, key: str, key_file: Path,
-                 reference: list[dict], tokenizer, serving: dict, *, evaluate: bool, keep: bool, detach: bool) -> dict:
+                 reference: list[dict], tokenizer, serving: dict, *, evaluate: bool, keep: bool, detach: bool,
+                 source: llamacpp.Source | None = None) -> dict:
     """Start one engine's server, run every smoke check against it, stop it unless keep (detach: let it outlive
-    this process). Returns {"checks", "metrics", "server", "eval"}."""
+    this process). `source`: what a GGUF file is proven against (its HF parent and its weights in that architecture;
+    None: the served HF checkpoint itself). Returns {"checks", "metrics", "server", "eval"}."""
     log = _logger()
     port = cfg.port or free_port(cfg.host)
     base_url = f"http://{cfg.host}:{port}"
@@ -202,13 +227,10 @@ def serve_engine(ctx: StageContext, cfg: ServeConfig, engine: str, ident: dict, 
                   _guarded("smoke.auth_401", smoke.unauthorized, ep),
                   _guarded("smoke.chat", smoke.chat, ep, tokenizer, s.max_tokens)] + contract_checks(
                       ep, server, tokenizer, serving)
-        try:
-            chk, rate = smoke.json_schema(ep, s.json_requests, s.max_tokens)
-            out["metrics"]["json_valid_rate"] = rate
-        except Exception as e:
-            chk = verify.check("smoke.json_schema", False, f"{type(e).__name__}: {e}"[:500])
-        checks += [chk, _guarded("smoke.regex", smoke.regex, ep, 3, s.max_tokens),
-                   _guarded("smoke.greedy_parity", smoke.greedy_parity, ep, reference, ctx.input)]
+        if engine in smoke.STRUCTURED_ENGINES:
+            checks += structured_checks(ep, s, out["metrics"])
+        checks.append(_guarded("smoke.greedy_parity", smoke.greedy_parity, ep, reference,
+                               source.hf_dir if source else ctx.input, source.model if source else None))
         if engine == "sglang":
             checks.append(_guarded("smoke.sgl_frontend", sgl_frontend, ctx, cfg, base_url, key_file))
         out["checks"] += _prefixed(engine, checks)
@@ -224,13 +246,26 @@ def serve_engine(ctx: StageContext, cfg: ServeConfig, engine: str, ident: dict, 
     return out
 
 
+def structured_checks(ep: smoke.Endpoint, s, metrics: dict) -> list[dict]:
+    """JSON-schema and regex-constrained answers; the JSON valid rate goes to `metrics`."""
+    try:
+        chk, rate = smoke.json_schema(ep, s.json_requests, s.max_tokens)
+        metrics["json_valid_rate"] = rate
+    except Exception as e:
+        chk = verify.check("smoke.json_schema", False, f"{type(e).__name__}: {e}"[:500])
+    return [chk, _guarded("smoke.regex", smoke.regex, ep, 3, s.max_tokens)]
+
+
 def contract_checks(ep: smoke.Endpoint, server: Server, tokenizer, serving: dict) -> list[dict]:
-    """The serving contract on the live server: its chat rendering, its stop at the end of a turn, its defaults."""
+    """The serving contract on the live server: its chat rendering, its stop at the end of a turn, its defaults (an
+    engine that takes no defaults from generation_config.json is not asked)."""
     stop_ids = serving.get("stop_token_ids") or [tokenizer.eos_token_id]
-    return [_guarded("smoke.chat_template_parity", smoke.chat_template_parity, ep, tokenizer),
-            _guarded("smoke.stops_at_end_of_turn", smoke.stops_at_end_of_turn, ep, tokenizer, stop_ids),
-            _guarded("smoke.generation_defaults", smoke.generation_defaults, ep.engine,
-                     server.log_path.read_text(errors="replace"), serving.get("generation_config"))]
+    checks = [_guarded("smoke.chat_template_parity", smoke.chat_template_parity, ep, tokenizer),
+              _guarded("smoke.stops_at_end_of_turn", smoke.stops_at_end_of_turn, ep, tokenizer, stop_ids)]
+    if ep.engine in smoke.DEFAULT_FIELDS:
+        checks.append(_guarded("smoke.generation_defaults", smoke.generation_defaults, ep.engine,
+                               server.log_path.read_text(errors="replace"), serving.get("generation_config")))
+    return checks
 
 
 def sgl_frontend(ctx: StageContext, cfg: ServeConfig, base_url: str, key_file: Path) -> dict:
@@ -278,9 +313,12 @@ def _serve_engines(ctx: StageContext, cfg: ServeConfig, ident: dict, key: str, k
 
     from tasks.serve.reference import greedy_reference
 
-    tokenizer = AutoTokenizer.from_pretrained(str(ctx.input))
-    reference = greedy_reference(ctx.input, cfg.smoke.parity_prompts, cfg.smoke.parity_tokens)
-    serving = (mf.read(ctx.input) or {}).get("serving") or mf.serving_contract(ctx.input)
+    source = llamacpp.source(ctx.input) if cfg.input_format() == Format.GGUF_FILE else None
+    hf_dir = source.hf_dir if source else ctx.input
+    tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+    reference = greedy_reference(hf_dir, cfg.smoke.parity_prompts, cfg.smoke.parity_tokens,
+                                 model=source.model if source else None)
+    serving = (mf.read(hf_dir) or {}).get("serving") or mf.serving_contract(hf_dir)
     checks, metrics, results, eval_done = [], {}, {}, False
     names = cfg.engines()
     for i, engine in enumerate(names):
@@ -288,7 +326,7 @@ def _serve_engines(ctx: StageContext, cfg: ServeConfig, ident: dict, key: str, k
         t0 = time.time()
         r = serve_engine(ctx, cfg, engine, ident, key, key_file, reference, tokenizer, serving,
                          evaluate=cfg.lm_eval.enabled and not eval_done, keep=last and (cfg.keep_alive or hold),
-                         detach=last and cfg.keep_alive and not hold)
+                         detach=last and cfg.keep_alive and not hold, source=source)
         results[engine] = r
         checks += r["checks"]
         metrics.update({f"{engine}_{k}": v for k, v in r["metrics"].items()})
@@ -354,7 +392,7 @@ def serve(ctx: StageContext, cfg: ServeConfig, hold: bool = False) -> StageOutpu
     """The whole stage. hold=True (`baton serve`): keep the last server in the foreground until Ctrl-C; the output's
     extra["engine_exit"] is the engine's exit code when it died while held."""
     ctx.work_dir.mkdir(parents=True, exist_ok=True)
-    pre = preflight(ctx.input) + engine_checks(ctx.input, cfg, ctx.runtimes) + runtime_checks(ctx, cfg)
+    pre = preflight(ctx.input, cfg) + engine_checks(ctx.input, cfg, ctx.runtimes) + runtime_checks(ctx, cfg)
     if not all(c["passed"] for c in pre):
         return _refused(ctx, cfg, pre)
     ident = model_identity(ctx, cfg, register=cfg.promote)
@@ -373,7 +411,8 @@ def serve(ctx: StageContext, cfg: ServeConfig, hold: bool = False) -> StageOutpu
              "servers_started": sum(1 for r in results.values() if r["server"].proc is not None),
              "champion": {k: champion[k] for k in ("name", "version", "previous")} if champion else None,
              "api_key_file": str(key_file)}
-    routing = {e: routing_mismatch(e, cfg.device, ctx.input) for e in results}
+    routing = {e: routing_mismatch(e, cfg.device, ctx.input) for e in results
+               if cfg.input_format() == Format.HF_SAFETENSORS}  # a GGUF file's routing is not measured
     if any(routing.values()):  # a mixture of experts: per engine, the routing mismatch or why it was not measured
         extra["routing_mismatch"] = routing
     kept = _kept_server(ctx, cfg, results, gate, extra, hold)
