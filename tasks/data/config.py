@@ -29,6 +29,9 @@ class SourceConfig(StrictModel):
     columns: dict[str, str] = Field(default_factory=dict, description="canonical field → column name in the files")
     max_rows: int | None = Field(None, ge=1, description="take at most this many valid training rows from this "
                                                          "source (in file order, before any held-out split)")
+    task: Literal["default", "calculator"] = Field(
+        "default", description="synthetic: the generated task; calculator (data.sft, data.prompts): products of two "
+                               "two-digit numbers, the SFT episodes calling the calculator tool (rlhf.tools)")
 
     @model_validator(mode="after")
     def _needs_train(self):
@@ -94,11 +97,15 @@ def validate(cfg: DataConfig, pipeline=None) -> list[ConfigProblem]:
             if src.kind == "synthetic" and src.max_rows is not None:
                 errors.append(ConfigProblem(f"{key}.max_rows", f"{key}.max_rows: applies to files and hub sources; a "
                                             f"synthetic dataset's size is data.{_SYNTHETIC_SIZE[kind]}"))
+            if src.task != "default" and (src.kind != "synthetic" or kind not in CALCULATOR_DATASETS):
+                errors.append(ConfigProblem(f"{key}.task", f"{key}.task: {src.task!r} is a synthetic task of "
+                                            f"{' and '.join(f'data.{k}' for k in CALCULATOR_DATASETS)} only"))
             if src.format != "auto" and formats.kind_of(src.format) != kind:
                 errors.append(ConfigProblem(f"{key}.format", f"{key}.format: {src.format!r} is not a {kind} format "
                                             f"({', '.join(formats.FORMATS[kind])})"))
     return errors
 
 
+CALCULATOR_DATASETS = ("sft", "prompts")
 _SYNTHETIC_SIZE = {"pretrain": "pretrain_docs", "preference": "preference_pairs", "sft": "sft_examples",
                    "prompts": "arithmetic_prompts"}
