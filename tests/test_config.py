@@ -84,6 +84,6 @@ def test_the_real_grpo_recipe_loads_with_its_own_task_and_a_held_out_set_of_40()
     from tasks.data.task import build_datasets
 
     cfg = load(REPO / "configs" / "real-smollm2-grpo.yaml")
-    assert cfg.stages == ["data", "rlhf"] and cfg.rlhf.algorithm == "grpo" and cfg.data.arithmetic == "instruction"
+    assert cfg.stages == ["data", "rlhf"] and cfg.rlhf.algorithm == "grpo" and cfg.data.prompts.task == "instruction"
     assert [r.kind for r in cfg.rlhf.rewards] == ["exact_match"] and cfg.rlhf.rollout_engine == "hf"
     assert len(build_datasets(cfg.data)[0]["prompts"][1]) == 40

@@ -14,6 +14,8 @@ from tasks.data.sources import DataError
 pytestmark = pytest.mark.fast
 
 SYSTEM = {"role": "system", "content": "Be brief."}
+TOOL_EPISODE = [{"role": "user", "content": "37*48="}, {"role": "assistant", "content": "<tool_call>{}</tool_call>"},
+                {"role": "tool", "content": "1776"}, {"role": "assistant", "content": "1776"}]
 
 
 def write_jsonl(path: Path, rows: list) -> Path:
@@ -46,6 +48,7 @@ SFT_CASES = {
                                {"role": "user", "content": "2+3?"}, {"role": "assistant", "content": "5"}]},
                  [SYSTEM, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
                   {"role": "user", "content": "2+3?"}, {"role": "assistant", "content": "5"}]),
+    "tool": ({"messages": TOOL_EPISODE}, TOOL_EPISODE),  # a tool's result answers the assistant's call (rlhf.tools)
     "sharegpt": ({"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "2+3?"},
                                     {"from": "gpt", "value": "5"}]},
                  [SYSTEM, {"role": "user", "content": "2+3?"}, {"role": "assistant", "content": "5"}]),
@@ -56,7 +59,7 @@ SFT_CASES = {
 def test_sft_formats_are_detected_and_normalised_to_messages(tmp_path, fmt):
     row, expected = SFT_CASES[fmt]
     rows, facts = canonical(tmp_path, "sft", [row] * 4)
-    assert facts["format"] == fmt and facts["rows_read"] == 4 and facts["rows_bad"] == {}
+    assert facts["format"] == ("messages" if fmt == "tool" else fmt) and facts["rows_read"] == 4 and facts["rows_bad"] == {}
     assert rows == [{"messages": expected}] * 4
 
 
@@ -128,6 +131,8 @@ BAD_ROWS = {
                      "field 'messages[1].role': unknown role ('robot'"),
     "role_order": ({"messages": [{"role": "assistant", "content": "x"}, {"role": "user", "content": "hi"}]},
                    "field 'messages[0].role': role order ('assistant' where 'user' was expected"),
+    "tool_first": ({"messages": [{"role": "tool", "content": "7"}, {"role": "assistant", "content": "7"}]},
+                   "field 'messages[0].role': role order ('tool' where 'user' was expected"),
     "no_reply": ({"messages": [{"role": "user", "content": "hi"}]}, "field 'messages': role order (must end with"),
     "invalid_json": ('{"messages": [', "field '(line)': invalid json"),
 }

@@ -70,9 +70,9 @@ def test_held_out_prompts_are_many_sums_grpo_never_trains_on_and_the_text_states
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_the_instruction_task_holds_out_40_digit_pairs_and_leaves_the_pretraining_text_alone(seed):
-    """data.arithmetic: instruction (configs/real-smollm2-grpo.yaml): the held-out sums are 40 of the 100 pairs of
+    """data.prompts task: instruction (configs/real-smollm2-grpo.yaml): the held-out sums are 40 of the 100 pairs of
     digits that no training prompt asks, every answer is the sum, and the other datasets are the default world's."""
-    cfg = DataConfig(seed=seed, arithmetic="instruction", arithmetic_prompts=200, **ARITHMETIC)
+    cfg = DataConfig(seed=seed, arithmetic_prompts=200, prompts={"kind": "synthetic", "task": "instruction"})
     sets = build_datasets(cfg)[0]
     train_prompts, held = sets["prompts"]
     assert len(train_prompts) == 200 and build_datasets(cfg)[0]["prompts"] == (train_prompts, held)
@@ -86,3 +86,40 @@ def test_the_instruction_task_holds_out_40_digit_pairs_and_leaves_the_pretrainin
     assert len(held_out) == 40 == len(set(held_out)) and not trained & set(held_out)
     assert 50 < len(trained) <= 60  # drawn with replacement from the other 60
     assert sets["pretrain"] == build_datasets(DataConfig(seed=seed))[0]["pretrain"]  # no sums in its text
+
+
+# ---- the calculator world (data.sft / data.prompts task: calculator) -------------------------------------------------
+CALCULATOR = {"sft": {"kind": "synthetic", "task": "calculator"}, "prompts": {"kind": "synthetic", "task": "calculator"}}
+
+
+def test_the_calculator_world_is_tool_call_episodes_on_products_it_holds_out():
+    from tasks.rlhf.tools import calculator, parse_tool_call
+
+    sets, facts = build_datasets(DataConfig(**CALCULATOR))
+    assert sets == build_datasets(DataConfig(**CALCULATOR))[0]  # seeded: the same world every time
+    assert sets != build_datasets(DataConfig(**CALCULATOR, seed=1))[0]
+    assert facts["sft"] == {"source": "synthetic", "format": "messages", "task": "calculator"}
+    (sft, sft_held), (prompts, held) = sets["sft"], sets["prompts"]
+    calls = [r["messages"] for r in sft if len(r["messages"]) == 4]
+    assert 0.3 < len(calls) / len(sft) < 0.7  # the rest answered by heart
+    for user, call, tool, answer in (m for m in calls + [r["messages"] for r in sft_held]):
+        parsed = parse_tool_call(call["content"], ("calculator",))
+        assert [user["role"], call["role"], tool["role"], answer["role"]] == ["user", "assistant", "tool", "assistant"]
+        assert user["content"] == parsed.call.arguments["expression"] + "="  # the call is the question, as the tool reads it
+        assert tool["content"] == answer["content"] == calculator(parsed.call.arguments["expression"])
+    asked = {r["messages"][0]["content"] for r in sft} | {r["prompt"][0]["content"] for r in prompts}
+    held_out = [r["prompt"][0]["content"] for r in held]
+    assert len(held) == len(sft_held) == 32 and not asked & set(held_out)  # never in SFT or GRPO training
+    assert {r["messages"][0]["content"] for r in sft_held} == set(held_out)
+    assert not any(SUM.search(t) for t in pretraining_text(sets))  # the sums' pretraining text is the other world's
+
+
+@pytest.mark.parametrize("data, words", [
+    ({"pretrain": {"kind": "synthetic", "task": "calculator"}}, "data.pretrain.task"),
+    ({"sft": {"kind": "files", "train": "x.jsonl", "task": "calculator"}}, "data.sft.task"),
+])
+def test_the_calculator_task_is_refused_where_it_makes_nothing(data, words):
+    from tasks.data.config import validate
+
+    problems = validate(DataConfig(**data))
+    assert [p.key for p in problems] == [words] and "synthetic task of data.sft and data.prompts only" in problems[0]

@@ -29,6 +29,13 @@ class SourceConfig(StrictModel):
     columns: dict[str, str] = Field(default_factory=dict, description="canonical field → column name in the files")
     max_rows: int | None = Field(None, ge=1, description="take at most this many valid training rows from this "
                                                          "source (in file order, before any held-out split)")
+    task: Literal["default", "instruction", "calculator"] = Field(
+        "default", description="synthetic: the generated task. default: the tiny world (data.prompts: '3+4=' over the "
+                               "sums below 10, which the synthetic pretraining text then states); instruction "
+                               "(data.prompts): 'What is 3 + 4?' after a system message asking for the number only, "
+                               "over every pair of digits (40 of 100 held out), for an instruction-tuned model "
+                               "(--from); calculator (data.sft, data.prompts): products of two two-digit numbers, the "
+                               "SFT episodes calling the calculator tool (rlhf.tools)")
 
     @model_validator(mode="after")
     def _needs_train(self):
@@ -44,11 +51,6 @@ class DataConfig(StrictModel):
     sft_examples: int = Field(600, ge=10, description="synthetic instruction examples")
     arithmetic_prompts: int = Field(400, ge=10, description="synthetic prompts with answers (data.prompts "
                                                             "synthetic): sums like '3+4=' → '7'")
-    arithmetic: Literal["table", "instruction"] = Field(
-        "table", description="synthetic prompts: table: '3+4=' over the sums below 10, which the synthetic pretraining "
-                             "text then states (the tiny world); instruction: 'What is 3 + 4?' after a system message "
-                             "asking for the number only, over every pair of digits (40 of 100 held out), for an "
-                             "instruction-tuned model (--from)")
     heldout_fraction: float = Field(0.15, gt=0, lt=0.9, description="rows held out (seeded) from a source without "
                                                                    "heldout")
     label_noise: float = Field(0.0, ge=0, le=1, description="fraction of fine-tuning answers given a wrong category")
@@ -99,11 +101,15 @@ def validate(cfg: DataConfig, pipeline=None) -> list[ConfigProblem]:
             if src.kind == "synthetic" and src.max_rows is not None:
                 errors.append(ConfigProblem(f"{key}.max_rows", f"{key}.max_rows: applies to files and hub sources; a "
                                             f"synthetic dataset's size is data.{_SYNTHETIC_SIZE[kind]}"))
+            if src.task != "default" and (src.kind != "synthetic" or kind not in TASK_DATASETS[src.task]):
+                errors.append(ConfigProblem(f"{key}.task", f"{key}.task: {src.task!r} is a synthetic task of "
+                                            f"{' and '.join(f'data.{k}' for k in TASK_DATASETS[src.task])} only"))
             if src.format != "auto" and formats.kind_of(src.format) != kind:
                 errors.append(ConfigProblem(f"{key}.format", f"{key}.format: {src.format!r} is not a {kind} format "
                                             f"({', '.join(formats.FORMATS[kind])})"))
     return errors
 
 
+TASK_DATASETS = {"calculator": ("sft", "prompts"), "instruction": ("prompts",)}  # the datasets each task makes
 _SYNTHETIC_SIZE = {"pretrain": "pretrain_docs", "preference": "preference_pairs", "sft": "sft_examples",
                    "prompts": "arithmetic_prompts"}

@@ -2,7 +2,8 @@
 one canonical chat form that the training workers read:
 
     pretrain    {"text": str}
-    sft         {"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}   ends with an assistant turn
+    sft         {"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": str}, ...]}   ends with an assistant
+                turn; a tool message (a tool's result, rlhf.tools) answers the assistant message before it
     preference  {"prompt": [messages ending with user], "chosen": [assistant...], "rejected": [assistant...]}
     prompts     {"prompt": [messages ending with user], "answer": str, ...every other column, unchanged}
 
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 
 from conversions.refusal import Refused
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 ROLE_ALIASES = {"human": "user", "gpt": "assistant", "model": "assistant", "chatgpt": "assistant", "bot": "assistant"}
 
 FORMATS: dict[str, dict[str, tuple[str, ...]]] = {  # kind → format → required canonical fields (detection order)
@@ -115,11 +116,12 @@ def _messages(value, field: str, role_key: str = "role", content_key: str = "con
 
 
 def check_order(messages: list[dict], field: str, ends_with: str) -> None:
-    """An optional system message first, then user/assistant alternating from user, ending with `ends_with`."""
+    """An optional system message first, then user/assistant alternating from user, ending with `ends_with`; a tool
+    message (the result of the assistant's tool call) may take a user message's place after the first."""
     body = messages[1:] if messages[0]["role"] == "system" else messages
     for i, m in enumerate(body):
         expected = "user" if i % 2 == 0 else "assistant"
-        if m["role"] != expected:
+        if m["role"] != expected and not (expected == "user" and i > 0 and m["role"] == "tool"):
             pos = i + (len(messages) - len(body))
             raise RowError(f"{field}[{pos}].role", "role_order",
                            f"{m['role']!r} where {expected!r} was expected (system?, user, assistant, user, ...)")

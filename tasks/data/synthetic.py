@@ -14,7 +14,7 @@
   held-out pairs use (template, word) combinations never seen in training);
 - prompts with answers, only when data.prompts asks for them: "3+4=" → "7", sums below 10 so every answer is one
   digit (held-out reward under GRPO rises; held-out prompts are sums GRPO never trains on). With
-  data.arithmetic: instruction, the same task worded for an instruction-tuned model instead: a system message asking
+  data.prompts task: instruction, the same task worded for an instruction-tuned model instead: a system message asking
   for the number alone and "What is 3 + 4?", over every pair of digits (sums to 18); a small instruct model knows
   most of these sums but answers in a sentence ("To solve this, we need..."), which a short completion limit cuts
   off before the number, so what GRPO has to teach it is mostly the format.
@@ -171,3 +171,49 @@ def arithmetic_prompts(n: int, sums: tuple[list, list], rng: random.Random) -> t
         return {"prompt": f"{a}+{b}=", "answer": str(a + b)}
 
     return [make(*rng.choice(train_c)) for _ in range(n)], [make(*x) for x in held_c]
+
+
+# ---- the calculator task (data.sft / data.prompts with task: calculator) --------------------------------------------
+# Products of two two-digit numbers ("37*48=" → "1776"): a small model cannot learn them by heart, a calculator call
+# gets them right. The SFT episodes are the model's own tool-call format (tasks/rlhf/tools.py reads it) in the data
+# stage's chat form: user question → assistant tool call → tool result → assistant answer.
+TOOL_CALL = '<tool_call>{{"name": "calculator", "arguments": {{"expression": "{e}"}}}}</tool_call>'
+# SFT episodes answered without the tool (a product by heart, which the model cannot learn): the tuned model then
+# samples both kinds, and GRPO has a better and a worse way to compare.
+BY_HEART_FRACTION = 0.5
+HELDOUT_PRODUCTS = 32   # products never in any training episode or GRPO prompt: SFT's and the gate's held-out rows
+
+
+def split_products(seed: int) -> tuple[list, list]:
+    """Every (a, b) with 10 ≤ a, b ≤ 99, shuffled on the task's own stream: HELDOUT_PRODUCTS held out, the rest for
+    training. The same split for the SFT episodes and the GRPO prompts of one data.seed."""
+    pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
+    random.Random(f"{seed}:calculator").shuffle(pairs)
+    return pairs[HELDOUT_PRODUCTS:], pairs[:HELDOUT_PRODUCTS]
+
+
+def tool_episode(a: int, b: int, by_heart: bool = False) -> list[dict]:
+    question, answer = f"{a}*{b}=", str(a * b)
+    if by_heart:
+        return [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    return [{"role": "user", "content": question}, {"role": "assistant", "content": TOOL_CALL.format(e=f"{a}*{b}")},
+            {"role": "tool", "content": answer}, {"role": "assistant", "content": answer}]
+
+
+def calculator_episodes(n: int, seed: int, rng: random.Random) -> tuple[list, list]:
+    """n SFT conversations on training products (BY_HEART_FRACTION of them answered without the tool), and one
+    tool-call episode per held-out product."""
+    train_p, held_p = split_products(seed)
+    train = [{"messages": tool_episode(*rng.choice(train_p), by_heart=rng.random() < BY_HEART_FRACTION)}
+             for _ in range(n)]
+    return train, [{"messages": tool_episode(a, b)} for a, b in held_p]
+
+
+def calculator_prompts(n: int, seed: int, rng: random.Random) -> tuple[list, list]:
+    """n GRPO prompts on training products, and one per held-out product."""
+    train_p, held_p = split_products(seed)
+
+    def make(a, b):
+        return {"prompt": f"{a}*{b}=", "answer": str(a * b)}
+
+    return [make(*rng.choice(train_p)) for _ in range(n)], [make(a, b) for a, b in held_p]

@@ -23,8 +23,14 @@ SYNTHETIC_FORMAT = {"pretrain": ("text", {}), "preference": ("preference", {}), 
                     "prompts": ("prompt_answer", {})}
 
 
-def _canonical_synthetic(kind: str, rows: list[dict]) -> list[dict]:
-    fmt, mapping = SYNTHETIC_FORMAT[kind]
+def _synthetic_format(kind: str, cfg: DataConfig) -> tuple[str, dict]:
+    if _task(kind, cfg) == "calculator" and kind == "sft":
+        return "messages", {}
+    return SYNTHETIC_FORMAT[kind]
+
+
+def _canonical_synthetic(kind: str, cfg: DataConfig, rows: list[dict]) -> list[dict]:
+    fmt, mapping = _synthetic_format(kind, cfg)
     return [formats.normalise(fmt, r, mapping, f"synthetic:{i}")[0] for i, r in enumerate(rows, start=1)]
 
 
@@ -34,9 +40,14 @@ def _sums_rng(cfg: DataConfig) -> random.Random:
     return random.Random(f"{cfg.seed}:sums")
 
 
+def _task(kind: str, cfg: DataConfig) -> str:
+    """The synthetic task of one dataset (validated: a synthetic source stands alone)."""
+    return cfg.sources(kind)[0][1].task
+
+
 def _arithmetic(cfg: DataConfig) -> bool:
-    """The tiny arithmetic world: synthetic table prompts, whose sums the pretraining text states."""
-    return [src.kind for _, src in cfg.sources("prompts")] == ["synthetic"] and cfg.arithmetic == "table"
+    """The tiny arithmetic world: synthetic default prompts, whose sums the pretraining text states."""
+    return [(src.kind, src.task) for _, src in cfg.sources("prompts")] == [("synthetic", "default")]
 
 
 def _synthetic(kind: str, cfg: DataConfig, rng: random.Random) -> tuple[list, list]:
@@ -48,14 +59,18 @@ def _synthetic(kind: str, cfg: DataConfig, rng: random.Random) -> tuple[list, li
         return docs[k:], docs[:k]
     if kind == "preference":
         train, held = synthetic.preference_pairs(cfg.preference_pairs, cfg.heldout_fraction, rng)
-    elif kind == "prompts" and cfg.arithmetic == "instruction":
+    elif kind == "prompts" and _task(kind, cfg) == "instruction":
         train, held = synthetic.instruction_prompts(cfg.arithmetic_prompts, _sums_rng(cfg))
+    elif kind == "prompts" and _task(kind, cfg) == "calculator":
+        train, held = synthetic.calculator_prompts(cfg.arithmetic_prompts, cfg.seed, rng)
     elif kind == "prompts":
         sums = synthetic.split_sums(_sums_rng(cfg))
         train, held = synthetic.arithmetic_prompts(cfg.arithmetic_prompts, sums, rng)
+    elif _task(kind, cfg) == "calculator":
+        train, held = synthetic.calculator_episodes(cfg.sft_examples, cfg.seed, rng)
     else:
         train, held = synthetic.sft_examples(cfg.sft_examples, cfg.heldout_fraction, cfg.label_noise, rng)
-    return _canonical_synthetic(kind, train), _canonical_synthetic(kind, held)
+    return _canonical_synthetic(kind, cfg, train), _canonical_synthetic(kind, cfg, held)
 
 
 def _external(kind: str, key: str, src: SourceConfig, cfg: DataConfig) -> tuple[list, list, dict]:
@@ -110,7 +125,9 @@ def build_datasets(cfg: DataConfig) -> tuple[dict[str, tuple[list, list]], dict[
             continue
         if listed[0][1].kind == "synthetic":  # (validated: synthetic is never mixed)
             sets[kind] = _synthetic(kind, cfg, rng)
-            facts[kind] = {"source": "synthetic", "format": SYNTHETIC_FORMAT[kind][0]}
+            facts[kind] = {"source": "synthetic", "format": _synthetic_format(kind, cfg)[0]}
+            if _task(kind, cfg) != "default":
+                facts[kind]["task"] = _task(kind, cfg)
         elif isinstance(getattr(cfg, kind), list):
             train, held, facts[kind] = _mixed(kind, cfg)
             sets[kind] = (train, held)
