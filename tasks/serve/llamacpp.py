@@ -104,7 +104,8 @@ def check_gguf(export_dir: Path, cfg: ServeConfig, work_dir: Path, runtime_specs
             ep = smoke.Endpoint(ENGINE, base_url, key, name)
             tok = AutoTokenizer.from_pretrained(str(hf_dir))
             checks = [smoke.models(ep), smoke.unauthorized(ep), smoke.chat(ep, tok, cfg.smoke.max_tokens),
-                      smoke.greedy_parity(ep, reference, hf_dir, model)]
+                      smoke.greedy_parity(ep, reference, hf_dir, model,
+                                          mf.serving_contract(hf_dir).get("stop_token_ids") or [tok.eos_token_id])]
             metrics = smoke.performance(ep)
             probed = probe(ep) if probe else None
     except ServerFailed as e:

@@ -230,7 +230,8 @@ def serve_engine(ctx: StageContext, cfg: ServeConfig, engine: str, ident: dict, 
         if engine in smoke.STRUCTURED_ENGINES:
             checks += structured_checks(ep, s, out["metrics"])
         checks.append(_guarded("smoke.greedy_parity", smoke.greedy_parity, ep, reference,
-                               source.hf_dir if source else ctx.input, source.model if source else None))
+                               source.hf_dir if source else ctx.input, source.model if source else None,
+                               stop_token_ids(serving, tokenizer)))
         if engine == "sglang":
             checks.append(_guarded("smoke.sgl_frontend", sgl_frontend, ctx, cfg, base_url, key_file))
         out["checks"] += _prefixed(engine, checks)
@@ -256,10 +257,14 @@ def structured_checks(ep: smoke.Endpoint, s, metrics: dict) -> list[dict]:
     return [chk, _guarded("smoke.regex", smoke.regex, ep, 3, s.max_tokens)]
 
 
+def stop_token_ids(serving: dict, tokenizer) -> list[int]:
+    return serving.get("stop_token_ids") or [tokenizer.eos_token_id]
+
+
 def contract_checks(ep: smoke.Endpoint, server: Server, tokenizer, serving: dict) -> list[dict]:
     """The serving contract on the live server: its chat rendering, its stop at the end of a turn, its defaults (an
     engine that takes no defaults from generation_config.json is not asked)."""
-    stop_ids = serving.get("stop_token_ids") or [tokenizer.eos_token_id]
+    stop_ids = stop_token_ids(serving, tokenizer)
     checks = [_guarded("smoke.chat_template_parity", smoke.chat_template_parity, ep, tokenizer),
               _guarded("smoke.stops_at_end_of_turn", smoke.stops_at_end_of_turn, ep, tokenizer, stop_ids)]
     if ep.engine in smoke.DEFAULT_FIELDS:
