@@ -21,7 +21,9 @@ def test_largest_fitting_finds_the_boundary(answer):
     assert len(tried) <= 2 * 11  # doubling + bisection: logarithmic
 
 
-NOISE_MB = 3  # run-to-run spread of one probe's peak RSS on this machine
+# run-to-run spread of one probe's peak RSS on this machine: ~3 MB alone; micro 15 peaked 16 MB above micro 16 once
+# (2026-12-06, make test-long with other engines starting beside it; passed alone on rerun)
+NOISE_MB = 20
 
 
 def _assert_boundary(prober, budget: float, m: int) -> None:
