@@ -27,24 +27,15 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 CONFIG = REPO / "configs" / "real-smollm2-grpo.yaml"
 SERIES = {"reward": "train/reward", "completion_length": "train/completions_mean_length",
           "step_time_s": "perf/step_time_s", "rollout_time_s": "perf/rollout_time_s",
           "rollout_tokens_per_s": "perf/rollout_tokens_per_s", "rollout_logp_diff": "train/rollout_logp_diff",
           "engine_sync_s": "train/engine_sync_s"}
+from real_model_bench import step_series  # noqa: E402  (the @@baton metric events per step, one reader)
+
 TIMES = ("step_time_s", "rollout_time_s", "rollout_tokens_per_s", "rollout_logp_diff", "engine_sync_s")
-
-
-def step_series(lines, key: str) -> list[float]:
-    """The value of metric `key` at each step of the @@baton metric events among lines, in step order."""
-    from tasks import events
-
-    by_step = {}
-    for line in lines:
-        e = events.parse(line)
-        if e and e["kind"] == "metric" and isinstance(e.get(key), (int, float)):
-            by_step[e["step"]] = float(e[key])
-    return [by_step[s] for s in sorted(by_step)]
 
 
 def mean_after_first(values: list[float]) -> float | None:
