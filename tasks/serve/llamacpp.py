@@ -3,9 +3,11 @@ folder, proven right as the HF engines are. The serve stage runs it on the GGUF 
 hands it the first side output of that format) or on a GGUF folder given with --from; `check_gguf` is the same launch
 and checks outside a pipeline. The checks: /v1/models and 401 without the key, a chat completion rendered with the
 file's own chat template (prompt tokens as HF's rendering of the source's template, the rendering token for token, the
-stop at the end of a turn), and greedy token parity with HF generate on the same weights: the GGUF's, dequantised into
-the source's architecture (conversions.gguf_export), so a quantised file is compared with itself and only the engine
-is under test.
+stop at the end of a turn), and greedy token parity with HF on the same weights: the GGUF's, dequantised into the
+source's architecture (conversions.gguf_export), so a quantised file is compared with itself and only the engine is
+under test (what quantising cost is the export gate's question, answered before this file was published). Parity is
+token for token on f16; on a quantised type llama.cpp quantises the activations too, so each of its greedy tokens must
+instead be within the type's served_logit_gap of HF's largest logit, HF fed the server's tokens.
 
 Not checked here: the JSON-schema and regex smokes. llama-server takes response_format json_schema (a grammar), but its
 chat route parses the answer and fails the request (500, "does not match the expected peg-native format") when the text
@@ -35,6 +37,15 @@ class Source:
     weights in that architecture."""
     hf_dir: Path
     model: object  # a transformers model, fp32
+    tolerance: float | None = None  # greedy parity's (gguf_export.ExportType.served_logit_gap); None: exact
+
+
+def parity_tolerance(export_dir: Path) -> float | None:
+    """The greedy parity tolerance of the file's GGUF type (its manifest's); exact equality for f16 or a type not
+    recorded."""
+    type_name = ((mf.read(export_dir) or {}).get("extra") or {}).get("gguf_type")
+    kind = gguf_export.TYPES.get(type_name)
+    return kind.served_logit_gap if kind else None
 
 
 @dataclass
@@ -69,7 +80,7 @@ def preflight(export_dir: Path) -> list[dict]:
 
 def source(export_dir: Path) -> Source:
     hf_dir = source_of(export_dir)
-    return Source(hf_dir, gguf_model(Path(export_dir) / gguf_export.GGUF_NAME, hf_dir))
+    return Source(hf_dir, gguf_model(Path(export_dir) / gguf_export.GGUF_NAME, hf_dir), parity_tolerance(export_dir))
 
 
 def gguf_model(gguf_file: Path, hf_dir: Path):
@@ -105,7 +116,8 @@ def check_gguf(export_dir: Path, cfg: ServeConfig, work_dir: Path, runtime_specs
             tok = AutoTokenizer.from_pretrained(str(hf_dir))
             checks = [smoke.models(ep), smoke.unauthorized(ep), smoke.chat(ep, tok, cfg.smoke.max_tokens),
                       smoke.greedy_parity(ep, reference, hf_dir, model,
-                                          mf.serving_contract(hf_dir).get("stop_token_ids") or [tok.eos_token_id])]
+                                          mf.serving_contract(hf_dir).get("stop_token_ids") or [tok.eos_token_id],
+                                          parity_tolerance(export_dir))]
             metrics = smoke.performance(ep)
             probed = probe(ep) if probe else None
     except ServerFailed as e:

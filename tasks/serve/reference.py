@@ -48,3 +48,19 @@ def top2_margin(model_dir: Path, ids: list[int], model=None) -> float:
         prompt = torch.tensor([ids])
         top = model(prompt, attention_mask=torch.ones_like(prompt)).logits[0, -1].topk(2).values
     return float(top[0] - top[1])
+
+
+def logit_gaps(model, prompt_ids: list[int], continuation: list[int], excluded: list[int] = ()) -> list[dict]:
+    """Teacher-forced, one forward pass over prompt + continuation: for each continuation token, HF's largest
+    next-token logit there (the `excluded` tokens aside: those the engine may not pick) minus that token's own logit,
+    and HF's own pick. [{"gap", "hf_top"}] per continuation token."""
+    import torch
+
+    ids = torch.tensor([list(prompt_ids) + list(continuation)])
+    with torch.no_grad():
+        logits = model(ids, attention_mask=torch.ones_like(ids)).logits[0, len(prompt_ids) - 1:-1].float()
+    if excluded:
+        logits[:, list(excluded)] = float("-inf")
+    top = logits.max(-1)
+    own = logits.gather(-1, torch.tensor(continuation)[:, None])[:, 0]
+    return [{"gap": float(g), "hf_top": int(t)} for g, t in zip(top.values - own, top.indices)]

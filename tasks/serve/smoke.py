@@ -152,10 +152,17 @@ def greedy_ids(ep: Endpoint, prompt_ids: list[int], n_tokens: int, **sampling) -
 BANS_STOP_TOKENS_UNDER_IGNORE_EOS = {"llamacpp"}
 
 
-def greedy_parity(ep: Endpoint, reference: list[dict], model_dir, model=None, stop_ids: list[int] = ()) -> dict:
+def greedy_parity(ep: Endpoint, reference: list[dict], model_dir, model=None, stop_ids: list[int] = (),
+                  tolerance: float | None = None) -> dict:
+    """The engine's greedy tokens against HF's: equal, token for token (tolerance None), or each within `tolerance`
+    of HF's largest logit, HF fed the engine's own tokens (a quantised GGUF: conversions.gguf_export.ExportType
+    served_logit_gap says why and how much)."""
     from tasks.serve.reference import top2_margin
 
     n_tokens = len(reference[0]["output_ids"])
+    if tolerance is not None:
+        continuations = [greedy_ids(ep, ref["prompt_ids"], n_tokens) for ref in reference]
+        return tolerant_parity(ep.engine, reference, continuations, model, stop_ids, tolerance)
     compared = 0
     for ref in reference:
         want = ref["output_ids"]
@@ -175,6 +182,29 @@ def greedy_parity(ep: Endpoint, reference: list[dict], model_dir, model=None, st
     return check("smoke.greedy_parity", True,
                  f"{compared} tokens over {len(reference)} prompts identical to HF generate (fp32, greedy), each up "
                  f"to HF's first stop token {list(stop_ids)}, which {ep.engine} bans under ignore_eos")
+
+
+def tolerant_parity(engine: str, reference: list[dict], continuations: list[list[int]], model, stop_ids: list[int],
+                    tolerance: float) -> dict:
+    """Teacher-forced: HF (`model`) reads each prompt followed by the engine's continuation; every engine token's HF
+    logit must be within `tolerance` of HF's largest there (the stop tokens left out of that max where the engine
+    bans them under ignore_eos). The first token beyond it fails the check, named with its position and the gap."""
+    from tasks.serve.reference import logit_gaps
+
+    excluded = list(stop_ids) if engine in BANS_STOP_TOKENS_UNDER_IGNORE_EOS else []
+    worst, same, total = 0.0, 0, 0
+    for ref, got in zip(reference, continuations):
+        for k, (token, g) in enumerate(zip(got, logit_gaps(model, ref["prompt_ids"], got, excluded))):
+            if g["gap"] > tolerance:
+                return check("smoke.greedy_parity", False,
+                             f"{ref['instruction']!r}: token {k}, the server's {token} (after {got[max(0, k - 2):k]}), "
+                             f"is {g['gap']:.3f} below HF's largest logit there (HF's pick {g['hf_top']}; tolerance "
+                             f"{tolerance:g}, HF fed the server's tokens)")
+            worst, same, total = max(worst, g["gap"]), same + (token == g["hf_top"]), total + 1
+    return check("smoke.greedy_parity", True,
+                 f"{len(reference)} prompts x {len(continuations[0])} server tokens, HF (fp32) fed them: each within "
+                 f"{tolerance:g} of HF's largest logit (the largest gap {worst:.3f}), {same} of {total} HF's own pick" +
+                 (f" (stop tokens {excluded} left out: {engine} bans them under ignore_eos)" if excluded else ""))
 
 
 def performance(ep: Endpoint, max_tokens: int = 64) -> dict:

@@ -231,7 +231,7 @@ def serve_engine(ctx: StageContext, cfg: ServeConfig, engine: str, ident: dict, 
             checks += structured_checks(ep, s, out["metrics"])
         checks.append(_guarded("smoke.greedy_parity", smoke.greedy_parity, ep, reference,
                                source.hf_dir if source else ctx.input, source.model if source else None,
-                               stop_token_ids(serving, tokenizer)))
+                               stop_token_ids(serving, tokenizer), source.tolerance if source else None))
         if engine == "sglang":
             checks.append(_guarded("smoke.sgl_frontend", sgl_frontend, ctx, cfg, base_url, key_file))
         out["checks"] += _prefixed(engine, checks)
