@@ -7,6 +7,9 @@ come from baton's own conversion:
   transformers' own GGUF loader evaluating the file directly (baton rebuilds, re-configures and saves the model: a
   lost rope base, norm epsilon or tie would show here), and L3;
 - greedy chat answers a fixed question correctly (the capital of France);
+- the export stage writes its q4_K_M GGUF (configs/real-smollm2.yaml's bound) and the serve stage serves it with
+  llama-server: a chat answered through the file's own template, every check passing (greedy parity within the type's
+  tolerance, teacher-forced);
 - the chain takes it: data → rlhf (DPO) → finetune (ZeRO-2) → HF → vLLM, held-out losses falling, greedy parity;
   SGLang then serves the same converted checkpoint through the serve stage, its gate passing too.
 Gemma 3 270M, a base model of another family (gemma3: sliding-window and global layers, four norms a block stored
@@ -169,6 +172,39 @@ def test_greedy_chat_answers_a_fixed_question(imported):
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
     answer = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
     assert "Paris" in answer, answer
+
+
+@pytest.mark.timeout(900)
+def test_the_q4_k_m_export_is_served_by_llama_cpp_through_the_serve_stage(tmp_path_factory, imported):
+    """The imported folder (no training: the chain's checkpoint differs from it by two steps) exported to q4_K_M by
+    the export stage under the config's bound, then llama-server on that file through the serve stage: a chat
+    request answered through the file's own ChatML template (prompt tokens as HF's rendering, the rendering token
+    for token, the stop at <|im_end|>), and greedy parity in the quantised type's tolerance."""
+    import shutil
+
+    from conftest import migrated_mlflow_store
+    from conversions.gguf_export import TYPES
+
+    home = tmp_path_factory.mktemp("gguf-home")
+    shutil.copy(migrated_mlflow_store(), home / "mlflow.db")
+    started = time.monotonic()
+    r = baton("run", str(CONFIG), "--from", str(imported), "--stages", "export,serve", "--set", "serve.engine=llamacpp",
+              home=home, timeout=900)
+    TIMES["gguf"] = time.monotonic() - started
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    summary = json.loads((Path(r.stdout.strip().splitlines()[-1]) / "summary.json").read_text())
+    export, serve = (next(e for e in summary["stages"] if e["name"] == n) for n in ("export", "serve"))
+    print(f"\nexport + serve (llama.cpp, q4_K_M): {TIMES['gguf']:.1f} s; export {export.get('seconds')} s, serve "
+          f"{serve.get('seconds')} s; logit rms {export['metrics']['q4_k_m_logit_rms']:.3f}, "
+          f"{serve['metrics'].get('llamacpp_tokens_per_s', 0):.1f} tokens/s")
+    assert serve["served_checkpoint"] == export["side_outputs"]["q4_K_M"]["output"], serve
+    checks = {c["name"]: c for c in serve["gate"]["checks"]}
+    assert all(c["passed"] for c in checks.values()), [c for c in checks.values() if not c["passed"]]
+    for name in ("chat", "chat_template_parity", "stops_at_end_of_turn", "greedy_parity"):
+        print(checks[f"llamacpp.smoke.{name}"]["detail"])
+    assert "prompt_tokens" in checks["llamacpp.smoke.chat"]["detail"]
+    assert f"each within {TYPES['q4_K_M'].served_logit_gap:g} of HF's largest logit" in \
+        checks["llamacpp.smoke.greedy_parity"]["detail"]
 
 
 @pytest.fixture(scope="module")
