@@ -41,19 +41,32 @@ def quant_type(name: str) -> QuantType:
     raise QuantError(f"--type {name}: not a quantization type (known: {', '.join(TYPES)})")
 
 
-def refuse_shapes(type_name: str, config: dict) -> None:
-    """QuantError when a grouped scheme's group does not divide every Linear's input width (llm-compressor refuses
-    such a layer after calibrating: `columns % group_size == 0`), before anything runs."""
+def group_problem(type_name: str, widths: dict[str, int], key: str = "--type") -> str | None:
+    """Why a grouped scheme cannot quantize a model whose Linear input widths are `widths` (named as the caller's
+    reader knows them: config.json's or the model section's keys): its group does not divide one. The message names
+    `key` (the flag or config key that asked for the type) and those widths; None when it can. llm-compressor 0.14
+    refuses such a model itself, but only inside the worker, after the model is loaded and the source's held-out loss
+    measured, with a traceback (a ValueError listing each `down_proj (columns=344, group_size=128)`)."""
     group = quant_type(type_name).group_size
-    if group is None:
-        return
-    widths = linear_widths(config)
-    inputs = {k: v for k, v in widths.items() if k != "num_key_value_heads x head_dim" and v % group}
-    if inputs:
-        listed = ", ".join(f"{k} {v}" for k, v in inputs.items())
-        raise QuantError(f"--type {type_name}: {quant_type(type_name).preset} quantizes weights in groups of {group} "
-                         f"input columns, which do not divide this model's {listed}; export w8a8 (per channel) or "
-                         "a model whose widths are multiples of the group")
+    odd = {k: v for k, v in widths.items() if group and v % group}
+    if not odd:
+        return None
+    listed = ", ".join(f"{k} {v}" for k, v in odd.items())
+    return (f"{key} {type_name}: {quant_type(type_name).preset} quantizes weights in groups of {group} input columns, "
+            f"which do not divide this model's {listed}; export w8a8 (per channel) or a model whose widths are "
+            "multiples of the group")
+
+
+def input_widths(config: dict) -> dict[str, int]:
+    """The input widths of a Llama-family decoder's Linear layers (q/k/v/gate/up read hidden_size, o the heads'
+    width, down intermediate_size), from config.json."""
+    return {k: v for k, v in linear_widths(config).items() if k != "num_key_value_heads x head_dim"}
+
+
+def refuse_shapes(type_name: str, config: dict) -> None:
+    """QuantError (group_problem) before anything runs."""
+    if problem := group_problem(type_name, input_widths(config)):
+        raise QuantError(problem)
 
 
 def scheme_of(config: dict) -> str | None:

@@ -153,6 +153,7 @@ from default_run import default_run  # noqa: E402,F401
 FIXTURE_SECONDS = {"ops_stack": 600, "default_run": 1800, "retrain_outcomes": 1800, "initial_champion": 120,
                    "hf_checkpoint": 120, "data_dir": 120,
                    "w8a8_export": 300,  # test_quant_export: one llm-compressor quantization (106 s at load 15)
+                   "w4a16_export": 300,  # and another, w4a16 (25 s at load 3)
                    "engine_registries": 240}  # test_served_architectures: vLLM's and SGLang's registries, once per build
 
 
@@ -176,7 +177,8 @@ def pytest_configure(config):
 
 # `make test` runs two pytest-xdist workers (--dist loadgroup), each with its own session fixtures. The tests that read
 # one expensive session run are kept on one worker, so it runs once; every other test goes wherever a worker is free.
-SHARED_RUNS = {"default_run": "default-run", "retrain_outcomes": "retrain", "w8a8_export": "w8a8-export"}
+SHARED_RUNS = {"default_run": "default-run", "retrain_outcomes": "retrain", "w8a8_export": "w8a8-export",
+               "w4a16_export": "w4a16-export"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker and before xdist reads the groups

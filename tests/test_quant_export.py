@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -25,6 +26,25 @@ def w8a8_export(tmp_path_factory, hf_checkpoint, data_dir):
     r = cli("export", str(hf_checkpoint), str(dest), "--type", "w8a8", "--calibration", str(data_dir),
             "--calibration-rows", str(ROWS), home=root / "home")
     return r, dest
+
+
+@pytest.fixture(scope="module")
+def w4a16_export(tmp_path_factory, tiny_config, data_dir):
+    """(completed `baton export --type w4a16`, DEST, its source): the tiny architecture with ffn_hidden_size 384 (a
+    multiple of W4A16's groups of 128 and of vLLM's CPU 4-bit kernel's 32; the tiny model's 344 is neither), random
+    init."""
+    from conversions import hf, manifest as mf
+    from conftest import make_hf_checkpoint
+
+    root = tmp_path_factory.mktemp("w4a16")
+    arch = {**tiny_config.model.model_dump(), "ffn_hidden_size": 384}
+    src = make_hf_checkpoint(root / "ckpt", arch, data_dir / "tokenizer")
+    mf.write(src, mf.build(src, format="hf-safetensors", stage="external", parameter_count=hf.parameter_count(src),
+                           dtype="float32", architecture=arch))
+    dest = root / "w4a16"
+    r = cli("export", str(src), str(dest), "--type", "w4a16", "--calibration", str(data_dir),
+            "--calibration-rows", str(ROWS), home=root / "home")
+    return r, dest, src
 
 
 def test_w8a8_passes_its_gate_and_is_published_with_its_calibration_digest(w8a8_export, hf_checkpoint, data_dir):
@@ -48,6 +68,46 @@ def test_w8a8_passes_its_gate_and_is_published_with_its_calibration_digest(w8a8_
     assert not (dest.parent / "w8a8.partial").exists()
 
 
+def test_w4a16_on_widths_that_fit_passes_its_gate_and_is_published(w4a16_export):
+    from conversions import manifest as mf, vllm_quant
+
+    r, dest, src = w4a16_export
+    assert r.returncode == 0, r.stdout + r.stderr
+    for name in ("quant.scheme", "quant.coverage", "quant.heldout_loss"):
+        assert f"[ok] {name}" in r.stdout, r.stdout
+    m = mf.read(dest)
+    assert m["format"] == mf.Format.COMPRESSED_TENSORS and m["extra"]["scheme"] == "W4A16"
+    assert m["parent"]["digest"] == mf.digest_of(mf.read(src))
+    assert abs(m["extra"]["loss_delta"]) <= vllm_quant.TYPES["w4a16"].max_loss_delta
+    assert m["extra"]["size"] < 0.3 * m["extra"]["source_size"]  # 4-bit matrices; embeddings and lm_head stay fp32
+    weights = json.loads((dest / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
+    assert weights["weights"]["num_bits"] == 4 and weights["weights"]["group_size"] == 128
+    print(f"size {m['extra']['size']} of {m['extra']['source_size']}, loss delta {m['extra']['loss_delta']:+.2e}")
+
+
+def test_vllm_cpu_refuses_the_w4a16_export_before_launch_where_it_has_no_kernel(w4a16_export, tmp_path):
+    """vLLM's CPU build has its 4-bit kernel only in the AVX-512 libraries, for bf16/fp16: on a host without AVX-512
+    the export is refused before any server starts (without the refusal the server starts, then its first completion
+    kills the engine: docs/export.md). Where the host has AVX-512, the same folder is served at bf16 (that branch has
+    not run yet: the machines baton is tested on have no AVX-512)."""
+    from tasks.serve.config import ServeConfig, SmokeConfig
+    from tasks.serve.engines import host_has_avx512
+    from tasks.serve.quantized import check_quantized
+
+    _, dest, _ = w4a16_export
+    cfg = ServeConfig(engine="vllm", precision="bf16", health_timeout_s=300,
+                      smoke=SmokeConfig(parity_prompts=2, parity_tokens=16))
+    served = check_quantized(dest, cfg, tmp_path)
+    if host_has_avx512():
+        assert served.report["passed"], served.report
+        return
+    [refused] = served.report["checks"]
+    assert refused["name"] == "preflight.vllm_cpu_quantization" and not refused["passed"]
+    assert "quantization scheme W4A16" in refused["detail"] and "an AVX-512 CPU" in refused["detail"], refused
+    assert "multiple of" not in refused["detail"] and "serve.precision" not in refused["detail"]
+    assert not served.log.exists()
+
+
 @pytest.mark.fast
 def test_a_quantization_is_refused_before_anything_runs_without_data_or_with_groups_that_do_not_fit(
         tmp_path, hf_checkpoint, data_dir):
@@ -63,6 +123,23 @@ def test_a_quantization_is_refused_before_anything_runs_without_data_or_with_gro
 
 
 @pytest.mark.fast
+def test_a_relay_whose_w4a16_groups_do_not_fit_is_refused_before_it_launches(hf_checkpoint):
+    """In a run config: against the model section when the run trains it, against the input's config.json with
+    --from; one message naming export.types and the widths (llm-compressor would refuse inside the export step,
+    after every stage before it ran)."""
+    from flows.config import ConfigError, load
+    from flows.pipeline import prepare
+
+    with pytest.raises(ConfigError, match=r"export\.types w4a16: W4A16 quantizes weights in groups of 128 input "
+                                          r"columns, which do not divide this model's model\.ffn_hidden_size 344"):
+        load(TINY, ["export.types=[w4a16]"])
+    assert load(TINY, ["export.types=[w4a16]", "model.ffn_hidden_size=384"])
+    cfg = load(TINY, ["export.types=[w8a8, w4a16]", "stages=[export]"])
+    with pytest.raises(ConfigError, match=rf"--from {hf_checkpoint}: export\.types w4a16: .* intermediate_size 344"):
+        prepare(cfg, str(hf_checkpoint))
+
+
+@pytest.mark.fast
 def test_vllm_cpu_refuses_the_schemes_it_has_no_kernel_for():
     from tasks.serve.config import ServeConfig
     from tasks.serve.engines import vllm_cpu_quantization_problem as problem
@@ -74,11 +151,18 @@ def test_vllm_cpu_refuses_the_schemes_it_has_no_kernel_for():
                                                  "config_groups": {"group_0": group}}}
 
     int8 = {"type": "int", "num_bits": 8, "dynamic": True}
-    cpu = ServeConfig(engine="vllm")
-    assert problem(cpu, quantized({"num_bits": 8}, int8)) is None
-    assert problem(cpu, quantized({"num_bits": 4}, None)) is None
-    odd = problem(cpu, quantized({"num_bits": 4}, None, intermediate_size=344))
+    cpu, bf16 = ServeConfig(engine="vllm"), ServeConfig(engine="vllm", precision="bf16")
+    assert problem(cpu, quantized({"num_bits": 8}, int8), avx512=False) is None
+    assert problem(bf16, quantized({"num_bits": 4}, None), avx512=True) is None
+    odd = problem(bf16, quantized({"num_bits": 4}, None, intermediate_size=344), avx512=True)
     assert "quantization scheme W4A16" in odd and "intermediate_size 344" in odd and "serve.device cuda" in odd
+    assert "AVX-512" not in odd and "serve.precision" not in odd
+    avx2 = problem(bf16, quantized({"num_bits": 4}, None), avx512=False)
+    assert "quantization scheme W4A16" in avx2 and "an AVX-512 CPU" in avx2 and "multiple of" not in avx2
+    fp32 = problem(cpu, quantized({"num_bits": 4}, None), avx512=True)
+    assert "serve.precision bf16 or fp16, this is fp32 (float32)" in fp32 and "AVX-512" not in fp32
+    assert problem(ServeConfig(engine="vllm", precision="auto"), quantized({"num_bits": 4}, None, dtype="bfloat16"),
+                   avx512=True) is None
     fp8 = problem(cpu, quantized({"type": "float", "num_bits": 8}, {"type": "float", "num_bits": 8}))
     assert "quantization scheme FP8" in fp8 and "serve.device cuda" in fp8
     assert problem(ServeConfig(engine="vllm", device="cuda"), quantized({"num_bits": 4}, None, intermediate_size=344)) \
@@ -101,6 +185,16 @@ def test_the_cpu_kernel_rules_are_vllms_own():
     assert "_CPUWNA16_SUPPORTED_QUANT_TYPES = (scalar_types.uint4, scalar_types.uint4b8)" in source
     assert source.count(f"partition_weight_shape[0] % {VLLM_CPU_WNA16_MULTIPLE} != 0") == 1
     assert source.count(f"partition_weight_shape[1] % {VLLM_CPU_WNA16_MULTIPLE} != 0") == 1
+    assert "ops.cpu_gemm_wna16(" in source
+    vllm = found[0].parents[4]
+    platform = (vllm / "platforms" / "cpu.py").read_text()
+    assert "if torch.cpu._is_avx512_supported():" in platform and "import vllm._C_AVX2" in platform
+    op = b"cpu_gemm_wna16(Tensor input"  # the op's registered schema
+    assert op not in (vllm / "_C_AVX2.abi3.so").read_bytes()
+    avx512 = (vllm / "_C_AVX512.abi3.so").read_bytes()
+    assert op in avx512
+    built = set(re.findall(rb"cpu_gemm_wna16_impl<c10::(\w+),", avx512))
+    assert built == {b"BFloat16", b"Half"}, built  # engines.VLLM_CPU_WNA16_DTYPES
 
 
 def test_a_scheme_vllm_cpu_cannot_serve_is_refused_before_any_server_starts(w8a8_export, tmp_path):

@@ -16,7 +16,8 @@ class SmokeConfig(StrictModel):
     json_requests: int = Field(20, ge=1, description="JSON-schema requests; every answer must parse and validate")
     parity_prompts: int = Field(4, ge=1, description="prompts whose greedy token ids must equal HF generate")
     parity_tokens: int = Field(16, ge=1, description="greedy tokens compared per parity prompt")
-    max_tokens: int = Field(48, ge=8, description="cap for chat / JSON / regex answers")
+    max_tokens: int = Field(48, ge=8, description="cap for chat / JSON / regex answers (llama.cpp's JSON answers: twice "
+                                                  "this, its grammar allows runs of whitespace)")
     sgl_programs: int = Field(4, ge=1, description="SGLang: frontend programs (a select and a regex-constrained gen) "
                                                    "run as one batch")
 

@@ -49,12 +49,30 @@ def vllm_cpu_head_dim_problem(cfg: ServeConfig, config: dict) -> str | None:
 # only block-quantized W8A16 on AMX CPUs (CPUFp8BlockScaledMMKernel), not checked here, so refused with the rest.
 VLLM_CPU_SCHEMES = ("W8A8", "W4A16", "W4A16_ASYM")
 VLLM_CPU_WNA16_MULTIPLE = 32
+# CPUWNA16's matrix product is vLLM's op cpu_gemm_wna16, compiled into the AVX-512 kernel libraries (_C, _C_AVX512)
+# only: on an x86 CPU without AVX-512 vLLM loads _C_AVX2 (vllm/platforms/cpu.py, by torch.cpu._is_avx512_supported),
+# which has no such op, so the server starts, answers /health and /v1/models, and its first completion kills the
+# engine (AttributeError: '_OpNamespace' '_C' object has no attribute 'cpu_gemm_wna16', measured here). The op is
+# built for bf16 and fp16 activations only (its cpu_gemm_wna16_impl<BFloat16|Half> symbols; not run: no AVX-512 here).
+VLLM_CPU_WNA16_DTYPES = ("bfloat16", "float16")
 VLLM_GPU_RECIPE = ("serve it on a GPU: serve.device cuda with the regular vllm package (infra/docker/vllm.Dockerfile), "
                    "whose CUTLASS/Marlin kernels serve compressed-tensors W8A8, W4A16 and FP8")
 
 
-def vllm_cpu_quantization_problem(cfg: ServeConfig, config: dict) -> str | None:
-    """Why vLLM's CPU build cannot serve this config's quantization scheme, or None (no quantization, or served)."""
+def host_has_avx512() -> bool:
+    """Whether vLLM on this host loads an AVX-512 kernel library (vLLM's own test; non-x86 hosts: not judged here)."""
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return True
+    import torch
+
+    return bool(torch.cpu._is_avx512_supported())
+
+
+def vllm_cpu_quantization_problem(cfg: ServeConfig, config: dict, avx512: bool | None = None) -> str | None:
+    """Why vLLM's CPU build cannot serve this config's quantization scheme, or None (no quantization, or served).
+    `avx512`: whether the serving host has AVX-512 (None: this host)."""
     if cfg.device != "cpu" or "vllm" not in cfg.engines():
         return None
     scheme = vllm_quant.scheme_of(config)
@@ -63,11 +81,21 @@ def vllm_cpu_quantization_problem(cfg: ServeConfig, config: dict) -> str | None:
     if scheme not in VLLM_CPU_SCHEMES:
         return (f"quantization scheme {scheme}: vLLM's CPU build has kernels for {', '.join(VLLM_CPU_SCHEMES)} only; "
                 f"{VLLM_GPU_RECIPE}")
-    odd = {k: v for k, v in vllm_quant.linear_widths(config).items() if v % VLLM_CPU_WNA16_MULTIPLE}
-    if odd:
-        widths = ", ".join(f"{k} {v}" for k, v in odd.items())
-        return (f"quantization scheme {scheme}: vLLM's CPU 4-bit kernel (CPUWNA16) needs every Linear width a "
-                f"multiple of {VLLM_CPU_WNA16_MULTIPLE}, this model has {widths}; {VLLM_GPU_RECIPE}")
+    why = []
+    if odd := {k: v for k, v in vllm_quant.linear_widths(config).items() if v % VLLM_CPU_WNA16_MULTIPLE}:
+        why.append(f"every Linear width a multiple of {VLLM_CPU_WNA16_MULTIPLE}, this model has "
+                   + ", ".join(f"{k} {v}" for k, v in odd.items()))
+    if not (host_has_avx512() if avx512 is None else avx512):
+        why.append("an AVX-512 CPU, this one has none (vLLM then loads its AVX2 kernel library, which has no "
+                   "cpu_gemm_wna16: the server would start and die on its first completion)")
+    dtype = cfg.engine_dtype()
+    if dtype == "auto":
+        dtype = config.get("dtype") or config.get("torch_dtype")
+    if dtype not in VLLM_CPU_WNA16_DTYPES:
+        why.append(f"serve.precision bf16 or fp16, this is {cfg.precision} ({dtype})")
+    if why:
+        return (f"quantization scheme {scheme}: vLLM's CPU 4-bit kernel (CPUWNA16) needs " + "; and ".join(why)
+                + f"; {VLLM_GPU_RECIPE}")
     return None
 
 

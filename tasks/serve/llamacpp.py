@@ -9,11 +9,10 @@ under test (what quantising cost is the export gate's question, answered before 
 token for token on f16; on a quantised type llama.cpp quantises the activations too, so each of its greedy tokens must
 instead be within the type's served_logit_gap of HF's largest logit, HF fed the server's tokens.
 
-Not checked here: the JSON-schema and regex smokes. llama-server takes response_format json_schema (a grammar), but its
-chat route parses the answer and fails the request (500, "does not match the expected peg-native format") when the text
-is not valid UTF-8, which a random-init model's byte tokens inside a JSON string often are; its grammar also allows
-whitespace between tokens, unlike the HF engines' flags; it takes no regex. Nor the sampling defaults: llama-server
-applies its own, not generation_config.json's.
+The serve stage also asks it for JSON-schema answers (OpenAI response_format json_schema, which llama-server turns
+into a grammar), with the free string narrowed to ASCII letters and twice the tokens (tasks.serve.smoke.JSON_REQUEST:
+why). Not checked: regex answers (llama-server takes no regex, only GBNF grammars), and the sampling defaults
+(llama-server applies its own, not generation_config.json's); nor, by check_gguf, the JSON answers.
 """
 from __future__ import annotations
 

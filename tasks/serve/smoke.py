@@ -23,7 +23,15 @@ JSON_SCHEMA = {
     "additionalProperties": False,
 }
 REGEX = r"(fruit|animal|color|city): [a-z]{2,8}"
-STRUCTURED_ENGINES = ("vllm", "sglang")  # those asked for JSON-schema and regex answers (tasks.serve.llamacpp: why not)
+JSON_ENGINES = ("vllm", "sglang", "llamacpp")  # those asked for JSON-schema answers
+REGEX_ENGINES = ("vllm", "sglang")  # and for regex ones (llama-server takes no regex, only GBNF grammars)
+# llama-server's grammar lets a free JSON string end up as bytes that are not valid UTF-8 (a random-init model's byte
+# tokens; its chat route then fails the request: 500 "does not match the expected peg-native format"): its string is
+# asked in ASCII letters. Its grammar also allows runs of whitespace between the tokens (the HF engines run with
+# whitespace disabled), so its answers may take twice the tokens.
+JSON_REQUEST = {"llamacpp": ({**JSON_SCHEMA, "properties": {**JSON_SCHEMA["properties"],
+                                                            "word": {"type": "string", "pattern": "^[a-z]{1,12}$"}}},
+                             2)}
 WORDS = ["apple", "tiger", "paris", "purple", "mango", "wolf", "lima", "green", "kiwi", "bear"]
 
 
@@ -87,10 +95,13 @@ def chat(ep: Endpoint, tokenizer, max_tokens: int) -> dict:
 
 
 def json_schema(ep: Endpoint, n: int, max_tokens: int) -> tuple[dict, float]:
-    """n sampled answers under a JSON schema: each must pass strict json.loads and jsonschema validation."""
+    """n sampled answers under a JSON schema (the engine's: JSON_REQUEST): each must pass strict json.loads and
+    jsonschema validation."""
     import jsonschema
 
-    fmt = {"type": "json_schema", "json_schema": {"name": "classification", "schema": JSON_SCHEMA, "strict": True}}
+    schema, token_factor = JSON_REQUEST.get(ep.engine, (JSON_SCHEMA, 1))
+    max_tokens *= token_factor
+    fmt = {"type": "json_schema", "json_schema": {"name": "classification", "schema": schema, "strict": True}}
     valid, lenient_only, failures = 0, 0, []
     for i in range(n):
         word = WORDS[i % len(WORDS)]
@@ -98,7 +109,7 @@ def json_schema(ep: Endpoint, n: int, max_tokens: int) -> tuple[dict, float]:
                       temperature=1.0, seed=i)
         text = res["choices"][0]["message"].get("content") or ""
         try:
-            jsonschema.validate(json.loads(text), JSON_SCHEMA)  # strict=True: no raw control characters
+            jsonschema.validate(json.loads(text), schema)  # strict=True: no raw control characters
             valid += 1
         except (json.JSONDecodeError, jsonschema.ValidationError) as e:
             try:

@@ -227,8 +227,7 @@ def serve_engine(ctx: StageContext, cfg: ServeConfig, engine: str, ident: dict, 
                   _guarded("smoke.auth_401", smoke.unauthorized, ep),
                   _guarded("smoke.chat", smoke.chat, ep, tokenizer, s.max_tokens)] + contract_checks(
                       ep, server, tokenizer, serving)
-        if engine in smoke.STRUCTURED_ENGINES:
-            checks += structured_checks(ep, s, out["metrics"])
+        checks += structured_checks(ep, s, out["metrics"])
         checks.append(_guarded("smoke.greedy_parity", smoke.greedy_parity, ep, reference,
                                source.hf_dir if source else ctx.input, source.model if source else None,
                                stop_token_ids(serving, tokenizer), source.tolerance if source else None))
@@ -248,13 +247,19 @@ def serve_engine(ctx: StageContext, cfg: ServeConfig, engine: str, ident: dict, 
 
 
 def structured_checks(ep: smoke.Endpoint, s, metrics: dict) -> list[dict]:
-    """JSON-schema and regex-constrained answers; the JSON valid rate goes to `metrics`."""
-    try:
-        chk, rate = smoke.json_schema(ep, s.json_requests, s.max_tokens)
-        metrics["json_valid_rate"] = rate
-    except Exception as e:
-        chk = verify.check("smoke.json_schema", False, f"{type(e).__name__}: {e}"[:500])
-    return [chk, _guarded("smoke.regex", smoke.regex, ep, 3, s.max_tokens)]
+    """JSON-schema and regex-constrained answers, where the engine takes them; the JSON valid rate goes to
+    `metrics`."""
+    checks = []
+    if ep.engine in smoke.JSON_ENGINES:
+        try:
+            chk, rate = smoke.json_schema(ep, s.json_requests, s.max_tokens)
+            metrics["json_valid_rate"] = rate
+        except Exception as e:
+            chk = verify.check("smoke.json_schema", False, f"{type(e).__name__}: {e}"[:500])
+        checks.append(chk)
+    if ep.engine in smoke.REGEX_ENGINES:
+        checks.append(_guarded("smoke.regex", smoke.regex, ep, 3, s.max_tokens))
+    return checks
 
 
 def stop_token_ids(serving: dict, tokenizer) -> list[int]:
