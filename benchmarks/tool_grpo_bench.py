@@ -55,8 +55,8 @@ def prepare(root: Path, cfg, seed: int) -> tuple[Path, Path]:
                    cfg.data.model_copy(update={"pretrain_docs": 50, "preference_pairs": 10, "seed": seed}))
         mf.write(data, mf.build(data, format="dataset", stage="data", tokenizer_dir=data / "tokenizer"))
         make_hf_checkpoint(init, arch, data / "tokenizer")
-        mf.write(init, mf.build(init, format="hf-safetensors", stage="external", parameter_count=hf.parameter_count(init),
-                                dtype="float32", architecture=arch))
+        mf.write(init, mf.build(init, format="hf-safetensors", stage="external",
+                                parameter_count=hf.parameter_count(init), dtype="float32", architecture=arch))
     return data, init
 
 
@@ -155,7 +155,8 @@ def main() -> int:
             model = sft(root, cfg, seed, data, init, steps)
             for lr in a.lrs:
                 update = {**sets, "lr": lr}
-                key = {"seed": seed, "by_heart": by_heart, "sft_steps": steps, **{k: update.get(k, getattr(cfg.rlhf, k)) for k in KEYS},
+                key = {"seed": seed, "by_heart": by_heart, "sft_steps": steps,
+                       **{k: update.get(k, getattr(cfg.rlhf, k)) for k in KEYS},
                        **{k: v for k, v in sets.items() if k not in KEYS}}
                 tag = "grpo-" + "-".join(f"{k}{v}" for k, v in key.items() if k not in ("seed", "rewards"))
                 tag += f"-rewards{len(update.get('rewards', cfg.rlhf.rewards))}"
