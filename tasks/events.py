@@ -331,6 +331,7 @@ class RlhfSpec(ProgramSpec):
     reference_model: Path | None
     num_generations: int
     max_completion_length: int
+    temperature: float                         # grpo: rollout sampling temperature
     rollout_engine: str                        # hf or vllm
     rollout_engine_python: str | None          # vllm: the vllm runtime's python, which serves the rollouts
     dataset: str                               # preference or prompts

@@ -67,7 +67,7 @@ def stand_in_checkout(root: Path) -> Path:
 
 # grpo as NeMo-RL runs it: one exact_match (its math environment), weighted so that reward_scaling is written too
 GRPO = dict(algorithm="grpo", micro_batch_size=8, gradient_accumulation_steps=2, num_generations=4,
-            max_completion_length=24, beta=0.04, clip_epsilon=0.2, clip_epsilon_high=0.28, loss_type="grpo",
+            max_completion_length=24, temperature=0.7, beta=0.04, clip_epsilon=0.2, clip_epsilon_high=0.28, loss_type="grpo",
             scale_rewards="none", rewards=[{"kind": "exact_match", "extract": "boxed", "weight": 2.0}])
 
 
@@ -219,7 +219,7 @@ def test_grpo_yaml_runs_the_math_recipe_with_our_rewards_and_data(tmp_path):
     assert upstream["loss_fn.reference_policy_kl_penalty"] != 0.04 and loss["reference_policy_kl_penalty"] == 0.04
     assert (loss["ratio_clip_min"], loss["ratio_clip_max"]) == (0.2, 0.28)
     assert upstream["loss_fn.token_level_loss"] and loss["token_level_loss"] is False  # loss_type grpo
-    assert cfg["policy"]["generation"]["max_new_tokens"] == 24
+    assert cfg["policy"]["generation"]["max_new_tokens"] == 24 and cfg["policy"]["generation"]["temperature"] == 0.7
     assert cfg["policy"]["generation"]["vllm_cfg"]["max_model_len"] == 128  # inherited interpolation, resolved
     assert cfg["policy"]["sequence_packing"]["train_mb_tokens"] == 128 * rl.nemo_rl.micro_batch_size  # ${mul:...}
     assert (cfg["checkpointing"]["metric_name"], cfg["checkpointing"]["higher_is_better"]) == ("val:accuracy", True)

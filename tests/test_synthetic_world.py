@@ -112,6 +112,9 @@ def test_the_calculator_world_is_tool_call_episodes_on_products_it_holds_out():
     assert len(held) == len(sft_held) == 32 and not asked & set(held_out)  # never in SFT or GRPO training
     assert {r["messages"][0]["content"] for r in sft_held} == set(held_out)
     assert not any(SUM.search(t) for t in pretraining_text(sets))  # the sums' pretraining text is the other world's
+    mostly_by_heart = {**CALCULATOR, "sft": {**CALCULATOR["sft"], "by_heart": 0.8}}
+    sft_bh = build_datasets(DataConfig(**mostly_by_heart))[0]["sft"][0]
+    assert 0.1 < sum(len(r["messages"]) == 4 for r in sft_bh) / len(sft_bh) < 0.3  # data.sft.by_heart: 0.8
 
 
 @pytest.mark.parametrize("data, words", [
@@ -123,3 +126,14 @@ def test_the_calculator_task_is_refused_where_it_makes_nothing(data, words):
 
     problems = validate(DataConfig(**data))
     assert [p.key for p in problems] == [words] and "synthetic task of data.sft and data.prompts only" in problems[0]
+
+
+@pytest.mark.parametrize("data, words", [
+    ({"prompts": {"kind": "synthetic", "task": "calculator", "by_heart": 0.5}}, "data.prompts.by_heart"),
+    ({"sft": {"kind": "synthetic", "by_heart": 0.5}}, "data.sft.by_heart"),
+])
+def test_by_heart_is_refused_off_the_calculator_sft(data, words):
+    from tasks.data.config import validate
+
+    problems = validate(DataConfig(**data))
+    assert [p.key for p in problems] == [words] and "data.sft with task: calculator only" in problems[0]

@@ -36,6 +36,9 @@ class SourceConfig(StrictModel):
                                "over every pair of digits (40 of 100 held out), for an instruction-tuned model "
                                "(--from); calculator (data.sft, data.prompts): products of two two-digit numbers, the "
                                "SFT episodes calling the calculator tool (rlhf.tools)")
+    by_heart: float | None = Field(
+        None, ge=0, le=1, description="synthetic task calculator, data.sft: the share of SFT conversations answered "
+                                      "without the tool (default 0.5)")
 
     @model_validator(mode="after")
     def _needs_train(self):
@@ -104,6 +107,9 @@ def validate(cfg: DataConfig, pipeline=None) -> list[ConfigProblem]:
             if src.task != "default" and (src.kind != "synthetic" or kind not in TASK_DATASETS[src.task]):
                 errors.append(ConfigProblem(f"{key}.task", f"{key}.task: {src.task!r} is a synthetic task of "
                                             f"{' and '.join(f'data.{k}' for k in TASK_DATASETS[src.task])} only"))
+            if src.by_heart is not None and (src.task != "calculator" or kind != "sft"):
+                errors.append(ConfigProblem(f"{key}.by_heart", f"{key}.by_heart: applies to data.sft with task: "
+                                            "calculator only"))
             if src.format != "auto" and formats.kind_of(src.format) != kind:
                 errors.append(ConfigProblem(f"{key}.format", f"{key}.format: {src.format!r} is not a {kind} format "
                                             f"({', '.join(formats.FORMATS[kind])})"))

@@ -179,7 +179,7 @@ def arithmetic_prompts(n: int, sums: tuple[list, list], rng: random.Random) -> t
 # stage's chat form: user question → assistant tool call → tool result → assistant answer.
 TOOL_CALL = '<tool_call>{{"name": "calculator", "arguments": {{"expression": "{e}"}}}}</tool_call>'
 # SFT episodes answered without the tool (a product by heart, which the model cannot learn): the tuned model then
-# samples both kinds, and GRPO has a better and a worse way to compare.
+# samples both kinds, and GRPO has a better and a worse way to compare (the default of data.sft's by_heart).
 BY_HEART_FRACTION = 0.5
 HELDOUT_PRODUCTS = 32   # products never in any training episode or GRPO prompt: SFT's and the gate's held-out rows
 
@@ -200,11 +200,12 @@ def tool_episode(a: int, b: int, by_heart: bool = False) -> list[dict]:
             {"role": "tool", "content": answer}, {"role": "assistant", "content": answer}]
 
 
-def calculator_episodes(n: int, seed: int, rng: random.Random) -> tuple[list, list]:
-    """n SFT conversations on training products (BY_HEART_FRACTION of them answered without the tool), and one
-    tool-call episode per held-out product."""
+def calculator_episodes(n: int, seed: int, rng: random.Random,
+                        by_heart: float = BY_HEART_FRACTION) -> tuple[list, list]:
+    """n SFT conversations on training products (by_heart of them answered without the tool), and one tool-call
+    episode per held-out product."""
     train_p, held_p = split_products(seed)
-    train = [{"messages": tool_episode(*rng.choice(train_p), by_heart=rng.random() < BY_HEART_FRACTION)}
+    train = [{"messages": tool_episode(*rng.choice(train_p), by_heart=rng.random() < by_heart)}
              for _ in range(n)]
     return train, [{"messages": tool_episode(a, b)} for a, b in held_p]
 

@@ -87,6 +87,9 @@ class RlhfConfig(TrainingConfig):
                                         json_schema_extra=paths.contents(paths.Contents.CHECKPOINT))
     num_generations: int = Field(4, ge=2, description="grpo: completions sampled per prompt")
     max_completion_length: int = Field(16, ge=1, description="grpo: new tokens per completion")
+    temperature: float = Field(1.0, gt=0, le=2, description="grpo: sampling temperature of the rollouts (the trainer's "
+                                                            "log-probs are taken at the same temperature); the "
+                                                            "held-out gate stays greedy")
     rollout_engine: Literal["hf", "vllm"] = Field(
         "hf", description="grpo (trl): who samples the rollouts: hf (the trainer's model.generate) or vllm (a vLLM "
                           "server from the vllm runtime, its weights reloaded from the policy after each step; TRL "

@@ -226,7 +226,7 @@ def build_config(*, algorithm: str, runtime: dict, input_dir: Path, data_dir: Pa
         "optimizer": {"kwargs": {"lr": cfg.lr}},
     }
     if algorithm == "grpo":
-        policy["generation"] = {"max_new_tokens": cfg.max_completion_length}
+        policy["generation"] = {"max_new_tokens": cfg.max_completion_length, "temperature": cfg.temperature}
         policy["sequence_packing"] = {"enabled": cfg.packing}  # the recipe packs; baton's default does not
     return {
         "defaults": f"{recipe_root(runtime)}/{base}",

@@ -206,7 +206,8 @@ def worker_spec(ctx: StageContext, cfg: RlhfConfig, out: Path, template: Path | 
         precision=cfg.precision, beta=cfg.beta, max_seq_length=cfg.max_seq_length or ctx.model.get(
             "seq_length", 128), overlong=cfg.overlong, sft_weight=cfg.sft_weight, reference=cfg.reference,
         reference_model=cfg.reference_model, num_generations=cfg.num_generations,
-        max_completion_length=cfg.max_completion_length, rollout_engine=cfg.rollout_engine,
+        max_completion_length=cfg.max_completion_length, temperature=cfg.temperature,
+        rollout_engine=cfg.rollout_engine,
         rollout_engine_python=runtimes.python_for("vllm", ctx.runtimes) if cfg.rollout_engine == "vllm" else None,
         dataset=dataset_of(cfg), rewards=reward_specs(cfg),
         tools=list(cfg.tools), max_turns=cfg.max_turns, tool_timeout_s=cfg.tool_timeout_s,

@@ -513,7 +513,7 @@ def train_grpo(a, tok, train_pairs: list[dict], work: Path):
     model = AutoModelForCausalLM.from_pretrained(str(a.input), dtype=torch.float32)
     prompts = Dataset.from_list([{"prompt": p["prompt"]} for p in train_pairs])
     args = GRPOConfig(**common_args(a, work), beta=a.beta, num_generations=a.num_generations,
-                      max_completion_length=a.max_completion_length, temperature=1.0, use_vllm=False,
+                      max_completion_length=a.max_completion_length, temperature=a.temperature, use_vllm=False,
                       log_completions=False)
     return GRPOTrainer(model=model, reward_funcs=[preference_reward(train_pairs, tok.eos_token)], args=args,
                        train_dataset=prompts, processing_class=tok, callbacks=[stream_callback()])
@@ -551,7 +551,7 @@ def train_grpo_rewards(a, tok, rows: list[dict], work: Path):
         funcs, weights = funcs + [environment_reward], weights + [1.0]
     prompts = Dataset.from_list([{"prompt": r["prompt"], "row_index": i} for i, r in enumerate(rows)])
     args = GRPOConfig(**common_args(a, work), beta=a.beta, num_generations=a.num_generations,
-                      max_completion_length=a.max_completion_length, temperature=1.0, use_vllm=False,
+                      max_completion_length=a.max_completion_length, temperature=a.temperature, use_vllm=False,
                       log_completions=False, epsilon=a.clip_epsilon, epsilon_high=a.clip_epsilon_high,
                       loss_type=a.loss_type, scale_rewards=a.scale_rewards, reward_weights=weights)
     episodic = {}
