@@ -43,6 +43,16 @@ def migrated_mlflow_store() -> Path:
     return _MLFLOW_STORE
 
 
+def mlflow_client(home: Path):
+    """A client of the BATON_HOME's own MLflow store, its registry named too: without registry_uri MLflow takes the
+    process's registry URI, which baton's tracking.client() sets globally when a test ran a stage in-process (a test
+    then read another home's registered models)."""
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{Path(home) / 'mlflow.db'}"
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
 @pytest.fixture
 def baton_home(tmp_path, monkeypatch):
     home = tmp_path / "baton-home"

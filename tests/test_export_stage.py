@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from conftest import TINY, baton
+from conftest import TINY, baton, mlflow_client
 
 GGUF_MODEL = "baton-tiny-gguf-file"  # tracking.registered_model, then the format: step_runner._register
 
@@ -39,8 +39,6 @@ def check_exports(stage: dict, hf_output: str, client, lineage: list[dict]) -> N
 
 
 def test_a_bound_too_tight_for_one_type_fails_the_stage_and_registers_nothing(baton_home, hf_checkpoint):
-    from mlflow import MlflowClient
-
     r = baton("run", str(TINY), "--from", str(hf_checkpoint), "--stages", "export",
               "--set", "export.types=[f16,q8_0]", "--set", "export.max_logit_rms={q8_0: 1.0e-4}",
               "--set", "data.pretrain_docs=200", "--set", "data.preference_pairs=40", "--set", "data.sft_examples=60",
@@ -54,5 +52,5 @@ def test_a_bound_too_tight_for_one_type_fails_the_stage_and_registers_nothing(ba
     assert not any(side.get("registered") for side in stage["side_outputs"].values()), stage["side_outputs"]
     work = Path(stage["log"]).parent
     assert (work / "q8_0.partial" / "model.gguf").exists() and not (work / "q8_0").exists()
-    client = MlflowClient(tracking_uri=f"sqlite:///{baton_home / 'mlflow.db'}")
+    client = mlflow_client(baton_home)
     assert not [m.name for m in client.search_registered_models() if m.name.startswith(GGUF_MODEL)]

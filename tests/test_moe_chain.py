@@ -9,15 +9,13 @@ import json
 
 import pytest
 
-from conftest import REPO, baton
+from conftest import REPO, baton, mlflow_client
 
 
 def assert_moe_metrics_in_mlflow(home, stages: dict) -> None:
     """What a user watches of the mixture in MLflow: the pretrain run's expert load per step, its summary (imbalance,
     idle experts) and the plot of tokens per expert; the router's aux loss per step in pretrain and in GRPO."""
-    from mlflow import MlflowClient
-
-    c = MlflowClient(tracking_uri=f"sqlite:///{home}/mlflow.db")
+    c = mlflow_client(home)
     pre, rl = stages["pretrain"]["mlflow_run_id"], stages["rlhf"]["mlflow_run_id"]
     load = c.get_metric_history(pre, "train/expert_load_imbalance")
     assert sorted(m.step for m in load) == list(range(1, 61)) and all(1.0 <= m.value <= 4.0 for m in load)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY, baton, cli
+from conftest import TINY, baton, cli, mlflow_client
 
 ROWS = 8
 
@@ -234,8 +234,6 @@ def test_vllm_serves_the_w8a8_export(w8a8_export, tmp_path):
 @pytest.mark.long  # a second quantization inside a relay run (~2-3 min on a loaded machine)
 @pytest.mark.timeout(900)
 def test_a_loss_bound_too_tight_fails_the_stage_and_registers_nothing(baton_home, hf_checkpoint):
-    from mlflow import MlflowClient
-
     r = baton("run", str(TINY), "--from", str(hf_checkpoint), "--stages", "export",
               "--set", "export.types=[w8a8]", "--set", "export.max_loss_delta={w8a8: 1.0e-9}",
               "--set", f"export.calibration_rows={ROWS}",
@@ -250,5 +248,5 @@ def test_a_loss_bound_too_tight_fails_the_stage_and_registers_nothing(baton_home
     assert not any(side.get("registered") for side in (stage.get("side_outputs") or {}).values())
     work = Path(stage["log"]).parent
     assert (work / "w8a8.partial" / "config.json").exists() and not (work / "w8a8").exists()
-    client = MlflowClient(tracking_uri=f"sqlite:///{baton_home / 'mlflow.db'}")
+    client = mlflow_client(baton_home)
     assert not [m.name for m in client.search_registered_models() if "compressed-tensors" in m.name]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY, baton
+from conftest import TINY, baton, mlflow_client
 
 pytestmark = [pytest.mark.slow, pytest.mark.reliability, pytest.mark.long]
 SMALL_PRETRAIN = ("--set", "pretrain.steps=4", "--set", "pretrain.warmup_steps=1", "--set", "pretrain.checkpoint_every=4",
@@ -33,13 +33,6 @@ def stage_folder(home: Path, stage: str) -> Path:
     """The stage's folder in the run folder (runs/<run>/<NN>-<stage>)."""
     (folder,) = (home / "runs").glob(f"*/*-{stage}")
     return folder
-
-
-def mlflow_client(home: Path):
-    from mlflow import MlflowClient
-
-    uri = f"sqlite:///{home / 'mlflow.db'}"
-    return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
 def assert_refused(r, home: Path, stage: str, later: str, cause: str) -> dict:

@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import REPO, TINY
+from conftest import REPO, TINY, mlflow_client
 
 pytestmark = [pytest.mark.slow, pytest.mark.reliability]
 
@@ -40,8 +40,6 @@ def _wait_for_checkpoint(home: Path, proc: subprocess.Popen, timeout: float) -> 
 
 
 def test_sigterm_to_baton_run_is_recorded_as_cancelled(baton_home, hf_checkpoint, tmp_path, record_property):
-    from mlflow import MlflowClient
-
     from flows.runs import StepLock
 
     record_property("fault", "SIGTERM to baton run mid-training")
@@ -84,7 +82,7 @@ def test_sigterm_to_baton_run_is_recorded_as_cancelled(baton_home, hf_checkpoint
               if json.loads(f.read_text())["entry"]["label"] == "finetune"]
     assert rec["status"] == "cancelled" and rec["entry"]["error"].startswith("cancelled (SIGTERM"), rec
     assert StepLock(rec["fingerprint"], root=home).holder() is None
-    c = MlflowClient(tracking_uri=f"sqlite:///{home / 'mlflow.db'}")
+    c = mlflow_client(home)
     runs = c.search_runs([c.get_experiment_by_name("baton").experiment_id],
                          filter_string=f"tags.`baton.run_id` = '{run_dir.name}'")
     assert {r.data.tags.get("baton.stage", "pipeline"): r.info.status for r in runs} == {

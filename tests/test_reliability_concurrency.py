@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import REPO, TINY, baton
+from conftest import REPO, TINY, baton, mlflow_client
 from conversions import durable, manifest as mf
 from flows.runs import Index, StepLock
 
@@ -90,9 +90,7 @@ def test_second_run_waits_refuses_and_takes_over_only_a_dead_owner(baton_home, r
     (dead,) = [json.loads(p.read_text()) for p in (baton_home / "runs").glob("*/summary.json")
                if json.loads(p.read_text())["run_id"] != records[0]["run_id"]]
     assert dead["status"] == "crashed", dead
-    from mlflow import MlflowClient
-
-    c = MlflowClient(tracking_uri=f"sqlite:///{baton_home / 'mlflow.db'}")
+    c = mlflow_client(baton_home)
     runs = c.search_runs([c.get_experiment_by_name("baton").experiment_id],
                          filter_string=f"tags.`baton.run_id` = '{dead['run_id']}'")
     assert runs and {r.info.status for r in runs} == {"KILLED"}, [(r.data.tags, r.info.status) for r in runs]

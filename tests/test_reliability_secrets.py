@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TINY, baton, cli
+from conftest import REPO, TINY, baton, cli, mlflow_client
 from tasks import paths, secrets, tracking
 from tasks.serve import engines
 from tasks.serve.config import ServeConfig
@@ -53,9 +53,7 @@ def test_runtime_env_secrets_stay_out_of_prefect_mlflow_and_the_run_folder(baton
     assert (prefect_home / "prefect.db").exists()
     assert not _files_holding(prefect_home, TOKEN)  # the ephemeral server's database (+ WAL), logs, results
 
-    from mlflow import MlflowClient
-
-    c = MlflowClient(tracking_uri=f"sqlite:///{baton_home}/mlflow.db")
+    c = mlflow_client(baton_home)
     runs = c.search_runs([e.experiment_id for e in c.search_experiments()])
     assert runs and all(TOKEN not in json.dumps([r.data.params, r.data.tags]) for r in runs)
     assert c.get_run(summary["mlflow_run_id"]).data.params["runtimes.main.env.HF_TOKEN"] != TOKEN
