@@ -203,6 +203,8 @@ def test_the_q4_k_m_export_is_served_by_llama_cpp_through_the_serve_stage(tmp_pa
     for name in ("chat", "chat_template_parity", "stops_at_end_of_turn", "greedy_parity"):
         print(checks[f"llamacpp.smoke.{name}"]["detail"])
     assert "prompt_tokens" in checks["llamacpp.smoke.chat"]["detail"]
+    # llama-server bans stop tokens under ignore_eos: the stop is found by letting it stop (stop_type eos)
+    assert "reaches an end-of-generation token" in checks["llamacpp.smoke.stops_at_end_of_turn"]["detail"], checks
     assert f"each within {TYPES['q4_K_M'].served_logit_gap:g} of HF's largest logit" in \
         checks["llamacpp.smoke.greedy_parity"]["detail"]
 

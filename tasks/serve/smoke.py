@@ -61,6 +61,15 @@ class Endpoint:
         return r.json()
 
 
+def guarded(name: str, fn, *args) -> dict:
+    """fn(*args), a check; a crash inside it (an HTTP 500, a refused connection) is that check failing, with the
+    reason, and the checks after it still run."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        return check(name, False, f"{type(e).__name__}: {e}"[:500])
+
+
 def models(ep: Endpoint) -> dict:
     r = ep.get("/v1/models")
     ids = [m.get("id") for m in r.json().get("data", [])] if r.ok else []
@@ -313,14 +322,29 @@ STOP_PROBE = "Classify the word: apple"
 NO_PENALTIES = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
 
 
+def first_stop(ep: Endpoint, prompt_ids: list[int], stop_ids: list[int], budget: int) -> tuple[int | None, str]:
+    """Where the engine's greedy continuation of prompt_ids first reaches one of stop_ids, and which: (None, "")
+    if not within budget tokens. Engines that ban the stop tokens under ignore_eos are let stop instead, and asked
+    why they did (llama-server's stop_type "eos": an end-of-generation token, not among the tokens it returns)."""
+    if ep.engine not in BANS_STOP_TOKENS_UNDER_IGNORE_EOS:
+        free = greedy_ids(ep, prompt_ids, budget, **NO_PENALTIES)
+        return next(((i, f"stop token {t}") for i, t in enumerate(free) if t in stop_ids), (None, ""))
+    r = ep.post("/completion", {"prompt": prompt_ids, "n_predict": budget, "temperature": 0, "return_tokens": True,
+                                "cache_prompt": False, **NO_PENALTIES})
+    r.raise_for_status()
+    out = r.json()
+    if out.get("stop_type") != "eos":
+        return None, ""
+    return len(out["tokens"]), "an end-of-generation token (llama-server's stop_type eos)"
+
+
 def stops_at_end_of_turn(ep: Endpoint, tokenizer, stop_ids: list[int], budget: int = 32) -> dict:
     """A greedy chat completion ends with finish_reason 'stop' at the model's first stop token (found in the engine's
     own greedy continuation with EOS ignored), and no template text leaks into the answer. A model that emits no
     stop token within `budget` tokens gets the leakage part only, and the detail says so."""
     from tasks.serve.reference import chat_prompt_ids
 
-    free = greedy_ids(ep, chat_prompt_ids(tokenizer, STOP_PROBE), budget, **NO_PENALTIES)
-    at = next((i for i, t in enumerate(free) if t in stop_ids), None)
+    at, stop = first_stop(ep, chat_prompt_ids(tokenizer, STOP_PROBE), stop_ids, budget)
     res = ep.chat(STOP_PROBE, max_tokens=(at + 8 if at is not None else budget), temperature=0, **NO_PENALTIES)
     choice = res["choices"][0]
     answer, finish = choice["message"].get("content") or "", choice.get("finish_reason")
@@ -332,7 +356,7 @@ def stops_at_end_of_turn(ep: Endpoint, tokenizer, stop_ids: list[int], budget: i
                      f"checked: {leak} (finish {finish}, answer {answer!r:.60})")
     ok = finish == "stop" and not leaked
     return check("smoke.stops_at_end_of_turn", ok,
-                 f"the greedy reply reaches stop token {free[at]} after {at} tokens: finish_reason {finish!r} "
+                 f"the greedy reply reaches {stop} after {at} tokens: finish_reason {finish!r} "
                  f"(max_tokens {at + 8}), {leak} (answer {answer!r:.60})")
 
 

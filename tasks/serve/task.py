@@ -161,13 +161,6 @@ def lm_eval_tasks(ctx: StageContext, cfg: ServeConfig) -> tuple[list[str], Path 
     return [lm_eval_task.TASK_NAME], folder
 
 
-def _guarded(name: str, fn, *args):
-    try:
-        return fn(*args)
-    except Exception as e:  # a crash in a check is that check failing, with the reason
-        return verify.check(name, False, f"{type(e).__name__}: {e}"[:500])
-
-
 def _prefixed(engine: str, checks: list[dict]) -> list[dict]:
     return [dict(c, name=f"{engine}.{c['name']}") for c in checks]
 
@@ -223,23 +216,23 @@ def serve_engine(ctx: StageContext, cfg: ServeConfig, engine: str, ident: dict, 
                         if engine == "vllm" and cfg.prompt_logprobs else {})
     s = cfg.smoke
     try:
-        checks = [_guarded("smoke.models", smoke.models, ep),
-                  _guarded("smoke.auth_401", smoke.unauthorized, ep),
-                  _guarded("smoke.chat", smoke.chat, ep, tokenizer, s.max_tokens)] + contract_checks(
+        checks = [smoke.guarded("smoke.models", smoke.models, ep),
+                  smoke.guarded("smoke.auth_401", smoke.unauthorized, ep),
+                  smoke.guarded("smoke.chat", smoke.chat, ep, tokenizer, s.max_tokens)] + contract_checks(
                       ep, server, tokenizer, serving)
         checks += structured_checks(ep, s, out["metrics"])
-        checks.append(_guarded("smoke.greedy_parity", smoke.greedy_parity, ep, reference,
+        checks.append(smoke.guarded("smoke.greedy_parity", smoke.greedy_parity, ep, reference,
                                source.hf_dir if source else ctx.input, source.model if source else None,
                                stop_token_ids(serving, tokenizer), source.tolerance if source else None))
         if engine == "sglang":
-            checks.append(_guarded("smoke.sgl_frontend", sgl_frontend, ctx, cfg, base_url, key_file))
+            checks.append(smoke.guarded("smoke.sgl_frontend", sgl_frontend, ctx, cfg, base_url, key_file))
         out["checks"] += _prefixed(engine, checks)
         try:
             out["metrics"].update({k: round(v, 4) for k, v in smoke.performance(ep).items() if v is not None})
         except Exception as e:
             log.warning("%s: performance probe failed: %s", engine, e)
         if evaluate:
-            out["eval"] = _guarded("lm_eval", run_lm_eval, ctx, cfg, ep, key_file, *lm_eval_tasks(ctx, cfg))
+            out["eval"] = smoke.guarded("lm_eval", run_lm_eval, ctx, cfg, ep, key_file, *lm_eval_tasks(ctx, cfg))
     finally:
         if not keep:
             server.stop()
@@ -258,7 +251,7 @@ def structured_checks(ep: smoke.Endpoint, s, metrics: dict) -> list[dict]:
             chk = verify.check("smoke.json_schema", False, f"{type(e).__name__}: {e}"[:500])
         checks.append(chk)
     if ep.engine in smoke.REGEX_ENGINES:
-        checks.append(_guarded("smoke.regex", smoke.regex, ep, 3, s.max_tokens))
+        checks.append(smoke.guarded("smoke.regex", smoke.regex, ep, 3, s.max_tokens))
     return checks
 
 
@@ -270,10 +263,10 @@ def contract_checks(ep: smoke.Endpoint, server: Server, tokenizer, serving: dict
     """The serving contract on the live server: its chat rendering, its stop at the end of a turn, its defaults (an
     engine that takes no defaults from generation_config.json is not asked)."""
     stop_ids = stop_token_ids(serving, tokenizer)
-    checks = [_guarded("smoke.chat_template_parity", smoke.chat_template_parity, ep, tokenizer),
-              _guarded("smoke.stops_at_end_of_turn", smoke.stops_at_end_of_turn, ep, tokenizer, stop_ids)]
+    checks = [smoke.guarded("smoke.chat_template_parity", smoke.chat_template_parity, ep, tokenizer),
+              smoke.guarded("smoke.stops_at_end_of_turn", smoke.stops_at_end_of_turn, ep, tokenizer, stop_ids)]
     if ep.engine in smoke.DEFAULT_FIELDS:
-        checks.append(_guarded("smoke.generation_defaults", smoke.generation_defaults, ep.engine,
+        checks.append(smoke.guarded("smoke.generation_defaults", smoke.generation_defaults, ep.engine,
                                server.log_path.read_text(errors="replace"), serving.get("generation_config")))
     return checks
 
