@@ -31,6 +31,9 @@ CONFIG = REPO / "configs" / "tiny-tools.yaml"
 KEYS = ("lr", "steps", "temperature", "num_generations", "micro_batch_size", "gradient_accumulation_steps",
         "loss_type", "scale_rewards")
 from real_model_bench import step_series  # noqa: E402  (the @@baton metric events per step, one reader)
+from tasks.data.synthetic import BY_HEART_FRACTION, tool_episode  # noqa: E402
+
+BY_HEART_EXAMPLE = tool_episode(37, 48, by_heart=True)[-1]["content"]  # how the SFT data answers by heart
 
 
 def ctx(stage: str, work: Path, cfg, seed: int, data: Path | None, src: Path | None, fmt: str | None, **kw):
@@ -106,8 +109,8 @@ def grpo(root: Path, cfg, seed: int, data: Path, model: Path, tag: str, update: 
 
 def table(rows: list[dict]) -> str:
     """One markdown row per GRPO run: what was tried and the greedy held-out episodes before → after."""
-    lines = ["| seed | by heart | SFT steps | GRPO | rewards | held-out solved before → after | tool calls | "
-             "training reward first → last 5 | run |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| seed | by heart | answered by heart as | SFT steps | GRPO | rewards | held-out solved before → after | "
+             "tool calls | training reward first → last 5 | run |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         episodes = r["micro_batch_size"] * (r.get("gradient_accumulation_steps") or 1)
         grpo_keys = (f"lr {r['lr']:g}, {r['steps']} steps × {episodes // r['num_generations']} prompts × "
@@ -117,7 +120,8 @@ def table(rows: list[dict]) -> str:
         solved = (r.get("solved_before", r["reward_before"]), r.get("solved_after", r["reward_after"]))
         train = r.get("train_reward") or []
         first, last = (sum(train[:5]) / len(train[:5]), sum(train[-5:]) / len(train[-5:])) if train else (None, None)
-        lines.append(f"| {r['seed']} | {r.get('by_heart') or 0.5} | {r['sft_steps']} | {grpo_keys} | {rewards} | "
+        lines.append(f"| {r['seed']} | {r['by_heart']} | `{r.get('by_heart_example', '1776')}` | "
+                     f"{r['sft_steps']} | {grpo_keys} | {rewards} | "
                      f"{solved[0]:.3f} → {solved[1]:.3f} | {r['heldout_tool_calls_before']} → "
                      f"{r['heldout_tool_calls_after']} of 32 | "
                      + (f"{first:.3f} → {last:.3f}" if train else "") + f" | {r['grpo_s']} s |")
@@ -142,7 +146,7 @@ def main() -> int:
     if a.by_heart is not None:
         sft_source = cfg.data.sft.model_copy(update={"by_heart": a.by_heart})
         cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"sft": sft_source})})
-    by_heart = cfg.data.sft.by_heart
+    by_heart = cfg.data.sft.by_heart  # None: the task's default (recorded as its value)
     sets = {k: yaml.safe_load(v) for k, v in (x.split("=", 1) for x in a.set)}
     rows = json.loads(a.out.read_text())["runs"] if a.out.exists() else []
     if a.table:
@@ -155,7 +159,8 @@ def main() -> int:
             model = sft(root, cfg, seed, data, init, steps)
             for lr in a.lrs:
                 update = {**sets, "lr": lr}
-                key = {"seed": seed, "by_heart": by_heart, "sft_steps": steps,
+                key = {"seed": seed, "by_heart": BY_HEART_FRACTION if by_heart is None else by_heart,
+                       "by_heart_example": BY_HEART_EXAMPLE, "sft_steps": steps,
                        **{k: update.get(k, getattr(cfg.rlhf, k)) for k in KEYS},
                        **{k: v for k, v in sets.items() if k not in KEYS}}
                 tag = "grpo-" + "-".join(f"{k}{v}" for k, v in key.items() if k not in ("seed", "rewards"))

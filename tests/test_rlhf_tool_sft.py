@@ -1,5 +1,5 @@
-"""Teaching a tiny model to call the calculator, the way configs/tiny-tools.yaml does: the data stage's calculator
-task (SFT episodes in the model's own tool-call format, half of them answered by heart), SFT with the finetune stage
+"""A tiny model learns to call the calculator, the way configs/tiny-tools.yaml teaches it: the data stage's calculator
+task (SFT episodes in the model's own tool-call format, 70% of them answered by heart), SFT with the finetune stage
 (DeepSpeed ZeRO-2, 2 ranks) and its convert step, then GRPO with rlhf.tools: [calculator] on training products and
 the gate's held-out products, which no step trained on (docs/stages/rlhf.md, "Learning to call a tool"). The config's
 data, finetune and rlhf sections as written; only pretraining is left out (SFT starts from a random-init model), and
@@ -51,24 +51,24 @@ def tuned(tmp_path_factory, tools_config):
 
 @pytest.mark.bench
 @pytest.mark.timeout(2400)
-def test_sft_on_tool_call_episodes_teaches_the_model_to_call_the_calculator(tmp_path, tools_config, tuned):
-    """The rlhf stage with the config's tools measures the tuned model's greedy held-out episodes with the real
-    calculator (the gate's `before`): it calls the tool on every held-out product and answers with the tool's
-    result. Measured: 0.97 (31 of 32), where the random-init model called no tool (reward 0); fed "?" instead of the
-    tool's result, the same model's held-out reward is 0.0. Two GRPO steps only: on this model GRPO did not raise the
-    held-out reward further (docs/stages/rlhf.md)."""
+def test_grpo_teaches_the_sft_model_to_call_the_calculator(tmp_path, tools_config, tuned):
+    """The SFT model's greedy held-out episodes answer by heart (it learnt both ways, mostly by heart), and are
+    wrong; GRPO with the real calculator on training products makes it call the tool and answer with its result on
+    held-out products. Measured (benchmarks/results/tool_grpo.md, seeds 0-2): tool calls 0-4 → 32 of 32, held-out
+    episode reward 0.03-0.16 → 0.94-1.0."""
     from test_rlhf_trl import run_stage
 
     data, model = tuned
     t0 = time.monotonic()
-    out = run_stage(tmp_path, tools_config, data, model,
-                    tools_config.rlhf.model_copy(update={"steps": 2, "timeout_s": 1200}))
+    out = run_stage(tmp_path, tools_config, data, model, tools_config.rlhf.model_copy(update={"timeout_s": 1200}))
     m = out.metrics
     print(f"grpo: {time.monotonic() - t0:.0f} s, heldout_reward {out.eval['before']:.3f} → {out.eval['after']:.3f}, "
           f"held-out tool calls {m['heldout_tool_calls_before']} → {m['heldout_tool_calls_after']}, training tool calls "
           f"{m['tool_calls']} of {m['episodes_trained']}, ends "
           f"{ {k[len('episode_end_'):]: v for k, v in m.items() if k.startswith('episode_end_') and v} }")
-    held = out.extra["episodes"]["heldout_before"]
-    assert held["episodes"] == 32 and held["tool_calls"] == 32 and held["ends"]["finished"] == 32, held
-    assert out.eval["before"] >= 0.75, out.eval  # the answers are the tool's results: it cannot compute them itself
-    assert m["tool_calls"] > 0, m
+    before, after = (out.extra["episodes"][f"heldout_{k}"] for k in ("before", "after"))
+    assert before["episodes"] == after["episodes"] == 32, (before, after)
+    assert before["tool_calls"] <= 8 and out.eval["before"] <= 0.25, (before, out.eval)  # by heart: a guess
+    assert after["tool_calls"] >= 28 and after["ends"].get("finished", 0) >= 28, after
+    assert out.eval["after"] >= 0.75 and out.eval["after"] - out.eval["before"] >= 0.5, out.eval
+    assert out.gate["passed"], out.gate

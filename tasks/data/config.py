@@ -4,6 +4,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from tasks.data.synthetic import BY_HEART_FRACTION
 from tasks.problems import ConfigProblem
 from tasks.stage import StrictModel, one_or_list
 
@@ -38,7 +39,7 @@ class SourceConfig(StrictModel):
                                "SFT episodes calling the calculator tool (rlhf.tools)")
     by_heart: float | None = Field(
         None, ge=0, le=1, description="synthetic task calculator, data.sft: the share of SFT conversations answered "
-                                      "without the tool (default 0.5)")
+                                      f"without the tool, restating the question (default {BY_HEART_FRACTION})")
 
     @model_validator(mode="after")
     def _needs_train(self):

@@ -178,9 +178,12 @@ def arithmetic_prompts(n: int, sums: tuple[list, list], rng: random.Random) -> t
 # gets them right. The SFT episodes are the model's own tool-call format (tasks/rlhf/tools.py reads it) in the data
 # stage's chat form: user question → assistant tool call → tool result → assistant answer.
 TOOL_CALL = '<tool_call>{{"name": "calculator", "arguments": {{"expression": "{e}"}}}}</tool_call>'
-# SFT episodes answered without the tool (a product by heart, which the model cannot learn): the tuned model then
-# samples both kinds, and GRPO has a better and a worse way to compare (the default of data.sft's by_heart).
-BY_HEART_FRACTION = 0.5
+# SFT episodes answered without the tool, by heart ("37*48 is 1776", which a tiny model cannot compute): most of them,
+# so the tuned model's greedy answer is a guess while it samples the call in about one episode of three, and GRPO has
+# a better and a worse way to compare (the default of data.sft's by_heart). The answer restates the question so that
+# its first token is one choice, like the call's: answered with the bare number, whose first digit varies, the
+# model's greedy pick was the call at 0.8 by heart (28 of 32 held-out products, measured). docs/stages/rlhf.md
+BY_HEART_FRACTION = 0.7
 HELDOUT_PRODUCTS = 32   # products never in any training episode or GRPO prompt: SFT's and the gate's held-out rows
 
 
@@ -195,7 +198,7 @@ def split_products(seed: int) -> tuple[list, list]:
 def tool_episode(a: int, b: int, by_heart: bool = False) -> list[dict]:
     question, answer = f"{a}*{b}=", str(a * b)
     if by_heart:
-        return [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+        return [{"role": "user", "content": question}, {"role": "assistant", "content": f"{a}*{b} is {answer}"}]
     return [{"role": "user", "content": question}, {"role": "assistant", "content": TOOL_CALL.format(e=f"{a}*{b}")},
             {"role": "tool", "content": answer}, {"role": "assistant", "content": answer}]
 
