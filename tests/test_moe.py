@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import REPO, baton
 from conversions import hf, manifest as mf, probe
 from tasks import events
 from tasks.finetune.config import FinetuneConfig
@@ -289,3 +290,19 @@ def test_lora_on_a_mixture_of_experts_is_refused_before_launch_naming_the_key(tm
                                                  r"\(4 experts, config\.json\).*target_modules"):
         check_inputs(ctx, FinetuneConfig(lora={"enabled": True}))
     check_inputs(ctx, FinetuneConfig())
+
+
+def test_exporting_a_mixture_of_experts_is_refused_before_anything_runs(tmp_path, data_dir, baton_home):
+    """Neither `baton export` (a GGUF type, a quantization type) nor a run whose export stage would get an MoE
+    launches a converter: the export gates know a dense model only (tasks/export/config.moe_problem: what they
+    measured wrong on a Mixtral). Refused naming the checkpoint or export.types, nothing written."""
+    src = make_moe_checkpoint(tmp_path / "mixtral", "mixtral", data_dir / "tokenizer")
+    for kind in ("q8_0", "w8a8"):
+        r = baton("export", str(src), str(tmp_path / kind), "--type", kind, "--calibration", str(data_dir),
+                  home=baton_home, timeout=300)
+        assert r.returncode == 2, (r.stdout[-2000:], r.stderr[-2000:])
+        assert f"{src}: the model is a mixture of experts (4 experts)" in r.stderr, r.stderr
+        assert not (tmp_path / kind).exists() and not list(tmp_path.glob(f"{kind}*partial*"))
+    r = baton("config", str(REPO / "configs" / "tiny-moe.yaml"), "--set", "stages=[data,pretrain,export]",
+              "--set", "export.types=[q8_0]", home=baton_home, timeout=300)
+    assert r.returncode == 2 and "export.types: the model is a mixture of experts (4 experts)" in r.stderr, r.stderr

@@ -4,7 +4,7 @@ conversions.vllm_quant; nothing published before its gate passed. A relay stage 
 after finetune) and a command on any HF checkpoint (`baton export`, run.py and quantize.py)."""
 from conversions import vllm_quant
 from conversions.manifest import Format
-from tasks.export.config import ExportConfig, is_quantization
+from tasks.export.config import ExportConfig, is_quantization, moe_problem, moe_problem_of
 from tasks.problems import ConfigProblem
 from tasks.stage import StageSpec
 
@@ -31,11 +31,13 @@ def _side_format(cfg: ExportConfig) -> str | None:
 
 
 def validate(cfg: ExportConfig, pipeline) -> list[ConfigProblem]:
-    """A grouped quantization type whose group does not divide the model section's widths, when the run trains that
-    model (a run from --from is checked against the checkpoint's config.json: check_input)."""
+    """A mixture of experts, or a grouped quantization type whose group does not divide the model section's widths,
+    when the run trains that model (a run from --from is checked against the checkpoint's config.json: check_input)."""
     model = getattr(pipeline, "model", None)
     if model is None or "pretrain" not in pipeline.stages:
         return []
+    if problem := moe_problem(model.moe.num_experts if model.moe else None, KEY):
+        return [ConfigProblem(KEY, problem, involves=("model.moe",))]
     widths = {"model.hidden_size": model.hidden_size, "model.ffn_hidden_size": model.ffn_hidden_size}
     return [ConfigProblem(KEY, problem, involves=tuple(widths)) for t in cfg.types if is_quantization(t)
             if (problem := vllm_quant.group_problem(t, widths, KEY))]
@@ -45,7 +47,7 @@ def check_input(pipeline, step, config: dict, input_path) -> str | None:
     cfg = pipeline.stage_config(step.name)
     problems = [p for t in cfg.types if is_quantization(t)
                 if (p := vllm_quant.group_problem(t, vllm_quant.input_widths(config), KEY))]
-    return problems[0] if problems else None
+    return moe_problem_of(config, KEY) or (problems[0] if problems else None)
 
 
 STAGE = StageSpec(

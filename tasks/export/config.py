@@ -4,13 +4,30 @@ from __future__ import annotations
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from conversions import gguf_export, vllm_quant
+from conversions import gguf_export, hf, vllm_quant
 from tasks.stage import StrictModel
 
 
 def is_quantization(type_name: str) -> bool:
     """A vLLM quantization type (llm-compressor, compressed-tensors), not a GGUF one."""
     return type_name in vllm_quant.TYPES
+
+
+def moe_problem(experts: int | None, key: str) -> str | None:
+    """Why a mixture of experts (`experts` experts; None: a dense model) is not exported: the gates know a dense
+    model's tensors and layers. Measured on a tiny Mixtral: llama.cpp keeps the routers (ffn_gate_inp) F32, which the
+    GGUF gate's type check failed, and llm-compressor quantized 16 Linear layers a layer (4 attention, 3 per expert),
+    which the coverage check counted against a dense layer's 7; both after the converter had run."""
+    if not experts:
+        return None
+    return (f"{key}: the model is a mixture of experts ({experts} experts), which baton's GGUF and quantized exports "
+            "do not gate yet (their checks know a dense model's tensors and layers); serve the HF checkpoint, which "
+            "vLLM and SGLang serve (docs/moe.md)")
+
+
+def moe_problem_of(config: dict, key: str) -> str | None:
+    """moe_problem for an HF config.json."""
+    return moe_problem((hf.moe_of_hf_config(config) or {}).get("num_experts"), key)
 
 
 class ExportConfig(StrictModel):

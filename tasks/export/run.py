@@ -2,6 +2,7 @@
 (conversions.gguf_export), and only then the folder published with its manifest (format gguf-file)."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 from conversions import durable, gguf_export, manifest as mf, ollama
 from conversions.manifest import Format
 from tasks import events, runtimes
+from tasks.export.config import moe_problem_of
 from tasks.stage import REPO_ROOT
 
 WORKER = Path(__file__).with_name("worker.py")
@@ -28,13 +30,16 @@ class Outcome:
 
 
 def refuse_source(src: Path) -> None:
-    """The source must be an HF checkpoint (an export of anything else converts to HF first: `baton convert`)."""
+    """The source must be an HF checkpoint (an export of anything else converts to HF first: `baton convert`) of a
+    dense model (config.moe_problem)."""
     m = mf.read(src)
     if m is not None and m["format"] != Format.HF_SAFETENSORS:
         raise gguf_export.ExportError(f"{src}: a {m['format']} checkpoint; export reads {Format.HF_SAFETENSORS} "
                                       f"(`baton convert {src} HF_DEST` first)")
     if not (src / "config.json").exists():
         raise gguf_export.ExportError(f"{src}: no config.json; not a Hugging Face checkpoint")
+    if problem := moe_problem_of(json.loads((src / "config.json").read_text()), str(src)):
+        raise gguf_export.ExportError(problem)
 
 
 def convert(src: Path, out: Path, type_name: str) -> tuple[events.ExportResult | None, str]:
