@@ -47,21 +47,30 @@ def w4a16_export(tmp_path_factory, tiny_config, data_dir):
     return r, dest, src
 
 
-def test_w8a8_passes_its_gate_and_is_published_with_its_calibration_digest(w8a8_export, hf_checkpoint, data_dir):
+def published(r, dest: Path, parent: Path, type_name: str) -> dict:
+    """The export's three gate checks passed and its manifest names the scheme, the parent and a held-out loss
+    delta within the type's bound; the manifest."""
     from conversions import manifest as mf, vllm_quant
 
-    r, dest = w8a8_export
     assert r.returncode == 0, r.stdout + r.stderr
     for name in ("quant.scheme", "quant.coverage", "quant.heldout_loss"):
         assert f"[ok] {name}" in r.stdout, r.stdout
     m = mf.read(dest)
-    assert m["format"] == mf.Format.COMPRESSED_TENSORS and m["extra"]["scheme"] == "W8A8"
-    assert m["parent"]["digest"] == mf.digest_of(mf.read(hf_checkpoint))
+    assert m["format"] == mf.Format.COMPRESSED_TENSORS and m["extra"]["scheme"] == type_name.upper()
+    assert m["parent"]["digest"] == mf.digest_of(mf.read(parent))
+    assert abs(m["extra"]["loss_delta"]) <= vllm_quant.TYPES[type_name].max_loss_delta
+    return m
+
+
+def test_w8a8_passes_its_gate_and_is_published_with_its_calibration_digest(w8a8_export, hf_checkpoint, data_dir):
+    from conversions import vllm_quant
+
+    r, dest = w8a8_export
+    m = published(r, dest, hf_checkpoint, "w8a8")
     rows = [json.loads(line)["text"] for line in (data_dir / "pretrain" / "train.jsonl").read_text().splitlines()]
     calibration = m["extra"]["calibration"]
     assert calibration["rows"] == ROWS
     assert calibration["sha256"] == hashlib.sha256("\n".join(rows[:ROWS]).encode()).hexdigest()
-    assert abs(m["extra"]["loss_delta"]) <= vllm_quant.TYPES["w8a8"].max_loss_delta
     assert m["extra"]["size"] < 0.5 * m["extra"]["source_size"]  # int8 matrices; embeddings and lm_head stay fp32
     config = json.loads((dest / "config.json").read_text())
     assert vllm_quant.scheme_of(config) == "W8A8" and "lm_head" in config["quantization_config"]["ignore"]
@@ -69,16 +78,8 @@ def test_w8a8_passes_its_gate_and_is_published_with_its_calibration_digest(w8a8_
 
 
 def test_w4a16_on_widths_that_fit_passes_its_gate_and_is_published(w4a16_export):
-    from conversions import manifest as mf, vllm_quant
-
     r, dest, src = w4a16_export
-    assert r.returncode == 0, r.stdout + r.stderr
-    for name in ("quant.scheme", "quant.coverage", "quant.heldout_loss"):
-        assert f"[ok] {name}" in r.stdout, r.stdout
-    m = mf.read(dest)
-    assert m["format"] == mf.Format.COMPRESSED_TENSORS and m["extra"]["scheme"] == "W4A16"
-    assert m["parent"]["digest"] == mf.digest_of(mf.read(src))
-    assert abs(m["extra"]["loss_delta"]) <= vllm_quant.TYPES["w4a16"].max_loss_delta
+    m = published(r, dest, src, "w4a16")
     assert m["extra"]["size"] < 0.3 * m["extra"]["source_size"]  # 4-bit matrices; embeddings and lm_head stay fp32
     weights = json.loads((dest / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
     assert weights["weights"]["num_bits"] == 4 and weights["weights"]["group_size"] == 128
