@@ -203,10 +203,10 @@ def tool_episode(a: int, b: int, by_heart: bool = False) -> list[dict]:
             {"role": "tool", "content": answer}, {"role": "assistant", "content": answer}]
 
 
-def calculator_episodes(n: int, seed: int, rng: random.Random,
-                        by_heart: float = BY_HEART_FRACTION) -> tuple[list, list]:
-    """n SFT conversations on training products (by_heart of them answered without the tool), and one tool-call
-    episode per held-out product."""
+def calculator_episodes(n: int, seed: int, rng: random.Random, by_heart: float | None = None) -> tuple[list, list]:
+    """n SFT conversations on training products (by_heart of them answered without the tool; None:
+    BY_HEART_FRACTION), and one tool-call episode per held-out product."""
+    by_heart = BY_HEART_FRACTION if by_heart is None else by_heart
     train_p, held_p = split_products(seed)
     train = [{"messages": tool_episode(*rng.choice(train_p), by_heart=rng.random() < by_heart)}
              for _ in range(n)]

@@ -67,9 +67,7 @@ def _synthetic(kind: str, cfg: DataConfig, rng: random.Random) -> tuple[list, li
         sums = synthetic.split_sums(_sums_rng(cfg))
         train, held = synthetic.arithmetic_prompts(cfg.arithmetic_prompts, sums, rng)
     elif _task(kind, cfg) == "calculator":
-        by_heart = cfg.sources(kind)[0][1].by_heart
-        train, held = synthetic.calculator_episodes(cfg.sft_examples, cfg.seed, rng,
-                                                    synthetic.BY_HEART_FRACTION if by_heart is None else by_heart)
+        train, held = synthetic.calculator_episodes(cfg.sft_examples, cfg.seed, rng, cfg.sources(kind)[0][1].by_heart)
     else:
         train, held = synthetic.sft_examples(cfg.sft_examples, cfg.heldout_fraction, cfg.label_noise, rng)
     return _canonical_synthetic(kind, cfg, train), _canonical_synthetic(kind, cfg, held)

@@ -114,11 +114,9 @@ def check_gguf(export_dir: Path, cfg: ServeConfig, work_dir: Path, runtime_specs
             ep = smoke.Endpoint(ENGINE, base_url, key, name)
             tok = AutoTokenizer.from_pretrained(str(hf_dir))
             stop_ids = mf.serving_contract(hf_dir).get("stop_token_ids") or [tok.eos_token_id]
-            checks = [smoke.guarded("smoke.models", smoke.models, ep),
-                      smoke.guarded("smoke.auth_401", smoke.unauthorized, ep),
-                      smoke.guarded("smoke.chat", smoke.chat, ep, tok, cfg.smoke.max_tokens),
-                      smoke.guarded("smoke.greedy_parity", smoke.greedy_parity, ep, reference, hf_dir, model,
-                                    stop_ids, parity_tolerance(export_dir))]
+            checks = smoke.endpoint_checks(ep, tok, cfg.smoke.max_tokens) + [
+                smoke.guarded("smoke.greedy_parity", smoke.greedy_parity, ep, reference, hf_dir, model, stop_ids,
+                              parity_tolerance(export_dir))]
             metrics = smoke.performance(ep)
             probed = probe(ep) if probe else None
     except ServerFailed as e:

@@ -51,9 +51,8 @@ def served_checks(ep: smoke.Endpoint, export_dir: Path, cfg: ServeConfig) -> lis
     parent = source_of(export_dir)
     reference = greedy_reference(parent, cfg.smoke.parity_prompts, cfg.smoke.parity_tokens)
     tok = AutoTokenizer.from_pretrained(str(export_dir))
-    return [smoke.guarded("smoke.models", smoke.models, ep), smoke.guarded("smoke.auth_401", smoke.unauthorized, ep),
-            smoke.guarded("smoke.chat", smoke.chat, ep, tok, cfg.smoke.max_tokens),
-            smoke.guarded("smoke.greedy", greedy_smoke, ep, reference)]
+    checks = smoke.endpoint_checks(ep, tok, cfg.smoke.max_tokens)
+    return checks + [smoke.guarded("smoke.greedy", greedy_smoke, ep, reference)]
 
 
 def greedy_smoke(ep: smoke.Endpoint, reference: list[dict]) -> dict:

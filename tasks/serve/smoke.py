@@ -70,6 +70,12 @@ def guarded(name: str, fn, *args) -> dict:
         return check(name, False, f"{type(e).__name__}: {e}"[:500])
 
 
+def endpoint_checks(ep: Endpoint, tokenizer, max_tokens: int) -> list[dict]:
+    """What every engine's server is first asked, each guarded: /v1/models, 401 without the key, a chat completion."""
+    return [guarded("smoke.models", models, ep), guarded("smoke.auth_401", unauthorized, ep),
+            guarded("smoke.chat", chat, ep, tokenizer, max_tokens)]
+
+
 def models(ep: Endpoint) -> dict:
     r = ep.get("/v1/models")
     ids = [m.get("id") for m in r.json().get("data", [])] if r.ok else []

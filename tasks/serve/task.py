@@ -216,9 +216,7 @@ def serve_engine(ctx: StageContext, cfg: ServeConfig, engine: str, ident: dict, 
                         if engine == "vllm" and cfg.prompt_logprobs else {})
     s = cfg.smoke
     try:
-        checks = [smoke.guarded("smoke.models", smoke.models, ep),
-                  smoke.guarded("smoke.auth_401", smoke.unauthorized, ep),
-                  smoke.guarded("smoke.chat", smoke.chat, ep, tokenizer, s.max_tokens)] + contract_checks(
+        checks = smoke.endpoint_checks(ep, tokenizer, s.max_tokens) + contract_checks(
                       ep, server, tokenizer, serving)
         checks += structured_checks(ep, s, out["metrics"])
         checks.append(smoke.guarded("smoke.greedy_parity", smoke.greedy_parity, ep, reference,
